@@ -1,0 +1,156 @@
+"""Signed ``file://`` URLs: the local backend's stand-in for Azure SAS URLs.
+
+The embedded storage keeps blobs in a directory, so a trainer on the same machine reads
+and writes them directly; the coordinator still decides *which* objects it may touch.
+A URL names one object and carries its access, expiry and an HMAC over both, keyed by
+a secret in the storage directory. It protects against bugs (a rank writing the wrong
+version) rather than against an attacker who can read the storage directory anyway.
+
+Format::
+
+    file:///STORE/blobs/CONTAINER/NAME?sn=CONTAINER/NAME&sp=r|w&se=EXPIRY&sig=HEX
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
+
+from .errors import SignedUrlError
+
+__all__ = ["KEY_FILE", "load_key", "sign_file_url", "verify_file_url", "write_atomically"]
+
+KEY_FILE = "url.key"
+
+
+def load_key(store: Path, *, create: bool = False) -> bytes:
+    """Reads the store's URL-signing key, creating it (mode 0600) if asked."""
+    path = store / KEY_FILE
+    if create and not path.exists():
+        tmp = store / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # atomic create-if-absent: two processes agree on one key
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise SignedUrlError(f"cannot read the URL key of store {store}: {exc}") from exc
+
+
+def _signature(key: bytes, signed_name: str, permission: str, expiry: int) -> str:
+    message = f"{signed_name}\n{permission}\n{expiry}".encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def sign_file_url(store: Path, key: bytes, signed_name: str, permission: str, expiry: int) -> str:
+    """Builds a URL for ``store/blobs/signed_name``.
+
+    Args:
+        store: The storage directory (absolute).
+        key: The store's signing key.
+        signed_name: ``CONTAINER/NAME`` of the object.
+        permission: ``r`` or ``w``.
+        expiry: Unix time after which the URL is refused.
+    """
+    path = quote(str(store / "blobs" / signed_name))
+    query = urlencode(
+        {
+            "sn": signed_name,
+            "sp": permission,
+            "se": str(expiry),
+            "sig": _signature(key, signed_name, permission, expiry),
+        }
+    )
+    return f"file://{path}?{query}"
+
+
+def verify_file_url(url: str, permission: str) -> tuple[Path, Path]:
+    """Checks a signed URL for ``permission``.
+
+    Returns:
+        The storage directory and the object's path in it.
+
+    Raises:
+        SignedUrlError: Malformed, expired, tampered, or not granting ``permission``.
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
+        raise SignedUrlError(f"not a local storage URL: {url.split('?')[0]}")
+    query = {k: v[0] for k, v in parse_qs(parts.query).items() if len(v) == 1}
+    try:
+        signed_name, granted, sig = query["sn"], query["sp"], query["sig"]
+        expiry = int(query["se"])
+    except (KeyError, ValueError) as exc:
+        raise SignedUrlError("URL lacks its signature fields (sn, sp, se, sig)") from exc
+    path = Path(unquote(parts.path))
+    suffix = f"/blobs/{signed_name}"
+    if not str(path).endswith(suffix) or ".." in signed_name.split("/"):
+        raise SignedUrlError("URL path does not match the object it was signed for")
+    store = Path(str(path)[: -len(suffix)] or "/")
+    if not hmac.compare_digest(sig, _signature(load_key(store), signed_name, granted, expiry)):
+        raise SignedUrlError("URL signature does not match: it was altered")
+    if granted != permission:
+        raise SignedUrlError(f"URL grants {granted!r} access, not {permission!r}")
+    if time.time() > expiry:
+        raise SignedUrlError("URL has expired")
+    return store, path
+
+
+def write_atomically(
+    store: Path, path: Path, chunks: Iterable[bytes | bytearray | memoryview], *, if_absent: bool
+) -> bool:
+    """Writes an object of the local store so that no reader ever sees half of it.
+
+    The bytes go to a temporary file in ``store/tmp`` (same file system), are fsynced,
+    and the file is renamed into place (``os.link`` for create-if-absent, which fails if
+    the name exists); the folder is fsynced so the rename survives a crash.
+
+    Returns:
+        False if ``if_absent`` and the object exists; True once written.
+
+    Raises:
+        OSError: The write failed, or a blob occupies a folder of ``path``.
+    """
+    tmp_dir = store / "tmp"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_dir / f"{os.getpid()}-{secrets.token_hex(8)}"
+    try:
+        with open(tmp, "xb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if if_absent:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+        else:
+            os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,3 @@
+from rallypoint._cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""The ``rallypoint`` command.
+
+Each subcommand imports only the part of the package it needs, so the client-only
+install can run the commands that need no coordinator code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import rallypoint
+
+__all__ = ["main"]
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from rallypoint.service.app import create_app
+        from rallypoint.service.settings import Settings
+    except ImportError as exc:
+        print(
+            f"rallypoint serve needs the service extra: pip install 'rallypoint[service]' ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    from pydantic import ValidationError
+
+    overrides = {
+        k: v
+        for k, v in {
+            "host": args.host,
+            "port": args.port,
+            "storage": args.storage,
+            "token": args.token,
+            "insecure": args.insecure or None,
+        }.items()
+        if v is not None
+    }
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        for error in exc.errors():
+            print(f"rallypoint serve: {error['msg']}", file=sys.stderr)
+        return 2
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=10,
+    )
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rallypoint", description="Rendezvous and checkpoint coordinator for elastic training."
+    )
+    parser.add_argument("--version", action="version", version=rallypoint.__version__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the coordinator (needs rallypoint[service])")
+    serve.add_argument("--host", help="address to listen on [RALLYPOINT_HOST, 127.0.0.1]")
+    serve.add_argument("--port", type=int, help="port [RALLYPOINT_PORT, 8080]")
+    serve.add_argument(
+        "--storage",
+        help="local:PATH or azure [RALLYPOINT_STORAGE, local:.rallypoint]",
+    )
+    serve.add_argument("--token", help="bearer token required under /v1 [RALLYPOINT_TOKEN]")
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback address without a token [RALLYPOINT_INSECURE]",
+    )
+    serve.set_defaults(run=_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status."""
+    args = _parser().parse_args(argv)
+    return int(args.run(args))

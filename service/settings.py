@@ -1,0 +1,55 @@
+"""Coordinator settings: ``RALLYPOINT_*`` environment variables, overridden by CLI flags."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .storage import DEFAULT_STORAGE
+
+__all__ = ["Settings"]
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """Everything the coordinator reads at start-up.
+
+    Precedence: CLI flags, then ``RALLYPOINT_*`` variables, then these defaults.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="RALLYPOINT_", frozen=True, extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    storage: str = DEFAULT_STORAGE
+    storage_prefix: str = "rp"
+    token: str | None = None
+    insecure: bool = False
+
+    @field_validator("storage")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        kind, _, rest = value.partition(":")
+        if kind not in ("local", "azure") or (kind == "azure" and rest):
+            raise ValueError("storage must be 'local:PATH' or 'azure'")
+        return value
+
+    @model_validator(mode="after")
+    def _no_open_doors(self) -> Settings:
+        # Anyone who can reach the port could rewrite membership: refuse that by default.
+        if not self.token and not self.insecure and not _is_loopback(self.host):
+            raise ValueError(
+                f"refusing to listen on {self.host} without a token: set RALLYPOINT_TOKEN "
+                "(--token), or pass --insecure if the network is trusted"
+            )
+        return self

@@ -1,0 +1,32 @@
+"""Storage ports of the coordinator and their adapters.
+
+Two narrow ports — :class:`Table` (entities, partition queries, ETag compare-and-swap,
+small batches) and :class:`BlobStore` (objects, prefix listing, signed URLs) — each with
+an Azure adapter and an embedded local one. :func:`open_storage` picks the backend.
+"""
+
+from ._blob import Access, BlobInfo, BlobStore, Data
+from ._names import check_blob_name, check_blob_prefix, check_key
+from ._storage import DEFAULT_STORAGE, AzureStorage, LocalStorage, Storage, open_storage
+from ._table import BatchOp, Cond, Entity, Page, Table, Value
+
+__all__ = [
+    "DEFAULT_STORAGE",
+    "Access",
+    "AzureStorage",
+    "BatchOp",
+    "BlobInfo",
+    "BlobStore",
+    "Cond",
+    "Data",
+    "Entity",
+    "LocalStorage",
+    "Page",
+    "Storage",
+    "Table",
+    "Value",
+    "check_blob_name",
+    "check_blob_prefix",
+    "check_key",
+    "open_storage",
+]

@@ -1,0 +1,164 @@
+"""The embedded blob adapter: one directory per container, one file per object.
+
+Objects keep their names as paths (``blobs/CONTAINER/jobs/j1/...``) so a person can look
+at a checkpoint with ``ls``. Writes go through a temporary file and a rename, so a crash
+never leaves half an object visible.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from rallypoint.client._fileurl import load_key, sign_file_url, write_atomically
+
+from ..errors import AlreadyExists, BadRequest, NotFound, StorageUnavailable
+from ._blob import Access, BlobInfo, BlobStore, Data
+
+__all__ = ["LocalBlobStore"]
+
+_COPY_CHUNK = 8 << 20
+
+
+def _chunks(data: Data) -> Iterator[bytes | bytearray | memoryview]:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        yield data
+        return
+    while chunk := data.read(_COPY_CHUNK):
+        yield chunk
+
+
+class LocalBlobStore(BlobStore):
+    """See base class. Stored under ``PATH/blobs/CONTAINER``."""
+
+    def __init__(self, store: Path, name: str) -> None:
+        self.name = name
+        self._store = store
+        self._root = store / "blobs" / name
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._key = load_key(store, create=True)
+
+    def _path(self, name: str) -> Path:
+        return self._root / name
+
+    def _stat(self, name: str) -> BlobInfo:
+        try:
+            st = self._path(name).stat()
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise NotFound(f"blob {name!r} does not exist") from exc
+        except OSError as exc:
+            raise StorageUnavailable(f"blob {name!r}: {exc}") from exc
+        if not os.path.isfile(self._path(name)):
+            raise NotFound(f"blob {name!r} does not exist")
+        # Every put renames a fresh file into place, so the inode changes with the content.
+        etag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
+        return BlobInfo(name, st.st_size, etag, st.st_mtime)
+
+    def _put(self, name: str, data: Data, if_absent: bool, length: int | None) -> BlobInfo:
+        try:
+            written = write_atomically(
+                self._store, self._path(name), _chunks(data), if_absent=if_absent
+            )
+        except (NotADirectoryError, FileExistsError, IsADirectoryError) as exc:
+            # Azure has no folders; a file system cannot hold both `a` and `a/b`.
+            raise BadRequest(
+                f"blob {name!r} collides with an object or folder of the same path "
+                "(local storage cannot hold both 'a' and 'a/b')"
+            ) from exc
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot write blob {name!r}: {exc}") from exc
+        if not written:
+            raise AlreadyExists(f"blob {name!r} exists")
+        return self._stat(name)
+
+    def _open(self, name: str) -> int:
+        try:
+            return os.open(self._path(name), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            raise NotFound(f"blob {name!r} does not exist") from exc
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot read blob {name!r}: {exc}") from exc
+
+    def _get(self, name: str, offset: int, length: int | None) -> bytes:
+        fd = self._open(name)
+        try:
+            size = os.fstat(fd).st_size
+            want = size - offset if length is None else min(length, size - offset)
+            if want <= 0:
+                return b""
+            buf = bytearray(want)
+            view, done = memoryview(buf), 0
+            while done < want:
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    break
+                done += n
+            return bytes(buf[:done]) if done < want else bytes(buf)
+        finally:
+            os.close(fd)
+
+    def _stream(self, name: str, chunk_size: int) -> Iterator[bytes]:
+        fd = self._open(name)  # opened now, so NotFound comes before the first chunk
+
+        def chunks() -> Iterator[bytes]:
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                while chunk := f.read(chunk_size):
+                    yield chunk
+
+        return chunks()
+
+    def _info(self, name: str) -> BlobInfo:
+        return self._stat(name)
+
+    def _list(self, prefix: str) -> Iterator[BlobInfo]:
+        # Walk only the deepest folder the prefix names; filter the rest by string prefix.
+        folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self._root / folder
+        found: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            rel = os.path.relpath(dirpath, self._root)
+            base = "" if rel == "." else rel + "/"
+            dirnames[:] = [
+                d
+                for d in dirnames
+                if (base + d + "/").startswith(prefix) or prefix.startswith(base + d + "/")
+            ]
+            found += [base + f for f in filenames if (base + f).startswith(prefix)]
+        for name in sorted(found):
+            try:
+                yield self._stat(name)
+            except NotFound:
+                continue  # deleted while listing
+
+    def _delete(self, name: str) -> None:
+        path = self._path(name)
+        try:
+            if not path.is_file():
+                raise NotFound(f"blob {name!r} does not exist")
+            path.unlink()
+        except FileNotFoundError as exc:
+            raise NotFound(f"blob {name!r} does not exist") from exc
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot delete blob {name!r}: {exc}") from exc
+        # Prune folders left empty, as Azure has no folders to leave behind.
+        parent = path.parent
+        while parent != self._root:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def _sign(self, name: str, access: Access, expiry: int) -> str:
+        permission = "w" if access == "write" else "r"
+        return sign_file_url(self._store, self._key, f"{self.name}/{name}", permission, expiry)
+
+    def ping(self) -> None:
+        if not self._root.is_dir():
+            raise StorageUnavailable(f"blob folder {self._root} is missing")
+
+    def destroy(self) -> None:
+        """Deletes the container and everything in it (tests and benchmarks)."""
+        shutil.rmtree(self._root, ignore_errors=True)

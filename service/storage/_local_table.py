@@ -1,0 +1,222 @@
+"""The embedded table adapter: one SQLite database in WAL mode.
+
+Several coordinator processes may share the file: every write is one ``BEGIN IMMEDIATE``
+transaction, so ETag checks and batches are atomic across processes too.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import sqlite3
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+from ..errors import AlreadyExists, BadRequest, Modified, NotFound, StorageUnavailable
+from ._table import BatchOp, Cond, Entity, Page, Table, Value
+
+__all__ = ["LocalTable"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entities (
+    tbl TEXT NOT NULL, pk TEXT NOT NULL, rk TEXT NOT NULL, etag TEXT NOT NULL, data TEXT NOT NULL,
+    PRIMARY KEY (tbl, pk, rk)
+) WITHOUT ROWID
+"""
+_SQL_OPS = {"eq": "=", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+# Azure matches a condition only against a property of the same type; SQLite would
+# happily compare an integer with a string, so the JSON type is checked too.
+_JSON_TYPES = {str: "('text')", bool: "('true','false')", int: "('integer')", float: "('real')"}
+
+
+def _encode(data: Mapping[str, Value | None]) -> str:
+    return json.dumps(
+        {
+            k: {"$b": base64.b64encode(bytes(v)).decode()}
+            if isinstance(v, (bytes, bytearray, memoryview))
+            else v
+            for k, v in data.items()
+        },
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+
+
+def _decode(text: str) -> dict[str, Value | None]:
+    return {
+        k: base64.b64decode(v["$b"]) if isinstance(v, dict) else v
+        for k, v in json.loads(text).items()
+    }
+
+
+def _new_etag() -> str:
+    return f'W/"{secrets.token_hex(8)}"'
+
+
+class LocalTable(Table):
+    """See base class. Stored in ``PATH/tables.sqlite3``, one row per entity."""
+
+    def __init__(self, db_path: Path, name: str) -> None:
+        self.name = name
+        self._path = db_path
+        self._local = threading.local()
+        with self._write() as db:
+            db.execute(_SCHEMA)
+
+    def _db(self) -> sqlite3.Connection:
+        # One connection per thread: sqlite3 connections must not cross threads.
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            try:
+                db = sqlite3.connect(self._path, timeout=30, isolation_level=None)
+                db.execute("PRAGMA journal_mode=WAL")
+                # FULL: a generation the coordinator acknowledged must survive power loss.
+                db.execute("PRAGMA synchronous=FULL")
+            except sqlite3.Error as exc:
+                raise StorageUnavailable(f"cannot open {self._path}: {exc}") from exc
+            self._local.db = db
+        return db
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"cannot write {self._path}: {exc}") from exc
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        try:
+            db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"cannot commit to {self._path}: {exc}") from exc
+
+    def _etag_of(self, db: sqlite3.Connection, pk: str, rk: str) -> str | None:
+        row = db.execute(
+            "SELECT etag FROM entities WHERE tbl=? AND pk=? AND rk=?", (self.name, pk, rk)
+        ).fetchone()
+        return None if row is None else str(row[0])
+
+    def _apply(self, db: sqlite3.Connection, op: BatchOp, index: int | None) -> Entity | None:
+        """Applies one operation inside an open write transaction."""
+        pk, rk = op.entity.partition_key, op.entity.row_key
+        current = self._etag_of(db, pk, rk)
+        where = f"{pk!r}/{rk!r}"
+        if op.kind == "insert" and current is not None:
+            raise AlreadyExists(f"entity {where} exists", op_index=index)
+        if op.kind in ("replace", "delete"):
+            if current is None:
+                raise NotFound(f"entity {where} does not exist", op_index=index)
+            if op.if_match is not None and op.if_match != current:
+                raise Modified(f"entity {where} changed since it was read", op_index=index)
+        if op.kind == "delete":
+            db.execute("DELETE FROM entities WHERE tbl=? AND pk=? AND rk=?", (self.name, pk, rk))
+            return None
+        etag = _new_etag()
+        db.execute(
+            "INSERT OR REPLACE INTO entities (tbl, pk, rk, etag, data) VALUES (?,?,?,?,?)",
+            (self.name, pk, rk, etag, _encode(op.entity.data)),
+        )
+        return Entity(pk, rk, dict(op.entity.data), etag)
+
+    def _one(self, op: BatchOp) -> Entity | None:
+        try:
+            with self._write() as db:
+                return self._apply(db, op, None)
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"table {self.name}: {exc}") from exc
+
+    def _insert(self, entity: Entity) -> Entity:
+        result = self._one(BatchOp("insert", entity))
+        assert result is not None
+        return result
+
+    def _replace(self, entity: Entity, if_match: str) -> Entity:
+        result = self._one(BatchOp("replace", entity, if_match))
+        assert result is not None
+        return result
+
+    def _upsert(self, entity: Entity) -> Entity:
+        result = self._one(BatchOp("upsert", entity))
+        assert result is not None
+        return result
+
+    def _delete(self, partition_key: str, row_key: str, if_match: str | None) -> None:
+        self._one(BatchOp("delete", Entity(partition_key, row_key), if_match))
+
+    def _batch(self, ops: list[BatchOp]) -> list[Entity | None]:
+        try:
+            with self._write() as db:
+                return [self._apply(db, op, i) for i, op in enumerate(ops)]
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"table {self.name}: {exc}") from exc
+
+    def _get(self, partition_key: str, row_key: str) -> Entity:
+        try:
+            row = (
+                self._db()
+                .execute(
+                    "SELECT etag, data FROM entities WHERE tbl=? AND pk=? AND rk=?",
+                    (self.name, partition_key, row_key),
+                )
+                .fetchone()
+            )
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"table {self.name}: {exc}") from exc
+        if row is None:
+            raise NotFound(f"entity {partition_key!r}/{row_key!r} does not exist")
+        return Entity(partition_key, row_key, _decode(row[1]), row[0])
+
+    def _query_page(
+        self,
+        partition_key: str,
+        where: tuple[Cond, ...],
+        page_size: int,
+        continuation: str | None,
+    ) -> Page:
+        sql = "SELECT rk, etag, data FROM entities WHERE tbl=? AND pk=?"
+        args: list[object] = [self.name, partition_key]
+        if continuation is not None:
+            try:
+                after = base64.urlsafe_b64decode(continuation.encode()).decode()
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise BadRequest("malformed continuation token") from exc
+            sql += " AND rk > ?"
+            args.append(after)
+        for cond in where:
+            path = f'$."{cond.name}"'
+            sql += (
+                f" AND json_type(data, ?) IN {_JSON_TYPES[type(cond.value)]}"
+                f" AND json_extract(data, ?) {_SQL_OPS[cond.op]} ?"
+            )
+            args += [path, path, cond.value]
+        sql += " ORDER BY rk LIMIT ?"
+        args.append(page_size + 1)  # one more tells whether another page follows
+        try:
+            rows = self._db().execute(sql, args).fetchall()
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"table {self.name}: {exc}") from exc
+        entities = [Entity(partition_key, rk, _decode(data), etag) for rk, etag, data in rows]
+        if len(entities) <= page_size:
+            return Page(entities, None)
+        entities = entities[:page_size]
+        token = base64.urlsafe_b64encode(entities[-1].row_key.encode()).decode()
+        return Page(entities, token)
+
+    def ping(self) -> None:
+        try:
+            self._db().execute("SELECT 1 FROM entities LIMIT 1").fetchall()
+        except sqlite3.Error as exc:
+            raise StorageUnavailable(f"table {self.name}: {exc}") from exc
+
+    def close(self) -> None:
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
