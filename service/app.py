@@ -57,9 +57,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         try:
             await anyio.to_thread.run_sync(store.ping)
         except StorageError as exc:
-            return JSONResponse(
-                {"code": exc.code, "message": exc.message}, status_code=503
-            )
+            return JSONResponse({"code": exc.code, "message": exc.message}, status_code=503)
         return {"status": "ready", "storage": store.describe()}
 
     return app

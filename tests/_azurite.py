@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -53,7 +54,7 @@ def running_azurite(deadline_s: float = 60) -> Iterator[str]:
     binary = azurite_binary()
     for _attempt in range(3):  # a free port can be taken between choosing and binding it
         blob, queue, table = free_port(), free_port(), free_port()
-        log = tempfile.NamedTemporaryFile(prefix="azurite-", suffix=".log", delete=False)
+        log_fd, log = tempfile.mkstemp(prefix="azurite-", suffix=".log")
         proc = subprocess.Popen(
             [
                 binary,
@@ -61,13 +62,23 @@ def running_azurite(deadline_s: float = 60) -> Iterator[str]:
                 "--disableTelemetry",
                 "--skipApiVersionCheck",
                 "--loose",
-                "--blobHost", "127.0.0.1", "--blobPort", str(blob),
-                "--queueHost", "127.0.0.1", "--queuePort", str(queue),
-                "--tableHost", "127.0.0.1", "--tablePort", str(table),
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                str(blob),
+                "--queueHost",
+                "127.0.0.1",
+                "--queuePort",
+                str(queue),
+                "--tableHost",
+                "127.0.0.1",
+                "--tablePort",
+                str(table),
             ],
-            stdout=log,
+            stdout=log_fd,
             stderr=subprocess.STDOUT,
         )
+        os.close(log_fd)
         end = time.monotonic() + deadline_s
         while proc.poll() is None and time.monotonic() < end:
             if _listening(blob) and _listening(table):
@@ -83,8 +94,8 @@ def running_azurite(deadline_s: float = 60) -> Iterator[str]:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-                Path(log.name).unlink(missing_ok=True)
+                Path(log).unlink(missing_ok=True)
             return
         proc.kill()
         proc.wait()
-    raise RuntimeError(f"Azurite did not start; its log is {log.name}")
+    raise RuntimeError(f"Azurite did not start; its log is {log}")

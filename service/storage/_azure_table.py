@@ -171,7 +171,7 @@ class AzureTable(Table):
             None
             if op.kind == "delete"
             else Entity(op.entity.partition_key, op.entity.row_key, dict(op.entity.data), m["etag"])
-            for op, m in zip(ops, metas)
+            for op, m in zip(ops, metas, strict=True)
         ]
 
     def ping(self) -> None:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import BinaryIO, Literal, Union
+from typing import BinaryIO, Literal
 
 from ..errors import BadRequest
 from ._names import check_blob_name, check_blob_prefix
@@ -16,7 +16,7 @@ __all__ = ["Access", "BlobInfo", "BlobStore", "Data"]
 
 Access = Literal["read", "write"]
 #: What :meth:`BlobStore.put` takes: bytes, or a binary file object read to its end.
-Data = Union[bytes, bytearray, memoryview, BinaryIO]
+Data = bytes | bytearray | memoryview | BinaryIO
 
 #: Signed URLs live at most this long: they are handed to trainers and cannot be revoked.
 MAX_URL_TTL = timedelta(days=7)

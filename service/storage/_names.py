@@ -137,8 +137,7 @@ def check_blob_name(name: object) -> str:
     for segment in name.split("/"):
         if segment in ("", ".", ".."):
             raise InvalidName(
-                f"blob name {name!r} has an empty, '.' or '..' segment (or starts or ends "
-                "with '/')"
+                f"blob name {name!r} has an empty, '.' or '..' segment (or starts or ends with '/')"
             )
         if segment.endswith("."):
             raise InvalidName(f"blob name {name!r} has a segment ending in '.'")

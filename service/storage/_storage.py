@@ -216,9 +216,7 @@ def open_storage(
     if kind == "local":
         return LocalStorage(rest or ".rallypoint", prefix)
     if kind == "azure" and not rest:
-        return AzureStorage(
-            prefix,
-            connection_string=connection_string or os.environ.get("AZURE_STORAGE_CONNECTION_STRING"),
-            account=account or os.environ.get("AZURE_STORAGE_ACCOUNT"),
-        )
+        connection_string = connection_string or os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
+        account = account or os.environ.get("AZURE_STORAGE_ACCOUNT")
+        return AzureStorage(prefix, connection_string=connection_string, account=account)
     raise BadRequest(f"storage {spec!r} is neither 'local:PATH' nor 'azure'")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Literal
 
 from ..errors import BadRequest
 from ._names import MAX_BATCH_OPS, check_entity, check_key, check_property_name
@@ -17,7 +17,7 @@ __all__ = ["BatchOp", "Cond", "Entity", "Page", "Table", "Value", "matches"]
 
 #: The property types a table stores. ``int`` is stored as a 64-bit integer, ``float`` as a
 #: double. ``None`` means "absent": such properties are not stored and are not read back.
-Value = Union[str, int, float, bool, bytes]
+Value = str | int | float | bool | bytes
 
 Op = Literal["eq", "ne", "lt", "le", "gt", "ge"]
 
@@ -176,8 +176,10 @@ class Table(abc.ABC):
             continuation: The ``continuation`` of the previous page.
         """
         check_key("PartitionKey", partition_key)
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or not (
-            1 <= page_size <= 1000
+        if (
+            isinstance(page_size, bool)
+            or not isinstance(page_size, int)
+            or not (1 <= page_size <= 1000)
         ):
             raise BadRequest(f"page_size must be 1..1000, not {page_size!r}")
         for cond in where:

@@ -193,7 +193,12 @@ def test_malformed_batches_are_refused(table: Table, ops: list[BatchOp]) -> None
 def test_paging_past_a_thousand_entities(table: Table) -> None:
     rows = [f"r{i:05d}" for i in range(2500)]
     for start in range(0, len(rows), 100):
-        table.batch([BatchOp("insert", Entity("p", r, {"i": int(r[1:])})) for r in rows[start : start + 100]])
+        table.batch(
+            [
+                BatchOp("insert", Entity("p", r, {"i": int(r[1:])}))
+                for r in rows[start : start + 100]
+            ]
+        )
     table.insert(Entity("other", "r00000", {"i": -1}))
 
     assert [e.row_key for e in table.query("p")] == rows
@@ -214,8 +219,12 @@ def test_paging_past_a_thousand_entities(table: Table) -> None:
 def test_filters_compare_by_type(table: Table) -> None:
     table.batch(
         [
-            BatchOp("insert", Entity("p", "a", {"state": "alive", "beat": 10, "load": 0.5, "ok": True})),
-            BatchOp("insert", Entity("p", "b", {"state": "dead", "beat": 20, "load": 1.5, "ok": False})),
+            BatchOp(
+                "insert", Entity("p", "a", {"state": "alive", "beat": 10, "load": 0.5, "ok": True})
+            ),
+            BatchOp(
+                "insert", Entity("p", "b", {"state": "dead", "beat": 20, "load": 1.5, "ok": False})
+            ),
             BatchOp("insert", Entity("p", "c", {"state": "alive", "beat": 30})),
             BatchOp("insert", Entity("p", "d", {"state": "o'brien", "beat": "40"})),
         ]
