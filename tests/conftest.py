@@ -5,6 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from rallypoint.service.storage import AzureStorage, LocalStorage, Storage
 
 from ._azurite import running_azurite

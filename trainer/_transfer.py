@@ -7,7 +7,7 @@ go up in parallel blocks; ``file://`` URLs are the local backend's signed paths.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
 from rallypoint.client._fileurl import verify_file_url, write_atomically
 from rallypoint.client.errors import SignedUrlError
@@ -64,7 +64,9 @@ def upload(
         with BlobClient.from_blob_url(
             url, max_block_size=_CHUNK, max_single_put_size=_CHUNK
         ) as blob:
-            blob.upload_blob(data, length=length, overwrite=True, max_concurrency=_PARALLEL)
+            blob.upload_blob(
+                cast(Any, data), length=length, overwrite=True, max_concurrency=_PARALLEL
+            )
     except AzureError as exc:
         raise _azure_error(exc, url) from exc
 
@@ -92,6 +94,6 @@ def download(url: str) -> bytes:
 
     try:
         with BlobClient.from_blob_url(url) as blob:
-            return blob.download_blob(max_concurrency=_PARALLEL).readall()
+            return bytes(blob.download_blob(max_concurrency=_PARALLEL).readall())
     except AzureError as exc:
         raise _azure_error(exc, url) from exc

@@ -7,7 +7,7 @@ import os
 import threading
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, cast
 
 from azure.core.exceptions import AzureError, HttpResponseError
 from azure.storage.blob import (
@@ -80,9 +80,8 @@ class AzureBlobStore(BlobStore):
     def _put(self, name: str, data: Data, if_absent: bool, length: int | None) -> BlobInfo:
         length = _length_of(data, length)
         try:
-            meta = self._container.upload_blob(
-                name,
-                data,
+            meta = self._container.get_blob_client(name).upload_blob(
+                cast(Any, data),
                 length=length,
                 overwrite=not if_absent,
                 max_concurrency=PARALLEL_TRANSFERS,

@@ -97,7 +97,7 @@ class AzureTable(Table):
             raw = self._client.get_entity(partition_key, row_key)
         except AzureError as exc:
             raise translate(exc, f"get {self.name}/{partition_key}/{row_key}") from exc
-        return _from_azure(raw, raw.metadata["etag"])
+        return _from_azure(raw, str(raw.metadata["etag"]))
 
     def _replace(self, entity: Entity, if_match: str) -> Entity:
         try:
@@ -142,7 +142,7 @@ class AzureTable(Table):
                 raise BadRequest("malformed continuation token") from exc
         try:
             pages = self._client.query_entities(query, results_per_page=page_size).by_page(
-                continuation_token=token
+                continuation_token=token  # type: ignore[arg-type]  # the SDK's token is a dict
             )
             raws = list(next(pages))
             next_token = pages.continuation_token  # type: ignore[attr-defined]
@@ -151,7 +151,7 @@ class AzureTable(Table):
         # Azurite compares across types ("40" > 15); Azure does not. Re-check, so both agree.
         entities = [
             entity
-            for entity in (_from_azure(raw, raw.metadata["etag"]) for raw in raws)
+            for entity in (_from_azure(raw, str(raw.metadata["etag"])) for raw in raws)
             if matches(entity.data, where)
         ]
         if not next_token:

@@ -22,11 +22,21 @@ __all__ = ["LocalBlobStore"]
 _COPY_CHUNK = 8 << 20
 
 
+class _SourceError(Exception):
+    """Wraps an error raised while reading the caller's data, which is no storage error."""
+
+
 def _chunks(data: Data) -> Iterator[bytes | bytearray | memoryview]:
     if isinstance(data, (bytes, bytearray, memoryview)):
         yield data
         return
-    while chunk := data.read(_COPY_CHUNK):
+    while True:
+        try:
+            chunk = data.read(_COPY_CHUNK)
+        except Exception as exc:
+            raise _SourceError from exc
+        if not chunk:
+            return
         yield chunk
 
 
@@ -61,6 +71,8 @@ class LocalBlobStore(BlobStore):
             written = write_atomically(
                 self._store, self._path(name), _chunks(data), if_absent=if_absent
             )
+        except _SourceError as exc:
+            raise exc.__cause__ from None  # type: ignore[misc]
         except (NotADirectoryError, FileExistsError, IsADirectoryError) as exc:
             # Azure has no folders; a file system cannot hold both `a` and `a/b`.
             raise BadRequest(

@@ -68,15 +68,18 @@ class Storage(abc.ABC):
         Raises:
             StorageUnavailable: One does not.
         """
-        for store in [*self._tables.values(), *self._blobs.values()]:
+        for store in self._stores():
             store.ping()
 
     def close(self) -> None:
         """Closes every table and container opened."""
-        for store in [*self._tables.values(), *self._blobs.values()]:
+        for store in self._stores():
             store.close()
         self._tables.clear()
         self._blobs.clear()
+
+    def _stores(self) -> list[Table | BlobStore]:
+        return [*self._tables.values(), *self._blobs.values()]
 
     def describe(self) -> str:
         """Where the data lives, for logs and health pages (no secrets)."""

@@ -6,6 +6,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+
 from rallypoint.service.errors import (
     AlreadyExists,
     BadRequest,

@@ -1,0 +1,42 @@
+# Every target sets up what it needs: a venv in .venv (with the CPU build of torch, so
+# no CUDA wheels are pulled) and Azurite in node_modules.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH := torch==2.13.0
+STORAGE ?= local:.rallypoint
+PORT ?= 8080
+
+.PHONY: setup test lint typecheck serve bench-storage clean
+
+setup: $(VENV)/.installed node_modules/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[all,dev]'
+	touch $@
+
+node_modules/.installed: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	PATH=$(abspath $(BIN)):$$PATH scripts/typecheck
+
+test: lint typecheck
+	$(BIN)/python -m pytest
+
+serve: setup
+	$(BIN)/rallypoint serve --storage $(STORAGE) --port $(PORT)
+
+bench-storage: setup
+	$(BIN)/python bench/storage.py
+
+clean:
+	rm -rf $(VENV) node_modules build .rallypoint .pytest_cache .mypy_cache .ruff_cache

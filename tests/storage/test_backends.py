@@ -1,0 +1,78 @@
+"""Choosing a backend, and the errors for a backend that cannot be used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from azure.data.tables import TableClient
+
+from rallypoint.service.errors import BadRequest, InvalidName, LimitExceeded, StorageUnavailable
+from rallypoint.service.storage import AzureStorage, Entity, LocalStorage, open_storage
+from rallypoint.service.storage._azure_table import AzureTable
+
+from .._azurite import connection_string, free_port
+
+
+def test_local_spec_opens_a_directory(tmp_path: Path) -> None:
+    store = open_storage(f"local:{tmp_path / 'x'}")
+    assert isinstance(store, LocalStorage)
+    assert store.describe() == f"local:{tmp_path / 'x'}"
+    store.table("jobs")
+    assert (tmp_path / "x" / "tables.sqlite3").exists()
+
+
+def test_azure_spec_uses_the_connection_string(azurite: str) -> None:
+    store = open_storage("azure", connection_string=azurite, prefix="spec")
+    assert isinstance(store, AzureStorage)
+    assert store.describe() == "azure:devstoreaccount1"
+    store.table("jobs").upsert(Entity("p", "r", {"v": 1}))
+    store.ping()
+
+
+def test_prefixes_keep_deployments_apart(azurite: str, tmp_path: Path) -> None:
+    for make in (
+        lambda p: AzureStorage(p, connection_string=azurite),
+        lambda p: LocalStorage(tmp_path, p),
+    ):
+        one, two = make("one"), make("two")
+        one.table("jobs").upsert(Entity("p", "r", {"who": "one"}))
+        one.blobs("ckpt").put("x", b"one")
+        assert list(two.table("jobs").query("p")) == []
+        assert list(two.blobs("ckpt").list()) == []
+
+
+@pytest.mark.parametrize("spec", ["s3", "local-ish:x", "azure:account", ""])
+def test_unknown_specs_are_refused(spec: str) -> None:
+    with pytest.raises(BadRequest):
+        open_storage(spec)
+
+
+def test_azure_without_credentials_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
+    monkeypatch.delenv("AZURE_STORAGE_ACCOUNT", raising=False)
+    with pytest.raises(BadRequest, match="AZURE_STORAGE_CONNECTION_STRING"):
+        open_storage("azure")
+
+
+@pytest.mark.parametrize("prefix", ["", "Upper", "has-dash", "1st", "x" * 25])
+def test_bad_prefixes_are_refused(prefix: str, tmp_path: Path) -> None:
+    with pytest.raises(BadRequest):
+        LocalStorage(tmp_path, prefix)
+
+
+def test_unreachable_azure_is_storage_unavailable_and_checks_come_first() -> None:
+    port = free_port()  # nothing listens here
+    client = TableClient.from_connection_string(
+        connection_string(port, port), table_name="nowhere", retry_total=0
+    )
+    table = AzureTable(client)
+    with pytest.raises(StorageUnavailable):
+        table.get("p", "r")
+    # Bad input is refused before a request is sent: no StorageUnavailable here.
+    with pytest.raises(InvalidName):
+        table.insert(Entity("p", "a/b"))
+    with pytest.raises(LimitExceeded):
+        table.insert(Entity("p", "r", {"b": b"x" * (64 * 1024 + 1)}))
+    with pytest.raises(StorageUnavailable):
+        table.ping()

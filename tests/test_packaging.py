@@ -1,0 +1,97 @@
+"""The distribution's shape: one import package, extras that keep installs honest."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_wheel_holds_only_the_rallypoint_package(tmp_path: Path) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("rallypoint-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"rallypoint"}
+    for module in (
+        "rallypoint/client/__init__.py",
+        "rallypoint/client/py.typed",
+        "rallypoint/service/storage/_local_table.py",
+        "rallypoint/trainer/_transfer.py",
+    ):
+        assert module in names
+    meta = next(n for n in names if n.endswith("/METADATA"))
+    requires = [
+        line
+        for line in zipfile.ZipFile(wheel).read(meta).decode().splitlines()
+        if line.startswith("Requires-Dist:")
+    ]
+    base = [line for line in requires if "extra ==" not in line]
+    assert sorted(r.split()[1].split(">")[0] for r in base) == ["httpx", "pydantic"]
+
+
+def test_the_client_imports_nothing_heavy() -> None:
+    code = (
+        "import sys, rallypoint.client, rallypoint.client._fileurl; "
+        "heavy = {'torch', 'fastapi', 'azure', 'starlette', 'uvicorn'}; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_service_imports_no_torch() -> None:
+    code = (
+        "import sys, rallypoint.service.app, rallypoint.service.storage._azure_blob; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_base_install_runs_the_client_alone(tmp_path: Path) -> None:
+    """A fresh venv with only the base install: the client imports; the rest says why not."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(ROOT)],
+        check=True,
+        timeout=600,
+    )
+    check = subprocess.run(
+        [
+            str(py),
+            "-c",
+            "import rallypoint.client, importlib.util as u; "
+            "print([m for m in ('torch','fastapi','azure') if u.find_spec(m)])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
+    assert check.stdout.strip() == "[]"
+    serve = subprocess.run(
+        [str(venv / "bin" / "rallypoint"), "serve"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert serve.returncode == 2
+    assert "pip install 'rallypoint[service]'" in serve.stderr

@@ -1,0 +1,125 @@
+"""``rallypoint serve`` under a real uvicorn, on both backends."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from ._azurite import free_port
+
+
+def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rallypoint", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 30) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode() if proc.stdout else ""
+            raise AssertionError(f"coordinator exited with {proc.returncode}:\n{out}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("coordinator did not answer /healthz in time")
+
+
+@pytest.fixture
+def stop() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_serves_health_and_readiness_on_local_storage(
+    tmp_path: Path, stop: list[subprocess.Popen[bytes]]
+) -> None:
+    port = free_port()
+    proc = _serve("--port", str(port), "--storage", f"local:{tmp_path}")
+    stop.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url, proc)
+    ready = httpx.get(f"{url}/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready", "storage": f"local:{tmp_path}"}
+    assert (tmp_path / "tables.sqlite3").exists()
+    assert httpx.get(f"{url}/openapi.json").json()["info"]["title"] == "Rallypoint coordinator"
+
+
+def test_serves_on_azurite_from_the_environment(
+    azurite: str, stop: list[subprocess.Popen[bytes]]
+) -> None:
+    port = free_port()
+    proc = _serve(
+        env={
+            "RALLYPOINT_PORT": str(port),
+            "RALLYPOINT_STORAGE": "azure",
+            "RALLYPOINT_STORAGE_PREFIX": "serve",
+            "AZURE_STORAGE_CONNECTION_STRING": azurite,
+        }
+    )
+    stop.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url, proc)
+    assert httpx.get(f"{url}/readyz").json()["storage"] == "azure:devstoreaccount1"
+
+
+def test_readiness_fails_when_storage_goes_away(
+    tmp_path: Path, stop: list[subprocess.Popen[bytes]]
+) -> None:
+    port = free_port()
+    proc = _serve("--port", str(port), "--storage", f"local:{tmp_path}")
+    stop.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url, proc)
+    for path in sorted((tmp_path / "blobs").rglob("*"), reverse=True):
+        path.rmdir()
+    (tmp_path / "blobs").rmdir()
+    ready = httpx.get(f"{url}/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["code"] == "storage_unavailable"
+    assert httpx.get(f"{url}/healthz").status_code == 200  # the process itself is fine
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--host", "0.0.0.0"], "without a token"),
+        (["--storage", "s3://bucket"], "local:PATH"),
+        (["--port", "70000"], "65535"),
+    ],
+)
+def test_unsafe_or_bad_settings_are_refused(args: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in os.environ.items() if not k.startswith("RALLYPOINT_")},
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+def test_a_token_or_insecure_allows_other_addresses() -> None:
+    from rallypoint.service.settings import Settings
+
+    assert Settings(host="0.0.0.0", token="s3cret").host == "0.0.0.0"
+    assert Settings(host="0.0.0.0", insecure=True).insecure
+    assert Settings(host="::1").host == "::1"
