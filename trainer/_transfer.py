@@ -6,10 +6,9 @@ go up in parallel blocks; ``file://`` URLs are the local backend's signed paths.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, BinaryIO, cast
 
-from rallypoint.client._fileurl import verify_file_url, write_atomically
+from rallypoint.client._fileurl import SourceError, verify_file_url, write_atomically
 from rallypoint.client.errors import SignedUrlError
 
 from .errors import TransferDenied, TransferError, TransferNotFound
@@ -31,14 +30,6 @@ def _azure_error(exc: Exception, url: str) -> TransferError:
     return kind(f"{_redacted(url)}: {detail}")
 
 
-def _pieces(data: bytes | bytearray | memoryview | BinaryIO) -> Iterator[bytes]:
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        yield bytes(data)
-        return
-    while chunk := data.read(_CHUNK):
-        yield chunk
-
-
 def upload(
     url: str, data: bytes | bytearray | memoryview | BinaryIO, *, length: int | None = None
 ) -> None:
@@ -51,7 +42,9 @@ def upload(
     if url.startswith("file:"):
         try:
             store, path = verify_file_url(url, "w")
-            write_atomically(store, path, _pieces(data), if_absent=False)
+            write_atomically(store, path, data, if_absent=False)
+        except SourceError as exc:
+            raise exc.__cause__ from None  # type: ignore[misc]
         except SignedUrlError as exc:
             raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
         except OSError as exc:

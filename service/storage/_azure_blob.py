@@ -111,22 +111,21 @@ class AzureBlobStore(BlobStore):
     def _stream(self, name: str, chunk_size: int) -> Iterator[bytes]:
         try:
             # The first request goes out here, so NotFound comes before the first chunk.
-            downloader = self._container.download_blob(name)
+            downloader = self._container.download_blob(name, max_concurrency=PARALLEL_TRANSFERS)
         except AzureError as exc:
             raise translate(exc, f"get blob {name!r}") from exc
 
         def chunks() -> Iterator[bytes]:
-            buffer = bytearray()
             try:
                 for piece in downloader.chunks():
-                    buffer += piece
-                    while len(buffer) >= chunk_size:
-                        yield bytes(buffer[:chunk_size])
-                        del buffer[:chunk_size]
+                    if len(piece) <= chunk_size:
+                        yield piece
+                        continue
+                    view = memoryview(piece)  # only the first piece can be larger
+                    for start in range(0, len(view), chunk_size):
+                        yield bytes(view[start : start + chunk_size])
             except AzureError as exc:
                 raise translate(exc, f"get blob {name!r}") from exc
-            if buffer:
-                yield bytes(buffer)
 
         return chunks()
 

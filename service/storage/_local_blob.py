@@ -12,32 +12,12 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from rallypoint.client._fileurl import load_key, sign_file_url, write_atomically
+from rallypoint.client._fileurl import SourceError, load_key, sign_file_url, write_atomically
 
 from ..errors import AlreadyExists, BadRequest, NotFound, StorageUnavailable
 from ._blob import Access, BlobInfo, BlobStore, Data
 
 __all__ = ["LocalBlobStore"]
-
-_COPY_CHUNK = 8 << 20
-
-
-class _SourceError(Exception):
-    """Wraps an error raised while reading the caller's data, which is no storage error."""
-
-
-def _chunks(data: Data) -> Iterator[bytes | bytearray | memoryview]:
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        yield data
-        return
-    while True:
-        try:
-            chunk = data.read(_COPY_CHUNK)
-        except Exception as exc:
-            raise _SourceError from exc
-        if not chunk:
-            return
-        yield chunk
 
 
 class LocalBlobStore(BlobStore):
@@ -68,10 +48,9 @@ class LocalBlobStore(BlobStore):
 
     def _put(self, name: str, data: Data, if_absent: bool, length: int | None) -> BlobInfo:
         try:
-            written = write_atomically(
-                self._store, self._path(name), _chunks(data), if_absent=if_absent
-            )
-        except _SourceError as exc:
+            written = write_atomically(self._store, self._path(name), data, if_absent=if_absent)
+        except SourceError as exc:
+            # The caller's own data failed to read: its error, not the store's.
             raise exc.__cause__ from None  # type: ignore[misc]
         except (NotADirectoryError, FileExistsError, IsADirectoryError) as exc:
             # Azure has no folders; a file system cannot hold both `a` and `a/b`.
