@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -39,22 +39,29 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 3
 
 
 @pytest.fixture
-def stop() -> Iterator[list[subprocess.Popen[bytes]]]:
+def start() -> Iterator[Callable[..., str]]:
+    """Starts coordinators (args after ``serve``, extra env); each returns its URL once
+    healthy, and all are stopped after the test."""
     procs: list[subprocess.Popen[bytes]] = []
-    yield procs
+
+    def run(*args: str, env: dict[str, str] | None = None) -> str:
+        port = free_port()
+        proc = _serve("--port", str(port), *args, env=env)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc)
+        return url
+
+    yield run
     for proc in procs:
         proc.terminate()
         proc.wait(15)
 
 
 def test_serves_health_and_readiness_on_local_storage(
-    tmp_path: Path, stop: list[subprocess.Popen[bytes]]
+    tmp_path: Path, start: Callable[..., str]
 ) -> None:
-    port = free_port()
-    proc = _serve("--port", str(port), "--storage", f"local:{tmp_path}")
-    stop.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, proc)
+    url = start("--storage", f"local:{tmp_path}")
     ready = httpx.get(f"{url}/readyz")
     assert ready.status_code == 200
     assert ready.json() == {"status": "ready", "storage": f"local:{tmp_path}"}
@@ -62,32 +69,19 @@ def test_serves_health_and_readiness_on_local_storage(
     assert httpx.get(f"{url}/openapi.json").json()["info"]["title"] == "Rallypoint coordinator"
 
 
-def test_serves_on_azurite_from_the_environment(
-    azurite: str, stop: list[subprocess.Popen[bytes]]
-) -> None:
-    port = free_port()
-    proc = _serve(
+def test_serves_on_azurite_from_the_environment(azurite: str, start: Callable[..., str]) -> None:
+    url = start(
         env={
-            "RALLYPOINT_PORT": str(port),
             "RALLYPOINT_STORAGE": "azure",
             "RALLYPOINT_STORAGE_PREFIX": "serve",
             "AZURE_STORAGE_CONNECTION_STRING": azurite,
         }
     )
-    stop.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, proc)
     assert httpx.get(f"{url}/readyz").json()["storage"] == "azure:devstoreaccount1"
 
 
-def test_readiness_fails_when_storage_goes_away(
-    tmp_path: Path, stop: list[subprocess.Popen[bytes]]
-) -> None:
-    port = free_port()
-    proc = _serve("--port", str(port), "--storage", f"local:{tmp_path}")
-    stop.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url, proc)
+def test_readiness_fails_when_storage_goes_away(tmp_path: Path, start: Callable[..., str]) -> None:
+    url = start("--storage", f"local:{tmp_path}")
     for path in sorted((tmp_path / "blobs").rglob("*"), reverse=True):
         path.rmdir()
     (tmp_path / "blobs").rmdir()
