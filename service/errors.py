@@ -7,6 +7,14 @@ OSError) are translated inside the storage adapters, always ``raise ... from exc
 Hierarchy::
 
     RallypointServiceError
+    ├── RequestError            the caller asked for something it may not have
+    │   ├── InvalidRequest      400: well-formed JSON that makes no sense
+    │   ├── UnknownJob          404: no job has this id
+    │   ├── UnknownNode         404: the node never joined this job
+    │   ├── JobConflict         409: the job exists with other parameters
+    │   ├── JobFull             409: max_nodes are members already
+    │   ├── StaleGeneration     409: the request acts for a generation that ended (fencing)
+    │   └── JoinTimeout         408: no generation sealed within join_timeout
     └── StorageError
         ├── NotFound            the entity or blob does not exist
         ├── AlreadyExists       insert-if-absent / create-if-absent found one
@@ -25,23 +33,74 @@ __all__ = [
     "AlreadyExists",
     "BadRequest",
     "InvalidName",
+    "InvalidRequest",
+    "JobConflict",
+    "JobFull",
+    "JoinTimeout",
     "LimitExceeded",
     "Modified",
     "NotFound",
     "RallypointServiceError",
+    "RequestError",
+    "StaleGeneration",
     "StorageError",
     "StorageUnavailable",
+    "UnknownJob",
+    "UnknownNode",
 ]
 
 
 class RallypointServiceError(Exception):
-    """Base of every error the coordinator raises on purpose."""
+    """Base of every error the coordinator raises on purpose; ``status`` is its HTTP one."""
 
     code = "internal_error"
+    status = 500
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class RequestError(RallypointServiceError):
+    code = "bad_request"
+    status = 400
+
+
+class InvalidRequest(RequestError):
+    code = "invalid_request"
+    status = 400
+
+
+class UnknownJob(RequestError):
+    code = "unknown_job"
+    status = 404
+
+
+class UnknownNode(RequestError):
+    code = "unknown_node"
+    status = 404
+
+
+class JobConflict(RequestError):
+    code = "job_conflict"
+    status = 409
+
+
+class JobFull(RequestError):
+    code = "job_full"
+    status = 409
+
+
+class StaleGeneration(RequestError):
+    """The request names a generation that is no longer the job's: a zombie is fenced."""
+
+    code = "stale_generation"
+    status = 409
+
+
+class JoinTimeout(RequestError):
+    code = "join_timeout"
+    status = 408
 
 
 class StorageError(RallypointServiceError):
@@ -52,6 +111,7 @@ class StorageError(RallypointServiceError):
     """
 
     code = "storage_error"
+    status = 503
 
     def __init__(self, message: str, *, op_index: int | None = None) -> None:
         super().__init__(message)
@@ -60,33 +120,41 @@ class StorageError(RallypointServiceError):
 
 class NotFound(StorageError):
     code = "not_found"
+    status = 404
 
 
 class AlreadyExists(StorageError):
     code = "already_exists"
+    status = 409
 
 
 class Modified(StorageError):
     """An ETag condition failed: the object changed since it was read."""
 
     code = "modified"
+    status = 412
 
 
 class InvalidName(StorageError):
     code = "invalid_name"
+    status = 400
 
 
 class LimitExceeded(StorageError):
     code = "limit_exceeded"
+    status = 413
 
 
 class BadRequest(StorageError):
     code = "bad_request"
+    status = 400
 
 
 class AccessDenied(StorageError):
     code = "access_denied"
+    status = 403
 
 
 class StorageUnavailable(StorageError):
     code = "storage_unavailable"
+    status = 503

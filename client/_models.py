@@ -1,0 +1,191 @@
+"""Wire models: the JSON the coordinator and its clients exchange.
+
+Durations travel as seconds (floats) and are :class:`~datetime.timedelta` in Python.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "ID_PATTERN",
+    "Assignment",
+    "CheckpointPointer",
+    "ErrorBody",
+    "GenerationInfo",
+    "HeartbeatReply",
+    "HeartbeatRequest",
+    "Id",
+    "JobSpec",
+    "JobStatus",
+    "JobSummary",
+    "JoinReply",
+    "JoinRequest",
+    "LeaveRequest",
+    "MemberInfo",
+    "MemberStatus",
+    "WaitingNode",
+    "check_id",
+]
+
+#: Job and node ids: what is safe in a URL path, a table key and a blob name.
+ID_PATTERN = r"[A-Za-z0-9._-]{1,64}"
+_ID = re.compile(ID_PATTERN)
+#: A rendezvous larger than this does not fit one generation record (1 MiB entity).
+MAX_NODES_LIMIT = 4096
+
+
+def check_id(value: str) -> str:
+    """Returns ``value`` if it is a valid job or node id; raises ValueError otherwise."""
+    if not _ID.fullmatch(value) or value in (".", ".."):
+        raise ValueError(f"{value!r} is not an id of 1-64 letters, digits, '.', '_' or '-'")
+    return value
+
+
+Id = Annotated[str, AfterValidator(check_id)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_timedelta="float", frozen=True)
+
+
+class JobSpec(_Model):
+    """How a job's rendezvous behaves (torchrun's ``--nnodes MIN:MAX`` and timeouts)."""
+
+    min_nodes: int = Field(1, ge=1, le=MAX_NODES_LIMIT)
+    max_nodes: int = Field(1, ge=1, le=MAX_NODES_LIMIT)
+    #: After ``min_nodes`` joined, how long to wait for more before sealing.
+    last_call: timedelta = timedelta(seconds=5)
+    #: A member silent this long is declared dead and its generation ends.
+    heartbeat_timeout: timedelta = timedelta(seconds=10)
+    #: How long a joiner waits for its generation to seal before giving up.
+    join_timeout: timedelta = timedelta(seconds=600)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.max_nodes < self.min_nodes:
+            raise ValueError(f"max_nodes {self.max_nodes} < min_nodes {self.min_nodes}")
+        for name in ("last_call", "heartbeat_timeout", "join_timeout"):
+            value: timedelta = getattr(self, name)
+            if not timedelta(0) <= value <= timedelta(days=1):
+                raise ValueError(f"{name} must be between 0 s and 1 day")
+        if self.heartbeat_timeout < timedelta(seconds=1):
+            raise ValueError("heartbeat_timeout must be at least 1 s")
+        return self
+
+
+class JoinRequest(_Model):
+    node_id: Id
+    #: Where other nodes reach this one (host name or IP).
+    addr: str = Field(min_length=1, max_length=255)
+    #: A free port on ``addr``; rank 0's becomes the master port.
+    port: int = Field(29500, ge=1, le=65535)
+    #: Creates the job with this spec if it does not exist; must match if it does.
+    spec: JobSpec | None = None
+    #: Seconds to hold the request open waiting for the seal (long-poll).
+    wait: float = Field(30.0, ge=0, le=60)
+
+
+class CheckpointPointer(_Model):
+    """The authoritative latest checkpoint a generation resumes from."""
+
+    version: str
+    step: int
+    manifest_url: str | None = None
+
+
+class MemberInfo(_Model):
+    node_id: str
+    rank: int
+    addr: str
+    port: int
+
+
+class Assignment(_Model):
+    """What a node needs to start training in a sealed generation."""
+
+    job_id: str
+    node_id: str
+    generation: int
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    members: list[MemberInfo]
+    checkpoint: CheckpointPointer | None = None
+
+
+class JoinReply(_Model):
+    """``sealed`` carries the assignment; ``waiting`` means poll again for ``round``."""
+
+    status: Literal["sealed", "waiting"]
+    round: int
+    assignment: Assignment | None = None
+
+
+class HeartbeatRequest(_Model):
+    #: The generation the node runs in (None while it waits to join).
+    generation: int | None = Field(None, ge=1)
+
+
+class HeartbeatReply(_Model):
+    #: ``restart``: the generation ended (a member died or left, or a node wants in);
+    #: stop, re-join and resume from the checkpoint.
+    action: Literal["continue", "restart"]
+    #: The job's latest generation.
+    generation: int
+
+
+class LeaveRequest(_Model):
+    generation: int | None = Field(None, ge=1)
+    reason: str = Field("left", max_length=200)
+
+
+class ErrorBody(_Model):
+    code: str
+    message: str
+    detail: Any = None
+
+
+class WaitingNode(_Model):
+    node_id: str
+    addr: str
+    round: int
+    waiting_for: float
+    heartbeat_age: float | None
+
+
+class GenerationInfo(_Model):
+    generation: int
+    world_size: int
+    sealed_at: float
+    ended_at: float | None = None
+    ended_reason: str | None = None
+    checkpoint: CheckpointPointer | None = None
+
+
+class MemberStatus(_Model):
+    node_id: str
+    rank: int
+    addr: str
+    heartbeat_age: float | None
+    state: Literal["alive", "late", "dead", "left"]
+
+
+class JobSummary(_Model):
+    job_id: str
+    spec: JobSpec
+    generation: int
+    status: Literal["open", "sealed"]
+    world_size: int
+    created_at: float
+
+
+class JobStatus(JobSummary):
+    members: list[MemberStatus]
+    waiting: list[WaitingNode]
+    history: list[GenerationInfo]

@@ -1,0 +1,686 @@
+"""Rendezvous generations as plain code over the table port.
+
+One partition per job holds:
+
+- ``job``         the job entity: spec, latest generation, ``open`` or ``sealed``. It is
+                  the only entity more than one node writes, and only to seal or end a
+                  generation, always by ETag compare-and-swap.
+- ``node:ID``     one per node: address, the round it registered for, ``waiting``/``left``.
+                  Joining writes only this, so a thousand joins do not fight over a row.
+- ``beat:ID``     one per node: the coordinator's clock at its last heartbeat.
+- ``gen:NNN``     one per sealed generation: members and ranks (immutable), and when and
+                  why it ended. Sealing inserts it in one batch with the job's CAS, so a
+                  generation is sealed completely or not at all, by exactly one writer.
+
+Nothing lives only in a coordinator's memory: any replica, or a restarted one, picks up
+from storage. What a replica caches (generation members) is immutable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Literal
+
+from rallypoint.client._models import (
+    Assignment,
+    CheckpointPointer,
+    GenerationInfo,
+    JobSpec,
+    JobStatus,
+    JobSummary,
+    MemberInfo,
+    MemberStatus,
+    WaitingNode,
+)
+
+from .errors import (
+    AlreadyExists,
+    JobConflict,
+    JobFull,
+    Modified,
+    NotFound,
+    StaleGeneration,
+    UnknownJob,
+    UnknownNode,
+)
+from .storage import BatchOp, Cond, Entity, Table, Value
+
+__all__ = ["Job", "Member", "Rendezvous"]
+
+JOB_ROW = "job"
+NODE = "node:"
+BEAT = "beat:"
+GEN = "gen:"
+#: A partition listing every job; ``~`` cannot occur in a job id.
+INDEX = "~jobs"
+_CHUNK = 60 * 1024  # members are stored zlib-compressed in bytes properties of <= 64 KiB
+
+Status = Literal["open", "sealed"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A snapshot of the job entity."""
+
+    job_id: str
+    spec: JobSpec
+    generation: int  # the latest sealed generation; 0 before the first
+    status: Status  # "open": round generation+1 gathers; "sealed": generation runs
+    world_size: int
+    created_at: float
+    changed_at: float
+    etag: str
+
+    @property
+    def round(self) -> int:
+        """The round a node joining now registers for."""
+        return self.generation + 1
+
+
+@dataclass(frozen=True)
+class Member:
+    node_id: str
+    rank: int
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True)
+class Generation:
+    generation: int
+    members: tuple[Member, ...]
+    sealed_at: float
+    ended_at: float | None
+    ended_reason: str | None
+    checkpoint: CheckpointPointer | None
+    etag: str
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    addr: str
+    port: int
+    round: int
+    joined_at: float
+    state: Literal["waiting", "left"]
+
+
+def _int(d: Mapping[str, Value | None], key: str) -> int:
+    value = d[key]
+    if not isinstance(value, int):
+        raise TypeError(f"stored {key!r} is {type(value).__name__}, not int")
+    return value
+
+
+def _float(d: Mapping[str, Value | None], key: str) -> float:
+    value = d[key]
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"stored {key!r} is {type(value).__name__}, not a number")
+    return float(value)
+
+
+def _opt_float(d: Mapping[str, Value | None], key: str) -> float | None:
+    return None if d.get(key) is None else _float(d, key)
+
+
+def _seconds(value: timedelta) -> float:
+    return value.total_seconds()
+
+
+def _spec_data(spec: JobSpec) -> dict[str, int | float]:
+    return {
+        "min_nodes": spec.min_nodes,
+        "max_nodes": spec.max_nodes,
+        "last_call": _seconds(spec.last_call),
+        "heartbeat_timeout": _seconds(spec.heartbeat_timeout),
+        "join_timeout": _seconds(spec.join_timeout),
+    }
+
+
+def _job(job_id: str, e: Entity) -> Job:
+    d = e.data
+    spec = JobSpec(
+        min_nodes=_int(d, "min_nodes"),
+        max_nodes=_int(d, "max_nodes"),
+        last_call=timedelta(seconds=_float(d, "last_call")),
+        heartbeat_timeout=timedelta(seconds=_float(d, "heartbeat_timeout")),
+        join_timeout=timedelta(seconds=_float(d, "join_timeout")),
+    )
+    return Job(
+        job_id=job_id,
+        spec=spec,
+        generation=_int(d, "generation"),
+        status="sealed" if d["status"] == "sealed" else "open",
+        world_size=_int(d, "world_size"),
+        created_at=_float(d, "created_at"),
+        changed_at=_float(d, "changed_at"),
+        etag=e.etag or "",
+    )
+
+
+def _job_entity(job: Job) -> Entity:
+    return Entity(
+        job.job_id,
+        JOB_ROW,
+        {
+            **_spec_data(job.spec),
+            "generation": job.generation,
+            "status": job.status,
+            "world_size": job.world_size,
+            "created_at": job.created_at,
+            "changed_at": job.changed_at,
+        },
+    )
+
+
+def _encode_members(members: Iterable[Member]) -> dict[str, bytes]:
+    raw = json.dumps(
+        [[m.node_id, m.rank, m.addr, m.port] for m in members], separators=(",", ":")
+    ).encode()
+    packed = zlib.compress(raw, 6)
+    return {f"m{i // _CHUNK}": packed[i : i + _CHUNK] for i in range(0, len(packed), _CHUNK)}
+
+
+def _decode_members(data: Mapping[str, Value | None]) -> tuple[Member, ...]:
+    chunks = []
+    for i in range(len(data)):
+        chunk = data.get(f"m{i}")
+        if not isinstance(chunk, bytes):
+            break
+        chunks.append(chunk)
+    packed = b"".join(chunks)
+    return tuple(Member(n, r, a, p) for n, r, a, p in json.loads(zlib.decompress(packed)))
+
+
+def _generation(e: Entity) -> Generation:
+    d = e.data
+    checkpoint = d.get("checkpoint")
+    return Generation(
+        generation=_int(d, "generation"),
+        members=_decode_members(d),
+        sealed_at=_float(d, "sealed_at"),
+        ended_at=_opt_float(d, "ended_at"),
+        ended_reason=str(d["ended_reason"]) if d.get("ended_reason") is not None else None,
+        checkpoint=CheckpointPointer.model_validate_json(str(checkpoint)) if checkpoint else None,
+        etag=e.etag or "",
+    )
+
+
+def _generation_entity(job_id: str, g: Generation) -> Entity:
+    return Entity(
+        job_id,
+        f"{GEN}{g.generation:010d}",
+        {
+            "kind": "gen",
+            "generation": g.generation,
+            "sealed_at": g.sealed_at,
+            "world_size": len(g.members),
+            "ended_at": g.ended_at,
+            "ended_reason": g.ended_reason,
+            "checkpoint": g.checkpoint.model_dump_json() if g.checkpoint else None,
+            **_encode_members(g.members),
+        },
+    )
+
+
+def _node(e: Entity) -> Node:
+    d = e.data
+    return Node(
+        node_id=str(d["node_id"]),
+        addr=str(d["addr"]),
+        port=_int(d, "port"),
+        round=_int(d, "round"),
+        joined_at=_float(d, "joined_at"),
+        state="left" if d["state"] == "left" else "waiting",
+    )
+
+
+def _node_entity(job_id: str, n: Node) -> Entity:
+    return Entity(
+        job_id,
+        NODE + n.node_id,
+        {
+            "kind": "node",
+            "node_id": n.node_id,
+            "addr": n.addr,
+            "port": n.port,
+            "round": n.round,
+            "joined_at": n.joined_at,
+            "state": n.state,
+        },
+    )
+
+
+class Rendezvous:
+    """Jobs, joins, seals, heartbeats and departures, over one table.
+
+    Every method reads what it needs from storage and writes with ETag conditions, so
+    any number of instances (threads, processes, coordinator replicas) may share a
+    table. Nothing here sleeps: callers decide when to poll (see :meth:`tick`).
+
+    Args:
+        table: Where the state lives.
+        clock: Seconds since the epoch; injectable so tests control time.
+    """
+
+    def __init__(self, table: Table, clock: Callable[[], float] = time.time) -> None:
+        self.table = table
+        self.clock = clock
+        self._sealed: OrderedDict[tuple[str, int], Generation] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # --- jobs ---------------------------------------------------------------------------
+
+    def create_job(self, job_id: str, spec: JobSpec) -> tuple[Job, bool]:
+        """Creates a job, or finds it if it exists with the same spec.
+
+        Returns:
+            The job, and whether this call created it.
+
+        Raises:
+            JobConflict: The job exists with another spec.
+        """
+        now = self.clock()
+        job = Job(job_id, spec, 0, "open", 0, now, now, "")
+        try:
+            stored = self.table.insert(_job_entity(job))
+        except AlreadyExists:
+            existing = self.get_job(job_id)
+            if existing.spec != spec:
+                raise JobConflict(
+                    f"job {job_id!r} exists with {existing.spec.model_dump(mode='json')}, "
+                    f"not {spec.model_dump(mode='json')}"
+                ) from None
+            return existing, False
+        self.table.upsert(Entity(INDEX, job_id, {"created_at": now}))
+        return replace(job, etag=stored.etag or ""), True
+
+    def get_job(self, job_id: str) -> Job:
+        """Reads a job.
+
+        Raises:
+            UnknownJob: No job has this id.
+        """
+        try:
+            return _job(job_id, self.table.get(job_id, JOB_ROW))
+        except NotFound:
+            raise UnknownJob(f"no job {job_id!r}") from None
+
+    def list_jobs(self) -> list[Job]:
+        """Every job, in id order."""
+        jobs = []
+        for row in self.table.query(INDEX):
+            try:
+                jobs.append(self.get_job(row.row_key))
+            except UnknownJob:
+                continue  # indexed but its creation did not finish
+        return jobs
+
+    # --- generations --------------------------------------------------------------------
+
+    def generation(self, job_id: str, generation: int) -> Generation:
+        """Reads one generation's record.
+
+        Raises:
+            NotFound: The generation never sealed.
+        """
+        return _generation(self.table.get(job_id, f"{GEN}{generation:010d}"))
+
+    def sealed(self, job_id: str, generation: int) -> Generation:
+        """A sealed generation as it was sealed: members in rank order and checkpoint.
+
+        Cached, because that part never changes (only ``ended_*`` does, which callers of
+        this method must not rely on).
+        """
+        key = (job_id, generation)
+        with self._lock:
+            if key in self._sealed:
+                self._sealed.move_to_end(key)
+                return self._sealed[key]
+        gen = self.generation(job_id, generation)
+        with self._lock:
+            self._sealed[key] = gen
+            while len(self._sealed) > 64:
+                self._sealed.popitem(last=False)
+        return gen
+
+    def members(self, job_id: str, generation: int) -> tuple[Member, ...]:
+        """A sealed generation's members in rank order."""
+        return self.sealed(job_id, generation).members
+
+    def _end(self, job: Job, reason: str) -> bool:
+        """Ends the job's sealed generation; False if the job changed meanwhile."""
+        now = self.clock()
+        try:
+            gen = self.generation(job.job_id, job.generation)
+            self.table.batch(
+                [
+                    BatchOp(
+                        "replace",
+                        _job_entity(replace(job, status="open", changed_at=now)),
+                        if_match=job.etag,
+                    ),
+                    BatchOp(
+                        "replace",
+                        _generation_entity(
+                            job.job_id, replace(gen, ended_at=now, ended_reason=reason)
+                        ),
+                        if_match=gen.etag,
+                    ),
+                ]
+            )
+        except (Modified, NotFound):
+            return False
+        return True
+
+    # --- joining ------------------------------------------------------------------------
+
+    def join(
+        self, job_id: str, node_id: str, addr: str, port: int, spec: JobSpec | None = None
+    ) -> int:
+        """Registers a node for the job's next generation.
+
+        A node that joins while a generation runs ends it (a newcomer, or a member that
+        restarted), so every member is told to restart and the next one includes it.
+
+        Args:
+            spec: Creates the job if missing; must match the job's if it exists.
+
+        Returns:
+            The round (generation number) the node waits for.
+
+        Raises:
+            UnknownJob: No job, and no spec to create it with.
+            JobConflict: ``spec`` differs from the job's.
+            JobFull: The running generation has ``max_nodes`` members and this is not one.
+        """
+        if spec is not None:
+            job, _ = self.create_job(job_id, spec)
+        else:
+            job = self.get_job(job_id)
+        while True:
+            if job.status == "sealed":
+                members = self.members(job_id, job.generation)
+                if all(m.node_id != node_id for m in members):
+                    if len(members) >= job.spec.max_nodes:
+                        raise JobFull(
+                            f"job {job_id!r} runs with max_nodes={job.spec.max_nodes} members"
+                        )
+                    reason = f"node {node_id} joined"
+                else:
+                    reason = f"member {node_id} re-joined"
+                self._end(job, reason)
+                job = self.get_job(job_id)
+                continue
+            now = self.clock()
+            node = Node(node_id, addr, port, job.round, now, "waiting")
+            self.table.upsert(_node_entity(job_id, node))
+            self.beat(job_id, [node_id])
+            return job.round
+
+    def beat(self, job_id: str, node_ids: Iterable[str], generation: int = 0) -> None:
+        """Records that nodes are alive now (in batches of 100: one partition)."""
+        now = self.clock()
+        ops = [
+            BatchOp(
+                "upsert",
+                Entity(job_id, BEAT + n, {"kind": "beat", "at": now, "generation": generation}),
+            )
+            for n in dict.fromkeys(node_ids)
+        ]
+        for start in range(0, len(ops), 100):
+            self.table.batch(ops[start : start + 100])
+
+    def _beats(self, job_id: str) -> dict[str, float]:
+        return {
+            e.row_key[len(BEAT) :]: _float(e.data, "at")
+            for e in self.table.query(job_id, [Cond("kind", "eq", "beat")])
+        }
+
+    def _nodes(self, job_id: str, where: tuple[Cond, ...] = ()) -> list[Node]:
+        return [_node(e) for e in self.table.query(job_id, (Cond("kind", "eq", "node"), *where))]
+
+    def assignment(
+        self, job: Job, node_id: str, round: int
+    ) -> Assignment | Literal["missed"] | None:
+        """A waiting node's outcome for ``round``, given a fresh job snapshot.
+
+        Returns:
+            The assignment once ``round`` sealed with the node in it; ``"missed"`` if the
+            round sealed (or passed) without it, so it must join again; None while
+            the round is still open.
+        """
+        if job.generation < round:
+            return None
+        if job.generation > round or job.status != "sealed":
+            return "missed"
+        sealed = self.sealed(job.job_id, round)
+        members = sealed.members
+        mine = next((m for m in members if m.node_id == node_id), None)
+        if mine is None:
+            return "missed"
+        return Assignment(
+            job_id=job.job_id,
+            node_id=node_id,
+            generation=round,
+            rank=mine.rank,
+            world_size=len(members),
+            master_addr=members[0].addr,
+            master_port=members[0].port,
+            members=[
+                MemberInfo(node_id=m.node_id, rank=m.rank, addr=m.addr, port=m.port)
+                for m in members
+            ],
+            checkpoint=sealed.checkpoint,
+        )
+
+    def node(self, job_id: str, node_id: str) -> Node:
+        """Reads a node's registration.
+
+        Raises:
+            UnknownNode: It never joined.
+        """
+        try:
+            return _node(self.table.get(job_id, NODE + node_id))
+        except NotFound:
+            raise UnknownNode(f"node {node_id!r} never joined job {job_id!r}") from None
+
+    # --- driving ------------------------------------------------------------------------
+
+    def tick(self, job_id: str) -> tuple[Job, float]:
+        """Does what time demands: seals an open round that may seal, ends a generation
+        with a silent member.
+
+        Returns:
+            The job afterwards, and how many seconds until the next tick can change
+            anything (``math.inf`` if only a join can).
+        """
+        job = self.get_job(job_id)
+        if job.status == "open":
+            sealed, wait = self._try_seal(job)
+        else:
+            sealed, wait = self._check_members(job)
+        return (self.get_job(job_id) if sealed else job), wait
+
+    def _try_seal(self, job: Job) -> tuple[bool, float]:
+        spec = job.spec
+        timeout = _seconds(spec.heartbeat_timeout)
+        now = self.clock()
+        beats = self._beats(job.job_id)
+        waiting = [
+            n
+            for n in self._nodes(
+                job.job_id, (Cond("round", "eq", job.round), Cond("state", "eq", "waiting"))
+            )
+            if now - beats.get(n.node_id, -math.inf) < timeout
+        ]
+        if len(waiting) < spec.min_nodes:
+            return False, math.inf
+        # Stable ranks: the last generation's survivors first, in their old order.
+        previous: dict[str, int] = {}
+        if job.generation:
+            previous = {m.node_id: m.rank for m in self.members(job.job_id, job.generation)}
+        ordered = sorted(
+            waiting,
+            key=lambda n: (previous.get(n.node_id, math.inf), n.joined_at, n.node_id),
+        )
+        if len(ordered) < spec.max_nodes:
+            quorum_at = sorted(n.joined_at for n in waiting)[spec.min_nodes - 1]
+            deadline = quorum_at + _seconds(spec.last_call)
+            if now < deadline:
+                return False, deadline - now
+        chosen = ordered[: spec.max_nodes]
+        members = tuple(Member(n.node_id, i, n.addr, n.port) for i, n in enumerate(chosen))
+        gen = Generation(job.round, members, now, None, None, None, "")
+        sealed = replace(
+            job, generation=job.round, status="sealed", world_size=len(members), changed_at=now
+        )
+        try:
+            self.table.batch(
+                [
+                    BatchOp("replace", _job_entity(sealed), if_match=job.etag),
+                    BatchOp("insert", _generation_entity(job.job_id, gen)),
+                ]
+            )
+        except (Modified, AlreadyExists):
+            return False, 0.0  # another coordinator sealed or changed it first
+        return True, 0.0
+
+    def _check_members(self, job: Job) -> tuple[bool, float]:
+        timeout = _seconds(job.spec.heartbeat_timeout)
+        members = self.members(job.job_id, job.generation)
+        beats = self._beats(job.job_id)
+        now = self.clock()
+        # A member's clock starts at the seal at the latest: it was alive to be chosen.
+        last = {m.node_id: max(beats.get(m.node_id, 0.0), job.changed_at) for m in members}
+        silent = sorted((t, n) for n, t in last.items() if now - t >= timeout)
+        if silent:
+            t, node_id = silent[0]
+            ended = self._end(job, f"node {node_id} missed heartbeats for {now - t:.1f} s")
+            return ended, 0.0
+        return False, min(last.values()) + timeout - now
+
+    # --- members ------------------------------------------------------------------------
+
+    def heartbeat(
+        self, job: Job, node_id: str, generation: int | None
+    ) -> Literal["continue", "restart"]:
+        """Judges a heartbeat against a (recent) job snapshot; does not record it.
+
+        Returns:
+            ``continue``, or ``restart`` when the node's generation is not the job's
+            running one (a member died or left, a node wants in).
+
+        Raises:
+            StaleGeneration: The generation is newer than any the job sealed.
+        """
+        if generation is None:
+            return "continue"  # a waiting node, kept alive while it waits
+        if generation > job.generation:
+            raise StaleGeneration(
+                f"generation {generation} of job {job.job_id!r} was never sealed "
+                f"(latest is {job.generation})"
+            )
+        if generation < job.generation or job.status != "sealed":
+            return "restart"
+        return "continue"
+
+    def leave(self, job_id: str, node_id: str, generation: int | None, reason: str) -> None:
+        """Takes a node out of the job; ends its generation if it was a member.
+
+        Raises:
+            StaleGeneration: ``generation`` ended already (a zombie is fenced out).
+            UnknownNode: The node never joined.
+        """
+        job = self.get_job(job_id)
+        node = self.node(job_id, node_id)
+        if generation is not None and (generation != job.generation or job.status != "sealed"):
+            raise StaleGeneration(
+                f"generation {generation} of job {job_id!r} is over "
+                f"(latest is {job.generation}, {job.status})"
+            )
+        self.table.upsert(_node_entity(job_id, replace(node, state="left")))
+        while job.status == "sealed" and any(
+            m.node_id == node_id for m in self.members(job_id, job.generation)
+        ):
+            if self._end(job, f"node {node_id} left: {reason}"):
+                return
+            job = self.get_job(job_id)
+
+    # --- inspection ---------------------------------------------------------------------
+
+    def summary(self, job: Job) -> JobSummary:
+        return JobSummary(
+            job_id=job.job_id,
+            spec=job.spec,
+            generation=job.generation,
+            status=job.status,
+            world_size=job.world_size if job.status == "sealed" else 0,
+            created_at=job.created_at,
+        )
+
+    def status(self, job_id: str) -> JobStatus:
+        """Everything a person wants to see about a job."""
+        job = self.get_job(job_id)
+        now = self.clock()
+        timeout = _seconds(job.spec.heartbeat_timeout)
+        beats = self._beats(job_id)
+        nodes = {n.node_id: n for n in self._nodes(job_id)}
+        history = [_generation(e) for e in self.table.query(job_id, [Cond("kind", "eq", "gen")])]
+        members: list[MemberStatus] = []
+        current: set[str] = set()
+        if job.status == "sealed" and history:
+            for m in history[-1].members:
+                current.add(m.node_id)
+                age = now - beats[m.node_id] if m.node_id in beats else None
+                node = nodes.get(m.node_id)
+                state: Literal["alive", "late", "dead", "left"]
+                if node is not None and node.state == "left":
+                    state = "left"
+                elif age is None or age >= timeout:
+                    state = "dead"
+                elif age >= timeout / 2:
+                    state = "late"
+                else:
+                    state = "alive"
+                members.append(
+                    MemberStatus(
+                        node_id=m.node_id, rank=m.rank, addr=m.addr, heartbeat_age=age, state=state
+                    )
+                )
+        waiting = [
+            WaitingNode(
+                node_id=n.node_id,
+                addr=n.addr,
+                round=n.round,
+                waiting_for=now - n.joined_at,
+                heartbeat_age=now - beats[n.node_id] if n.node_id in beats else None,
+            )
+            for n in nodes.values()
+            if n.state == "waiting" and n.round >= job.round and n.node_id not in current
+        ]
+        return JobStatus(
+            **self.summary(job).model_dump(),
+            members=members,
+            waiting=waiting,
+            history=[
+                GenerationInfo(
+                    generation=g.generation,
+                    world_size=len(g.members),
+                    sealed_at=g.sealed_at,
+                    ended_at=g.ended_at,
+                    ended_reason=g.ended_reason,
+                    checkpoint=g.checkpoint,
+                )
+                for g in history
+            ],
+        )

@@ -1,0 +1,253 @@
+"""Rendezvous generations as plain code: no HTTP, a clock the test controls."""
+
+from __future__ import annotations
+
+import math
+import threading
+from datetime import timedelta
+
+import pytest
+
+from rallypoint.client._models import JobSpec
+from rallypoint.service._rendezvous import Job, Rendezvous
+from rallypoint.service.errors import (
+    JobConflict,
+    JobFull,
+    StaleGeneration,
+    UnknownJob,
+    UnknownNode,
+)
+from rallypoint.service.storage import Storage
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def rdzv(storage: Storage, clock: Clock) -> Rendezvous:
+    return Rendezvous(storage.table("jobs"), clock)
+
+
+def spec(min_nodes: int, max_nodes: int, last_call: float = 5, timeout: float = 3) -> JobSpec:
+    return JobSpec(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        last_call=timedelta(seconds=last_call),
+        heartbeat_timeout=timedelta(seconds=timeout),
+    )
+
+
+def join_all(rdzv: Rendezvous, nodes: list[str], s: JobSpec | None = None) -> int:
+    rounds = {rdzv.join("job", n, f"host-{n}", 29500 + i, s) for i, n in enumerate(nodes)}
+    assert len(rounds) == 1
+    return rounds.pop()
+
+
+def ranks(rdzv: Rendezvous, job: Job, nodes: list[str], round: int) -> dict[str, int]:
+    out = {}
+    for n in nodes:
+        a = rdzv.assignment(job, n, round)
+        assert a is not None and a != "missed", n
+        assert a.world_size == job.world_size and a.generation == round
+        out[n] = a.rank
+    return out
+
+
+def test_create_job_is_idempotent_and_refuses_conflicts(rdzv: Rendezvous) -> None:
+    job, created = rdzv.create_job("job", spec(2, 4))
+    again, created_again = rdzv.create_job("job", spec(2, 4))
+    assert created and not created_again and again.spec == job.spec
+    with pytest.raises(JobConflict):
+        rdzv.create_job("job", spec(2, 8))
+    with pytest.raises(JobConflict):
+        rdzv.join("job", "a", "h", 1, spec(3, 4))
+    assert [j.job_id for j in rdzv.list_jobs()] == ["job"]
+
+
+def test_join_without_a_spec_needs_an_existing_job(rdzv: Rendezvous) -> None:
+    with pytest.raises(UnknownJob):
+        rdzv.join("nojob", "a", "h", 1)
+
+
+def test_seals_at_max_nodes_with_ranks_in_join_order(rdzv: Rendezvous, clock: Clock) -> None:
+    nodes = ["c", "a", "b"]
+    round = 0
+    for n in nodes:
+        round = rdzv.join("job", n, f"host-{n}", 1000 + ord(n), spec(2, 3))
+        clock.advance(0.1)
+    job, _ = rdzv.tick("job")
+    assert (job.generation, job.status, job.world_size) == (1, "sealed", 3)
+    assert ranks(rdzv, job, nodes, round) == {"c": 0, "a": 1, "b": 2}
+    a = rdzv.assignment(job, "b", round)
+    assert a not in (None, "missed") and not isinstance(a, str)
+    assert (a.master_addr, a.master_port) == ("host-c", 1000 + ord("c"))
+    assert [m.node_id for m in a.members] == nodes
+
+
+def test_last_call_waits_for_more_after_min(rdzv: Rendezvous, clock: Clock) -> None:
+    s = spec(2, 4, last_call=5)
+    rdzv.join("job", "a", "h", 1, s)
+    job, wait = rdzv.tick("job")
+    assert job.status == "open" and wait == math.inf  # below min: only a join helps
+    clock.advance(1)
+    rdzv.join("job", "b", "h", 2, s)
+    clock.advance(2)
+    rdzv.beat("job", ["a", "b"])
+    job, wait = rdzv.tick("job")
+    assert job.status == "open" and wait == pytest.approx(3)  # quorum at t=1, +5 s
+    rdzv.join("job", "c", "h", 3, s)
+    clock.advance(2.9)
+    rdzv.beat("job", ["a", "b", "c"])
+    assert rdzv.tick("job")[0].status == "open"
+    clock.advance(0.2)
+    job, _ = rdzv.tick("job")
+    assert (job.status, job.world_size) == ("sealed", 3)
+
+
+def test_silent_waiting_nodes_are_left_out(rdzv: Rendezvous, clock: Clock) -> None:
+    round = join_all(rdzv, ["a", "b", "ghost"], spec(2, 3, last_call=1, timeout=3))
+    clock.advance(3.5)
+    rdzv.beat("job", ["a", "b"])
+    job, _ = rdzv.tick("job")
+    assert job.world_size == 2
+    assert ranks(rdzv, job, ["a", "b"], round) == {"a": 0, "b": 1}
+    assert rdzv.assignment(job, "ghost", round) == "missed"
+
+
+def test_a_silent_member_ends_the_generation_and_ranks_stay_stable(
+    rdzv: Rendezvous, clock: Clock
+) -> None:
+    s = spec(2, 4, last_call=0, timeout=3)
+    nodes = ["r0", "r1", "r2", "r3"]
+    join_all(rdzv, nodes, s)
+    job, _ = rdzv.tick("job")
+    assert ranks(rdzv, job, nodes, 1) == {"r0": 0, "r1": 1, "r2": 2, "r3": 3}
+    for _ in range(3):
+        clock.advance(1)
+        rdzv.beat("job", ["r0", "r2", "r3"], generation=1)  # r1 went silent
+        job, _ = rdzv.tick("job")
+    assert (job.generation, job.status) == (1, "open")
+    assert rdzv.heartbeat(job, "r0", 1) == "restart"
+    history = rdzv.status("job").history
+    assert history[0].ended_reason is not None and "r1 missed heartbeats" in history[0].ended_reason
+
+    # Survivors re-join in another order, plus a newcomer: order is kept, newcomer last.
+    for n in ["r3", "new", "r2", "r0"]:
+        rdzv.join("job", n, "h", 1)
+        clock.advance(0.1)
+    job, _ = rdzv.tick("job")
+    assert job.generation == 2
+    assert ranks(rdzv, job, ["r0", "r2", "r3", "new"], 2) == {"r0": 0, "r2": 1, "r3": 2, "new": 3}
+
+
+def test_a_newcomer_ends_a_running_generation(rdzv: Rendezvous, clock: Clock) -> None:
+    join_all(rdzv, ["a", "b"], spec(2, 3, last_call=0))
+    job, _ = rdzv.tick("job")
+    assert rdzv.heartbeat(job, "a", 1) == "continue"
+    round = rdzv.join("job", "late", "h", 9)
+    assert round == 2
+    job = rdzv.get_job("job")
+    assert (job.generation, job.status) == (1, "open")
+    assert rdzv.heartbeat(job, "a", 1) == "restart"
+    assert rdzv.status("job").history[0].ended_reason == "node late joined"
+    join_all(rdzv, ["b", "a"])
+    job, _ = rdzv.tick("job")
+    assert ranks(rdzv, job, ["a", "b", "late"], 2) == {"a": 0, "b": 1, "late": 2}
+
+
+def test_a_full_job_refuses_more_nodes(rdzv: Rendezvous) -> None:
+    join_all(rdzv, ["a", "b"], spec(2, 2))
+    rdzv.tick("job")
+    with pytest.raises(JobFull):
+        rdzv.join("job", "c", "h", 1)
+    assert rdzv.get_job("job").status == "sealed"
+
+
+def test_a_member_that_restarts_ends_its_generation(rdzv: Rendezvous) -> None:
+    join_all(rdzv, ["a", "b"], spec(2, 2))
+    rdzv.tick("job")
+    assert rdzv.join("job", "b", "h", 1) == 2
+    assert rdzv.status("job").history[0].ended_reason == "member b re-joined"
+
+
+def test_leaving_ends_the_generation_and_stale_requests_are_fenced(rdzv: Rendezvous) -> None:
+    join_all(rdzv, ["a", "b", "c"], spec(2, 3, last_call=0))
+    job, _ = rdzv.tick("job")
+    with pytest.raises(StaleGeneration):
+        rdzv.heartbeat(job, "a", 7)  # never sealed
+    rdzv.leave("job", "c", 1, "preempted")
+    job = rdzv.get_job("job")
+    assert job.status == "open"
+    assert rdzv.status("job").history[0].ended_reason == "node c left: preempted"
+    # A zombie still on generation 1 can no longer act for it.
+    with pytest.raises(StaleGeneration):
+        rdzv.leave("job", "a", 1, "zombie")
+    assert rdzv.heartbeat(job, "a", 1) == "restart"
+    with pytest.raises(UnknownNode):
+        rdzv.leave("job", "stranger", None, "never here")
+    join_all(rdzv, ["a", "b"])
+    job, _ = rdzv.tick("job")
+    assert (job.generation, job.world_size) == (2, 2)
+
+
+def test_a_node_that_missed_the_seal_is_told_to_join_again(rdzv: Rendezvous) -> None:
+    join_all(rdzv, ["a", "b"], spec(2, 2))
+    # c registers for round 1 after the seal decision was made without it.
+    job, _ = rdzv.tick("job")
+    assert rdzv.assignment(job, "c", 1) == "missed"
+    assert rdzv.assignment(rdzv.get_job("job"), "a", 2) is None  # round 2 not sealed
+
+
+def test_two_coordinators_racing_seal_one_generation(storage: Storage, clock: Clock) -> None:
+    one, two = (Rendezvous(storage.table("jobs"), clock) for _ in range(2))
+    nodes = [f"n{i}" for i in range(6)]
+    for i, n in enumerate(nodes):
+        (one if i % 2 else two).join("job", n, "h", i, spec(3, 6, last_call=0))
+    barrier = threading.Barrier(2)
+    results: list[Job] = []
+
+    def seal(r: Rendezvous) -> None:
+        barrier.wait()
+        results.append(r.tick("job")[0])
+
+    threads = [threading.Thread(target=seal, args=(r,)) for r in (one, two)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    final = one.get_job("job")
+    assert (final.generation, final.world_size) == (1, 6)
+    assert len(one.status("job").history) == 1
+    assert ranks(one, final, nodes, 1) == ranks(two, final, nodes, 1)
+
+
+def test_status_shows_members_waiting_and_history(rdzv: Rendezvous, clock: Clock) -> None:
+    join_all(rdzv, ["a", "b"], spec(2, 3, last_call=0, timeout=4))
+    rdzv.tick("job")
+    clock.advance(2.5)
+    rdzv.beat("job", ["a"], generation=1)
+    status = rdzv.status("job")
+    assert status.generation == 1 and status.status == "sealed" and status.world_size == 2
+    assert [(m.node_id, m.rank, m.state) for m in status.members] == [
+        ("a", 0, "alive"),
+        ("b", 1, "late"),
+    ]
+    assert status.members[1].heartbeat_age == pytest.approx(2.5)
+    rdzv.join("job", "c", "host-c", 1)
+    status = rdzv.status("job")
+    assert status.status == "open" and status.members == []
+    assert [w.node_id for w in status.waiting] == ["c"]
+    assert status.history[0].ended_reason == "node c joined"
