@@ -28,6 +28,7 @@ __all__ = [
     "LeaveRequest",
     "MemberInfo",
     "MemberStatus",
+    "WaitRequest",
     "WaitingNode",
     "check_id",
 ]
@@ -87,6 +88,15 @@ class JoinRequest(_Model):
     #: Creates the job with this spec if it does not exist; must match if it does.
     spec: JobSpec | None = None
     #: Seconds to hold the request open waiting for the seal (long-poll).
+    wait: float = Field(30.0, ge=0, le=60)
+    #: Makes retries of one join idempotent: a repeated request with the same key is
+    #: the same join, where a new key from a running member starts a new generation.
+    join_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class WaitRequest(_Model):
+    #: The round the node registered for (from the join's reply).
+    round: int = Field(ge=1)
     wait: float = Field(30.0, ge=0, le=60)
 
 

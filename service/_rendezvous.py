@@ -18,6 +18,8 @@ from storage. What a replica caches (generation members) is immutable.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import threading
@@ -103,6 +105,11 @@ class Generation:
     checkpoint: CheckpointPointer | None
     etag: str
 
+    @functools.cached_property
+    def ranks(self) -> dict[str, int]:
+        """Node id to rank, for constant-time membership checks on every heartbeat."""
+        return {m.node_id: m.rank for m in self.members}
+
 
 @dataclass(frozen=True)
 class Node:
@@ -112,6 +119,7 @@ class Node:
     round: int
     joined_at: float
     state: Literal["waiting", "left"]
+    join_id: str | None = None
 
 
 def _int(d: Mapping[str, Value | None], key: str) -> int:
@@ -241,6 +249,7 @@ def _node(e: Entity) -> Node:
         round=_int(d, "round"),
         joined_at=_float(d, "joined_at"),
         state="left" if d["state"] == "left" else "waiting",
+        join_id=str(d["join_id"]) if d.get("join_id") else None,
     )
 
 
@@ -256,6 +265,7 @@ def _node_entity(job_id: str, n: Node) -> Entity:
             "round": n.round,
             "joined_at": n.joined_at,
             "state": n.state,
+            "join_id": n.join_id,
         },
     )
 
@@ -385,7 +395,13 @@ class Rendezvous:
     # --- joining ------------------------------------------------------------------------
 
     def join(
-        self, job_id: str, node_id: str, addr: str, port: int, spec: JobSpec | None = None
+        self,
+        job_id: str,
+        node_id: str,
+        addr: str,
+        port: int,
+        spec: JobSpec | None = None,
+        join_id: str | None = None,
     ) -> int:
         """Registers a node for the job's next generation.
 
@@ -394,6 +410,9 @@ class Rendezvous:
 
         Args:
             spec: Creates the job if missing; must match the job's if it exists.
+            join_id: Repeating a join with the same key (a client retrying after a lost
+                reply, or after a coordinator restart) registers nothing new and ends
+                nothing: it waits for the round the first request registered for.
 
         Returns:
             The round (generation number) the node waits for.
@@ -407,7 +426,17 @@ class Rendezvous:
             job, _ = self.create_job(job_id, spec)
         else:
             job = self.get_job(job_id)
+        registered: Node | None = None
+        if join_id is not None:
+            with contextlib.suppress(UnknownNode):
+                registered = self.node(job_id, node_id)
+            if registered is not None and (
+                registered.join_id != join_id or registered.state != "waiting"
+            ):
+                registered = None
         while True:
+            if registered is not None and self._registered(job, registered):
+                return registered.round  # a retry of a join that already registered
             if job.status == "sealed":
                 members = self.members(job_id, job.generation)
                 if all(m.node_id != node_id for m in members):
@@ -422,10 +451,19 @@ class Rendezvous:
                 job = self.get_job(job_id)
                 continue
             now = self.clock()
-            node = Node(node_id, addr, port, job.round, now, "waiting")
+            node = Node(node_id, addr, port, job.round, now, "waiting", join_id)
             self.table.upsert(_node_entity(job_id, node))
             self.beat(job_id, [node_id])
             return job.round
+
+    def _registered(self, job: Job, node: Node) -> bool:
+        """Whether a registration still stands: its round is open, or sealed with it."""
+        if job.status == "open":
+            return node.round == job.round
+        return (
+            node.round == job.generation
+            and node.node_id in self.sealed(job.job_id, job.generation).ranks
+        )
 
     def beat(self, job_id: str, node_ids: Iterable[str], generation: int = 0) -> None:
         """Records that nodes are alive now (in batches of 100: one partition)."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import anyio
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 
 import rallypoint
 
-from .errors import StorageError
+from . import routers
+from ._driver import Driver
+from ._http import BodyLimit, install_handlers
+from ._rendezvous import Rendezvous
 from .settings import Settings
 from .storage import Storage, open_storage
 
@@ -39,25 +40,17 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         for name in CONTAINERS:
             store.blobs(name)
         app.state.storage = store
+        app.state.rdzv = Rendezvous(store.table("jobs"))
+        app.state.driver = Driver(app.state.rdzv)
         yield
+        await app.state.driver.close()
         if storage is None:
             store.close()
 
     app = FastAPI(title="Rallypoint coordinator", version=rallypoint.__version__, lifespan=lifespan)
-
-    @app.get("/healthz", tags=["health"])
-    async def healthz() -> dict[str, str]:
-        """The process is up."""
-        return {"status": "ok"}
-
-    @app.get("/readyz", tags=["health"], response_model=None)
-    async def readyz() -> dict[str, str] | JSONResponse:
-        """Storage answers."""
-        store: Storage = app.state.storage
-        try:
-            await anyio.to_thread.run_sync(store.ping)
-        except StorageError as exc:
-            return JSONResponse({"code": exc.code, "message": exc.message}, status_code=503)
-        return {"status": "ready", "storage": store.describe()}
-
+    app.state.settings = settings
+    install_handlers(app)
+    app.include_router(routers.health)
+    app.include_router(routers.jobs)
+    app.add_middleware(BodyLimit)
     return app

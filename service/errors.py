@@ -9,6 +9,8 @@ Hierarchy::
     RallypointServiceError
     ├── RequestError            the caller asked for something it may not have
     │   ├── InvalidRequest      400: well-formed JSON that makes no sense
+    │   │   └── InvalidId       400: a job or node id outside [A-Za-z0-9._-]{1,64}
+    │   ├── Unauthorized        401: no or a wrong bearer token
     │   ├── UnknownJob          404: no job has this id
     │   ├── UnknownNode         404: the node never joined this job
     │   ├── JobConflict         409: the job exists with other parameters
@@ -32,6 +34,7 @@ __all__ = [
     "AccessDenied",
     "AlreadyExists",
     "BadRequest",
+    "InvalidId",
     "InvalidName",
     "InvalidRequest",
     "JobConflict",
@@ -45,6 +48,7 @@ __all__ = [
     "StaleGeneration",
     "StorageError",
     "StorageUnavailable",
+    "Unauthorized",
     "UnknownJob",
     "UnknownNode",
 ]
@@ -69,6 +73,15 @@ class RequestError(RallypointServiceError):
 class InvalidRequest(RequestError):
     code = "invalid_request"
     status = 400
+
+
+class InvalidId(InvalidRequest):
+    code = "invalid_id"
+
+
+class Unauthorized(RequestError):
+    code = "unauthorized"
+    status = 401
 
 
 class UnknownJob(RequestError):

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from rallypoint.client._models import JobSpec
-from rallypoint.service._rendezvous import Job, Rendezvous
+from rallypoint.service._rendezvous import Job, Node, Rendezvous, _node_entity
 from rallypoint.service.errors import (
     JobConflict,
     JobFull,
@@ -251,3 +251,27 @@ def test_status_shows_members_waiting_and_history(rdzv: Rendezvous, clock: Clock
     assert status.status == "open" and status.members == []
     assert [w.node_id for w in status.waiting] == ["c"]
     assert status.history[0].ended_reason == "node c joined"
+
+
+def test_a_retried_join_is_the_same_join(rdzv: Rendezvous) -> None:
+    s = spec(2, 2)
+    assert rdzv.join("job", "a", "h", 1, s, join_id="k1") == 1
+    assert rdzv.join("job", "a", "h", 1, s, join_id="k1") == 1  # retry while waiting
+    rdzv.join("job", "b", "h", 2, s, join_id="k2")
+    job, _ = rdzv.tick("job")
+    assert job.generation == 1
+    # The reply was lost; the retry must not end the generation it is part of.
+    assert rdzv.join("job", "a", "h", 1, join_id="k1") == 1
+    assert rdzv.get_job("job").status == "sealed"
+    # A new join (a restarted process) does end it.
+    assert rdzv.join("job", "a", "h", 1, join_id="k3") == 2
+    assert rdzv.get_job("job").status == "open"
+
+
+def test_a_node_that_missed_the_seal_registers_again_with_its_key(rdzv: Rendezvous) -> None:
+    rdzv.join("job", "a", "h", 1, spec(1, 2, last_call=0), join_id="ka")
+    rdzv.tick("job")  # sealed with a alone
+    # c's registration for round 1 raced the seal and lost.
+    rdzv.table.upsert(_node_entity("job", Node("c", "h", 3, 1, 0.0, "waiting", "kc")))
+    assert rdzv.assignment(rdzv.get_job("job"), "c", 1) == "missed"
+    assert rdzv.join("job", "c", "h", 3, join_id="kc") == 2  # registers for the next

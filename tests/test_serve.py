@@ -5,57 +5,28 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from ._azurite import free_port
-
-
-def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "rallypoint", "serve", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-    )
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 30) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            out = proc.stdout.read().decode() if proc.stdout else ""
-            raise AssertionError(f"coordinator exited with {proc.returncode}:\n{out}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise AssertionError("coordinator did not answer /healthz in time")
+from ._coordinator import Coordinator
 
 
 @pytest.fixture
 def start() -> Iterator[Callable[..., str]]:
     """Starts coordinators (args after ``serve``, extra env); each returns its URL once
     healthy, and all are stopped after the test."""
-    procs: list[subprocess.Popen[bytes]] = []
+    started: list[Coordinator] = []
 
     def run(*args: str, env: dict[str, str] | None = None) -> str:
-        port = free_port()
-        proc = _serve("--port", str(port), *args, env=env)
-        procs.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc)
-        return url
+        started.append(Coordinator(list(args), env or {}).start())
+        return started[-1].url
 
     yield run
-    for proc in procs:
-        proc.terminate()
-        proc.wait(15)
+    for coordinator in started:
+        coordinator.stop()
 
 
 def test_serves_health_and_readiness_on_local_storage(

@@ -1,0 +1,397 @@
+"""``ElasticClient``: what a trainer calls before every (re)start."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import httpx
+from pydantic import BaseModel
+
+from ._models import (
+    Assignment,
+    HeartbeatReply,
+    HeartbeatRequest,
+    JobSpec,
+    JobStatus,
+    JobSummary,
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    WaitRequest,
+    check_id,
+)
+from .errors import JoinTimeout, RallypointError, TransportError, error_for
+
+__all__ = [
+    "JOB_ENV",
+    "NODE_ENV",
+    "TOKEN_ENV",
+    "URL_ENV",
+    "ElasticClient",
+    "Heartbeats",
+    "RetryPolicy",
+]
+
+log = logging.getLogger("rallypoint.client")
+
+#: The coordinator's URL, e.g. ``http://coordinator:8080``.
+URL_ENV = "RALLYPOINT_URL"
+#: The job id.
+JOB_ENV = "RALLYPOINT_JOB"
+#: The bearer token, if the coordinator has one.
+TOKEN_ENV = "RALLYPOINT_TOKEN"
+#: This node's id; defaults to the host name (stable across restarts of the node).
+NODE_ENV = "RALLYPOINT_NODE"
+
+# Each long-poll is held this long by the coordinator: far below proxies' 180 s limits.
+_POLL = 30.0
+_RETRY_STATUS = {429, 502, 503, 504}
+
+
+class RetryPolicy(BaseModel):
+    """Capped exponential backoff with full jitter, for transport errors and 429/5xx.
+
+    Attributes:
+        initial: The first backoff's cap.
+        maximum: No backoff is longer.
+        deadline: Retries stop once this much time passed since the first attempt.
+    """
+
+    initial: timedelta = timedelta(milliseconds=200)
+    maximum: timedelta = timedelta(seconds=10)
+    deadline: timedelta = timedelta(seconds=120)
+
+    def delays(self) -> Iterator[float]:
+        """Backoffs to sleep between attempts, until the deadline is spent."""
+        end = time.monotonic() + self.deadline.total_seconds()
+        cap = self.initial.total_seconds()
+        while True:
+            delay = random.uniform(0, cap)
+            if time.monotonic() + delay > end:
+                return
+            yield delay
+            cap = min(cap * 2, self.maximum.total_seconds())
+
+
+def _default_node_id() -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64].strip(".")
+    return name or "node"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class ElasticClient:
+    """A node's handle on one job of a Rallypoint coordinator.
+
+    Args:
+        url: The coordinator, e.g. ``http://coordinator:8080``.
+        job_id: The job, ``[A-Za-z0-9._-]{1,64}``.
+        node_id: This node; defaults to ``RALLYPOINT_NODE`` or the host name.
+        token: The coordinator's bearer token, if it has one.
+        retry: How transport errors and 429/5xx answers are retried.
+        timeout: Connect and read timeout of requests other than long-polls.
+        transport: An httpx transport (tests, proxies).
+
+    Raises:
+        ValueError: ``job_id`` or ``node_id`` is not a valid id.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        job_id: str,
+        node_id: str | None = None,
+        token: str | None = None,
+        *,
+        retry: RetryPolicy | None = None,
+        timeout: timedelta = timedelta(seconds=30),
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.job_id = check_id(job_id)
+        self.node_id = check_id(node_id or os.environ.get(NODE_ENV) or _default_node_id())
+        self.retry = retry or RetryPolicy()
+        self._timeout = timeout.total_seconds()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=self._timeout, transport=transport
+        )
+        self.assignment: Assignment | None = None
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> ElasticClient:
+        """A client from ``RALLYPOINT_URL``, ``RALLYPOINT_JOB``, ``RALLYPOINT_TOKEN`` and
+        ``RALLYPOINT_NODE``; keyword arguments win over the environment.
+
+        Raises:
+            ValueError: ``RALLYPOINT_URL`` or ``RALLYPOINT_JOB`` is not set.
+        """
+        url = kwargs.pop("url", None) or os.environ.get(URL_ENV)
+        job_id = kwargs.pop("job_id", None) or os.environ.get(JOB_ENV)
+        if not url or not job_id:
+            raise ValueError(f"set {URL_ENV} and {JOB_ENV} (or pass url= and job_id=)")
+        kwargs.setdefault("token", os.environ.get(TOKEN_ENV) or None)
+        return cls(url, job_id, **kwargs)
+
+    # --- plumbing -----------------------------------------------------------------------
+
+    def _request(
+        self, method: str, path: str, body: BaseModel | None = None, *, read_timeout: float = 0
+    ) -> httpx.Response:
+        """Sends a request, retrying transport errors and 429/5xx; raises error replies."""
+        content = body.model_dump_json(exclude_none=True) if body is not None else None
+        timeout = httpx.Timeout(self._timeout, read=self._timeout + read_timeout)
+        delays = self.retry.delays()
+        while True:
+            try:
+                response = self._http.request(
+                    method,
+                    path,
+                    content=content,
+                    headers={"Content-Type": "application/json"} if content else None,
+                    timeout=timeout,
+                )
+            except httpx.TransportError as exc:
+                problem: str = f"{type(exc).__name__}: {exc}"
+            else:
+                if response.status_code < 400:
+                    return response
+                if response.status_code not in _RETRY_STATUS:
+                    raise self._error(response)
+                problem = f"HTTP {response.status_code}"
+            delay = next(delays, None)
+            if delay is None:
+                raise TransportError(
+                    f"{method} {self.url}{path} failed for {self.retry.deadline}: {problem}"
+                )
+            log.info("%s %s: %s; retrying in %.2f s", method, path, problem, delay)
+            time.sleep(delay)
+
+    @staticmethod
+    def _error(response: httpx.Response) -> RallypointError:
+        try:
+            body = response.json()
+            code, message = str(body["code"]), str(body["message"])
+        except (ValueError, KeyError, TypeError):
+            code, message = f"http_{response.status_code}", response.text[:200]
+        return error_for(response.status_code, code, message)
+
+    @property
+    def _job(self) -> str:
+        return f"/v1/jobs/{self.job_id}"
+
+    @property
+    def _node(self) -> str:
+        return f"{self._job}/nodes/{self.node_id}"
+
+    # --- jobs ---------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        min_nodes: int,
+        max_nodes: int,
+        *,
+        last_call: timedelta = timedelta(seconds=5),
+        heartbeat_timeout: timedelta = timedelta(seconds=10),
+        join_timeout: timedelta = timedelta(seconds=600),
+    ) -> JobSummary:
+        """Creates the job; harmless if it exists with the same parameters.
+
+        Raises:
+            JobConflict: It exists with other parameters.
+        """
+        spec = JobSpec(
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            last_call=last_call,
+            heartbeat_timeout=heartbeat_timeout,
+            join_timeout=join_timeout,
+        )
+        reply = self._request("PUT", self._job, spec)
+        return JobSummary.model_validate_json(reply.content)
+
+    def membership(self) -> JobStatus:
+        """The job's members, waiting nodes and generation history."""
+        return JobStatus.model_validate_json(self._request("GET", self._job).content)
+
+    def jobs(self) -> list[JobSummary]:
+        """Every job on the coordinator."""
+        return [JobSummary.model_validate(j) for j in self._request("GET", "/v1/jobs").json()]
+
+    # --- rendezvous ---------------------------------------------------------------------
+
+    def join(
+        self,
+        addr: str | None = None,
+        port: int | None = None,
+        *,
+        timeout: timedelta | None = None,
+        spec: JobSpec | None = None,
+    ) -> Assignment:
+        """Joins the job's next generation and blocks until it seals.
+
+        Each request is a long-poll the coordinator holds for at most 30 s, so no proxy
+        cuts it; between them the client polls again until the seal or ``timeout``.
+
+        Args:
+            addr: How other nodes reach this one; defaults to the host name.
+            port: A free port here (rank 0's becomes the master port); one is picked.
+            timeout: Give up after this long; defaults to the job's ``join_timeout``,
+                which the coordinator enforces too.
+            spec: Creates the job with these parameters if it does not exist yet.
+
+        Returns:
+            The assignment: generation, rank, world size, master address and port,
+            members, and the checkpoint every member resumes from.
+
+        Raises:
+            JoinTimeout: No generation with this node sealed in time.
+            JobFull, JobConflict, UnknownJob: As named.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+
+        def wait_for() -> float:
+            if deadline is None:
+                return _POLL
+            return max(0.0, min(_POLL, deadline - time.monotonic()))
+
+        request = JoinRequest(
+            node_id=self.node_id,
+            addr=addr or socket.gethostname(),
+            port=port or _free_port(),
+            spec=spec,
+            wait=wait_for(),
+            join_id=uuid.uuid4().hex,  # retries of this request are the same join
+        )
+        reply = JoinReply.model_validate_json(
+            self._request("POST", f"{self._job}/join", request, read_timeout=request.wait).content
+        )
+        while reply.assignment is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise JoinTimeout(
+                    f"round {reply.round} of job {self.job_id!r} did not seal within {timeout}",
+                    status=408,
+                )
+            poll = WaitRequest(round=reply.round, wait=wait_for())
+            reply = JoinReply.model_validate_json(
+                self._request("POST", f"{self._node}/wait", poll, read_timeout=poll.wait).content
+            )
+        self.assignment = reply.assignment
+        return reply.assignment
+
+    def heartbeat(self) -> HeartbeatReply:
+        """Tells the coordinator this node lives; the reply says whether to restart."""
+        generation = self.assignment.generation if self.assignment else None
+        reply = self._request(
+            "POST", f"{self._node}/heartbeat", HeartbeatRequest(generation=generation)
+        )
+        return HeartbeatReply.model_validate_json(reply.content)
+
+    def heartbeats(
+        self,
+        interval: timedelta | None = None,
+        on_restart: Callable[[HeartbeatReply], None] | None = None,
+    ) -> Heartbeats:
+        """A background thread that heartbeats until stopped (use it as a context manager).
+
+        Args:
+            interval: Between heartbeats; defaults to a quarter of the job's timeout.
+            on_restart: Called once, from the thread, when the generation ended.
+        """
+        if interval is None:
+            interval = self.membership().spec.heartbeat_timeout / 4
+        return Heartbeats(self, interval, on_restart)
+
+    def leave(self, reason: str = "left") -> None:
+        """Leaves the job; if this node was a member, the others restart without it.
+
+        Raises:
+            StaleGeneration: This node's generation ended already.
+        """
+        generation = self.assignment.generation if self.assignment else None
+        self._request(
+            "POST", f"{self._node}/leave", LeaveRequest(generation=generation, reason=reason)
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ElasticClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Heartbeats:
+    """Heartbeats from a background thread (see :meth:`ElasticClient.heartbeats`).
+
+    Attributes:
+        restart: Set once the coordinator answered ``restart``.
+        last: The last reply.
+        error: The error that stopped the thread, if one did.
+    """
+
+    def __init__(
+        self,
+        client: ElasticClient,
+        interval: timedelta,
+        on_restart: Callable[[HeartbeatReply], None] | None,
+    ) -> None:
+        self._client = client
+        self._interval = interval.total_seconds()
+        self._on_restart = on_restart
+        self._stop = threading.Event()
+        self.restart = threading.Event()
+        self.last: HeartbeatReply | None = None
+        self.error: RallypointError | None = None
+        self._thread = threading.Thread(target=self._run, name="rallypoint-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.last = self._client.heartbeat()
+            except RallypointError as exc:
+                log.warning("heartbeat failed: %s", exc)
+                self.error = exc
+                return
+            if self.last.action == "restart":
+                self.restart.set()
+                if self._on_restart is not None:
+                    self._on_restart(self.last)
+                return
+            self._stop.wait(self._interval)
+
+    def stop(self) -> None:
+        """Stops the thread (waits for a request in flight)."""
+        self._stop.set()
+        with contextlib.suppress(RuntimeError):
+            self._thread.join()
+
+    def __enter__(self) -> Heartbeats:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

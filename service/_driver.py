@@ -1,0 +1,190 @@
+"""One coordinator process's driver: it coalesces the storage work of many requests.
+
+A thousand nodes long-polling for a seal, or heartbeating once a second, must not each
+read the job and query the partition. Per job that this process serves, one task:
+
+- refreshes a snapshot of the job entity every ``interval`` (heartbeat replies and
+  long-polls read it from memory) and wakes the long-polls when it changes;
+- calls :meth:`Rendezvous.tick` (seal an open round, end a generation with a silent
+  member) as soon as a join asks and otherwise at least every ``max_tick``;
+- writes the heartbeats it received since its last pass as batches of 100, and keeps
+  the nodes long-polling here alive the same way.
+
+The driver holds no state that matters: it is rebuilt from storage after a restart, and
+any number of replicas may drive the same job, as every write is ETag-conditioned.
+Heartbeats are buffered for at most one ``interval`` before they reach storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import anyio.to_thread
+
+from ._rendezvous import Job, Rendezvous
+
+__all__ = ["Driver"]
+
+log = logging.getLogger("rallypoint.driver")
+
+
+@dataclass
+class _JobLoop:
+    job: Job | None = None
+    read_at: float = 0.0  # when the read that produced ``job`` started
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    beats: dict[str, int] = field(default_factory=dict)
+    waiters: Counter[str] = field(default_factory=Counter)
+    tick_now: bool = True
+    last_used: float = field(default_factory=time.monotonic)
+    error: BaseException | None = None
+    task: asyncio.Task[None] | None = None
+
+
+class Driver:
+    """Drives the jobs this process serves (see module docstring).
+
+    Args:
+        rdzv: The domain logic and its storage.
+        interval: Seconds between passes: the age of a snapshot, the delay of a beat.
+        max_tick: Seconds between ticks at most, which bounds failure detection.
+        idle: Seconds without requests after which a job's task stops.
+    """
+
+    def __init__(
+        self,
+        rdzv: Rendezvous,
+        *,
+        interval: float = 0.1,
+        max_tick: float = 0.5,
+        idle: float = 30.0,
+    ) -> None:
+        self.rdzv = rdzv
+        self.interval = interval
+        self.max_tick = max_tick
+        self.idle = idle
+        self._loops: dict[str, _JobLoop] = {}
+        self._closing = False
+
+    def _loop(self, job_id: str) -> _JobLoop:
+        loop = self._loops.get(job_id)
+        if loop is None or loop.task is None or loop.task.done():
+            loop = _JobLoop()
+            self._loops[job_id] = loop
+            loop.task = asyncio.create_task(self._run(job_id, loop), name=f"drive-{job_id}")
+        loop.last_used = time.monotonic()
+        return loop
+
+    async def snapshot(self, job_id: str) -> tuple[Job, asyncio.Event]:
+        """The job as of at most one interval ago, and an event set when it changes.
+
+        Raises:
+            UnknownJob: No such job (or whatever else the last read raised).
+        """
+        loop = self._loop(job_id)
+        await loop.ready.wait()
+        if loop.error is not None:
+            raise loop.error
+        assert loop.job is not None
+        return loop.job, loop.changed
+
+    async def refresh(self, job_id: str) -> None:
+        """Reads the job now and asks for a tick on the next pass.
+
+        Called after this process changed the job (a join, a departure), so the next
+        request here already sees the change: read-your-writes on one replica.
+        """
+        loop = self._loop(job_id)
+        loop.tick_now = True
+        started = time.monotonic()
+        self._publish(loop, await anyio.to_thread.run_sync(self.rdzv.get_job, job_id), started)
+
+    @staticmethod
+    def _publish(loop: _JobLoop, job: Job, read_at: float) -> None:
+        if read_at < loop.read_at:
+            return  # a newer read was published while this one was in flight
+        loop.read_at = read_at
+        if loop.job is None or job.etag != loop.job.etag:
+            loop.job = job
+            loop.changed.set()
+            loop.changed = asyncio.Event()
+
+    def beat(self, job_id: str, node_id: str, generation: int) -> None:
+        """Queues a heartbeat; it is written within one interval."""
+        self._loop(job_id).beats[node_id] = generation
+
+    @contextlib.contextmanager
+    def waiting(self, job_id: str, node_id: str) -> Iterator[None]:
+        """Marks a node as long-polling here, which keeps its heartbeat fresh."""
+        loop = self._loop(job_id)
+        loop.waiters[node_id] += 1
+        try:
+            yield
+        finally:
+            loop.waiters[node_id] -= 1
+            if loop.waiters[node_id] <= 0:
+                del loop.waiters[node_id]
+
+    async def close(self) -> None:
+        """Stops every task and wakes every long-poll (which then answers)."""
+        self._closing = True
+        for loop in self._loops.values():
+            loop.changed.set()
+            if loop.task is not None:
+                loop.task.cancel()
+        for loop in self._loops.values():
+            if loop.task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await loop.task
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    async def _run(self, job_id: str, loop: _JobLoop) -> None:
+        next_tick = 0.0
+        next_waiter_beat = 0.0
+        while True:
+            started = time.monotonic()
+            try:
+                beats, loop.beats = loop.beats, {}
+                job = loop.job
+                timeout = job.spec.heartbeat_timeout.total_seconds() if job else 3.0
+                if loop.waiters and started >= next_waiter_beat:
+                    for node_id in loop.waiters:
+                        beats.setdefault(node_id, 0)
+                    next_waiter_beat = started + timeout / 3
+                if beats:
+                    await self._write_beats(job_id, beats)
+                if loop.tick_now or started >= next_tick:
+                    loop.tick_now = False
+                    job, wait = await anyio.to_thread.run_sync(self.rdzv.tick, job_id)
+                    next_tick = started + min(max(wait, self.interval), self.max_tick)
+                else:
+                    job = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
+                loop.error = None
+            except Exception as exc:  # storage down, job deleted: report to requests, retry
+                log.warning("job %s: %s", job_id, exc)
+                loop.error = exc
+                job = None
+            if job is not None:
+                self._publish(loop, job, started)
+            loop.ready.set()
+            if not loop.waiters and time.monotonic() - loop.last_used > self.idle:
+                self._loops.pop(job_id, None)
+                return
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def _write_beats(self, job_id: str, beats: dict[str, int]) -> None:
+        by_generation: dict[int, list[str]] = {}
+        for node_id, generation in beats.items():
+            by_generation.setdefault(generation, []).append(node_id)
+        for generation, nodes in by_generation.items():
+            await anyio.to_thread.run_sync(self.rdzv.beat, job_id, nodes, generation)

@@ -1,0 +1,123 @@
+"""HTTP plumbing: the error body every failure gets, a body-size limit, bearer auth."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import RallypointServiceError
+
+__all__ = ["MAX_BODY_BYTES", "BodyLimit", "check_token", "error_response", "install_handlers"]
+
+log = logging.getLogger("rallypoint.http")
+
+#: No request of the API carries more; a larger body is refused before it is parsed.
+MAX_BODY_BYTES = 64 * 1024
+
+_HTTP_CODES = {
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+}
+
+
+def error_response(status: int, code: str, message: str, detail: Any = None) -> JSONResponse:
+    body: dict[str, Any] = {"code": code, "message": message}
+    if detail is not None:
+        body["detail"] = detail
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Makes every error a JSON ``{"code", "message"}`` body with the right status."""
+
+    @app.exception_handler(RallypointServiceError)
+    async def domain_error(request: Request, exc: RallypointServiceError) -> JSONResponse:
+        if exc.status >= 500:
+            log.warning("%s %s: %s", request.method, request.url.path, exc.message)
+        return error_response(exc.status, exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return error_response(400, "malformed_json", "the request body is not valid JSON")
+        detail = [
+            {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))}
+            for e in errors
+        ]
+        first = detail[0] if detail else {"loc": [], "msg": "invalid"}
+        where = ".".join(first["loc"][1:] if len(first["loc"]) > 1 else first["loc"])
+        return error_response(422, "invalid_request", f"{where}: {first['msg']}", detail)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
+        return error_response(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, "internal_error", "the coordinator failed; see its log")
+
+
+def check_token(expected: str | None, header: str | None) -> bool:
+    """Whether an ``Authorization`` header carries the expected bearer token."""
+    if expected is None:
+        return True
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), expected.encode())
+
+
+class BodyLimit:
+    """Refuses bodies over ``limit`` bytes with 413, whether announced or streamed."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await self._refuse(send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                # Raised inside the app, so its handler answers with the usual body.
+                raise HTTPException(413, self._message)
+            return message
+
+        await self.app(scope, counted, send)
+
+    @property
+    def _message(self) -> str:
+        return f"request bodies are limited to {self.limit} bytes"
+
+    async def _refuse(self, send: Send) -> None:
+        body = json.dumps({"code": "body_too_large", "message": self._message}).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,61 @@
+"""Request dependencies, as ``Annotated`` aliases the routers declare parameters with."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Path, Request
+
+from rallypoint.client._models import check_id
+
+from ._driver import Driver
+from ._http import check_token
+from ._rendezvous import Rendezvous
+from .errors import InvalidId, Unauthorized
+from .settings import Settings
+
+__all__ = ["Auth", "DriverDep", "JobId", "NodeId", "RdzvDep", "SettingsDep"]
+
+
+def _rdzv(request: Request) -> Rendezvous:
+    rdzv: Rendezvous = request.app.state.rdzv
+    return rdzv
+
+
+def _driver(request: Request) -> Driver:
+    driver: Driver = request.app.state.driver
+    return driver
+
+
+def _settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def _authorized(request: Request) -> None:
+    if not check_token(request.app.state.settings.token, request.headers.get("authorization")):
+        raise Unauthorized("this coordinator needs 'Authorization: Bearer <token>'")
+
+
+def _checked(kind: str, value: str) -> str:
+    try:
+        return check_id(value)
+    except ValueError as exc:
+        raise InvalidId(f"{kind} id {exc}") from None
+
+
+def _job_id(job_id: Annotated[str, Path()]) -> str:
+    return _checked("job", job_id)
+
+
+def _node_id(node_id: Annotated[str, Path()]) -> str:
+    return _checked("node", node_id)
+
+
+RdzvDep = Annotated[Rendezvous, Depends(_rdzv)]
+DriverDep = Annotated[Driver, Depends(_driver)]
+SettingsDep = Annotated[Settings, Depends(_settings)]
+JobId = Annotated[str, Depends(_job_id)]
+NodeId = Annotated[str, Depends(_node_id)]
+#: Declared on the /v1 router: every route under it needs the token when one is set.
+Auth = Depends(_authorized)

@@ -1,0 +1,157 @@
+"""Jobs, their membership, and the rendezvous itself (``/v1/jobs``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import anyio.to_thread
+from fastapi import APIRouter, Request, Response
+
+from rallypoint.client._models import (
+    HeartbeatReply,
+    HeartbeatRequest,
+    JobSpec,
+    JobStatus,
+    JobSummary,
+    JoinReply,
+    JoinRequest,
+    LeaveRequest,
+    WaitRequest,
+)
+
+from ..deps import Auth, DriverDep, JobId, NodeId, RdzvDep
+from ..errors import JoinTimeout, UnknownNode
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Auth])
+
+
+@router.get("")
+async def list_jobs(rdzv: RdzvDep) -> list[JobSummary]:
+    """Every job this coordinator's storage knows."""
+    jobs = await anyio.to_thread.run_sync(rdzv.list_jobs)
+    return [rdzv.summary(job) for job in jobs]
+
+
+@router.put("/{job_id}", status_code=201)
+async def create_job(job_id: JobId, spec: JobSpec, rdzv: RdzvDep, response: Response) -> JobSummary:
+    """Creates a job; repeating it with the same spec is harmless (200), another is 409."""
+    job, created = await anyio.to_thread.run_sync(rdzv.create_job, job_id, spec)
+    if not created:
+        response.status_code = 200
+    return rdzv.summary(job)
+
+
+@router.get("/{job_id}")
+async def job_status(job_id: JobId, rdzv: RdzvDep) -> JobStatus:
+    """Members (rank, address, heartbeat age, state), waiting nodes, generation history."""
+    return await anyio.to_thread.run_sync(rdzv.status, job_id)
+
+
+@router.post(
+    "/{job_id}/join",
+    responses={202: {"model": JoinReply, "description": "still waiting: poll /wait"}},
+)
+async def join(
+    job_id: JobId,
+    body: JoinRequest,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    request: Request,
+    response: Response,
+) -> JoinReply:
+    """Registers a node for the next generation and waits up to ``wait`` s for its seal."""
+    round = await anyio.to_thread.run_sync(
+        rdzv.join, job_id, body.node_id, body.addr, body.port, body.spec, body.join_id
+    )
+    await driver.refresh(job_id)
+    return await _await_seal(
+        job_id, body.node_id, round, body.wait, rdzv, driver, request, response
+    )
+
+
+@router.post(
+    "/{job_id}/nodes/{node_id}/wait",
+    responses={202: {"model": JoinReply, "description": "still waiting: poll again"}},
+)
+async def wait(
+    job_id: JobId,
+    node_id: NodeId,
+    body: WaitRequest,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    request: Request,
+    response: Response,
+) -> JoinReply:
+    """Waits up to ``wait`` s more for the round a join registered for to seal."""
+    return await _await_seal(
+        job_id, node_id, body.round, body.wait, rdzv, driver, request, response
+    )
+
+
+async def _await_seal(
+    job_id: str,
+    node_id: str,
+    round: int,
+    wait: float,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    request: Request,
+    response: Response,
+) -> JoinReply:
+    node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
+    join_timeout = (await driver.snapshot(job_id))[0].spec.join_timeout.total_seconds()
+    deadline = time.monotonic() + wait
+    with driver.waiting(job_id, node_id):
+        while True:
+            job, changed = await driver.snapshot(job_id)
+            outcome = await anyio.to_thread.run_sync(rdzv.assignment, job, node_id, round)
+            if outcome == "missed":
+                # Sealed without this node (it came too late): it wants the next one.
+                round = await anyio.to_thread.run_sync(
+                    rdzv.join, job_id, node_id, node.addr, node.port, None, node.join_id
+                )
+                node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
+                await driver.refresh(job_id)
+                continue
+            if outcome is not None:
+                return JoinReply(status="sealed", round=round, assignment=outcome)
+            if rdzv.clock() - node.joined_at > join_timeout:
+                raise JoinTimeout(
+                    f"round {round} of job {job_id!r} did not seal within {join_timeout:.0f} s"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0 or driver.closing or await request.is_disconnected():
+                response.status_code = 202
+                return JoinReply(status="waiting", round=round)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout=min(left, 1.0))
+
+
+@router.post("/{job_id}/nodes/{node_id}/heartbeat")
+async def heartbeat(
+    job_id: JobId, node_id: NodeId, body: HeartbeatRequest, rdzv: RdzvDep, driver: DriverDep
+) -> HeartbeatReply:
+    """A member's pulse; the reply says whether its generation still runs."""
+    job, _ = await driver.snapshot(job_id)
+    action = rdzv.heartbeat(job, node_id, body.generation)
+    if action == "continue" and body.generation is not None:
+        sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, body.generation)
+        if node_id not in sealed.ranks:
+            raise UnknownNode(f"node {node_id!r} is not a member of generation {body.generation}")
+    if action == "continue":
+        driver.beat(job_id, node_id, body.generation or 0)
+    return HeartbeatReply(action=action, generation=job.generation)
+
+
+@router.post("/{job_id}/nodes/{node_id}/leave")
+async def leave(
+    job_id: JobId, node_id: NodeId, body: LeaveRequest, rdzv: RdzvDep, driver: DriverDep
+) -> dict[str, str]:
+    """Takes a node out; if it was a member, its generation ends and the others restart."""
+    await anyio.to_thread.run_sync(rdzv.leave, job_id, node_id, body.generation, body.reason)
+    await driver.refresh(job_id)
+    return {"status": "left"}

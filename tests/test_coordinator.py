@@ -1,0 +1,221 @@
+"""The coordinator end to end: real uvicorn processes, real ElasticClients."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rallypoint.client import (
+    Assignment,
+    ElasticClient,
+    JobConflict,
+    JobFull,
+    JobSpec,
+    RetryPolicy,
+    StaleGeneration,
+    Unauthorized,
+    UnknownJob,
+)
+
+from ._coordinator import Coordinator
+
+Start = Callable[..., Coordinator]
+
+
+@pytest.fixture(params=["local", "azure"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """Arguments and environment for coordinators sharing one storage."""
+    if request.param == "local":
+        return ["--storage", f"local:{tmp_path / 'store'}"], {}
+    prefix = "c" + uuid.uuid4().hex[:10]
+    return ["--storage", "azure"], {
+        "AZURE_STORAGE_CONNECTION_STRING": request.getfixturevalue("azurite"),
+        "RALLYPOINT_STORAGE_PREFIX": prefix,
+    }
+
+
+@pytest.fixture
+def start(backend: tuple[list[str], dict[str, str]]) -> Iterator[Start]:
+    started: list[Coordinator] = []
+
+    def run(*extra: str) -> Coordinator:
+        args, env = backend
+        started.append(Coordinator([*args, *extra], env).start())
+        return started[-1]
+
+    yield run
+    for coordinator in started:
+        coordinator.stop()
+
+
+def spec(min_nodes: int, max_nodes: int, last_call: float = 0.5, timeout: float = 2) -> JobSpec:
+    return JobSpec(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        last_call=timedelta(seconds=last_call),
+        heartbeat_timeout=timedelta(seconds=timeout),
+        join_timeout=timedelta(seconds=60),
+    )
+
+
+def join_all(clients: list[ElasticClient], s: JobSpec | None = None) -> list[Assignment]:
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futures = [
+            pool.submit(c.join, "127.0.0.1", 30000 + i, spec=s, timeout=timedelta(seconds=60))
+            for i, c in enumerate(clients)
+        ]
+        return [f.result() for f in futures]
+
+
+def clients(url: str, names: list[str], job: str = "job", **kw: object) -> list[ElasticClient]:
+    return [ElasticClient(url, job, n, **kw) for n in names]  # type: ignore[arg-type]
+
+
+def check_one_generation(assignments: list[Assignment]) -> None:
+    generations = {a.generation for a in assignments}
+    assert len(generations) == 1
+    world = {a.world_size for a in assignments}
+    assert world == {len(assignments)}
+    assert sorted(a.rank for a in assignments) == list(range(len(assignments)))
+    assert len({(a.master_addr, a.master_port) for a in assignments}) == 1
+    rank0 = next(a for a in assignments if a.rank == 0)
+    assert rank0.master_port == next(m.port for m in rank0.members if m.rank == 0)
+
+
+def eventually_restart(node: ElasticClient, within: float = 5) -> bool:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        if node.heartbeat().action == "restart":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_nodes_join_one_generation(start: Start) -> None:
+    url = start().url
+    nodes = clients(url, ["a", "b", "c"])
+    assignments = join_all(nodes, spec(3, 3))
+    check_one_generation(assignments)
+    status = nodes[0].membership()
+    assert status.status == "sealed" and status.world_size == 3
+    assert sorted(m.node_id for m in status.members) == ["a", "b", "c"]
+    assert [j.job_id for j in nodes[0].jobs()] == ["job"]
+
+
+def test_a_silent_member_makes_the_others_restart(start: Start) -> None:
+    url = start().url
+    nodes = clients(url, ["r0", "r1", "r2"])
+    first = join_all(nodes, spec(2, 3))
+    check_one_generation(first)
+    by_node = {a.node_id: a.rank for a in first}
+    beats = [c.heartbeats(timedelta(seconds=0.3)) for c in nodes[:2]]  # r2 is "killed"
+    for b in beats:
+        assert b.restart.wait(20), "survivors were not told to restart"
+        assert b.error is None
+    status = nodes[0].membership()
+    assert (
+        status.history[0].ended_reason and "r2 missed heartbeats" in status.history[0].ended_reason
+    )
+    second = join_all(nodes[:2])
+    check_one_generation(second)
+    assert second[0].generation == first[0].generation + 1
+    # Survivors keep their relative order.
+    assert [a.node_id for a in sorted(second, key=lambda a: a.rank)] == sorted(
+        ["r0", "r1"], key=lambda n: by_node[n]
+    )
+
+
+def test_leaving_restarts_the_others_and_zombies_are_fenced(start: Start) -> None:
+    url = start().url
+    nodes = clients(url, ["a", "b"])
+    join_all(nodes, spec(1, 2))
+    nodes[1].leave("preempted")
+    assert nodes[0].heartbeat().action == "restart"
+    with pytest.raises(StaleGeneration):
+        nodes[0].leave("too late: generation 1 is over")
+    again = join_all(nodes[:1])
+    assert again[0].world_size == 1 and again[0].generation == 2
+
+
+def test_two_coordinators_on_one_storage_behave_as_one(start: Start) -> None:
+    one, two = start(), start()
+    nodes = clients(one.url, ["n0", "n1", "n2"]) + clients(two.url, ["n3", "n4", "n5"])
+    assignments = join_all(nodes, spec(6, 6))
+    check_one_generation(assignments)
+    # A departure through one, heartbeats through the other: the other replica's
+    # snapshot of the job is at most one driver pass (0.1 s) old.
+    nodes[4].leave("maintenance")
+    assert eventually_restart(nodes[0])
+    assert (
+        ElasticClient(one.url, "job", "x").membership()
+        == ElasticClient(two.url, "job", "x").membership()
+    )
+
+
+def registered(client: ElasticClient, count: int) -> bool:
+    try:
+        return len(client.membership().waiting) >= count
+    except UnknownJob:
+        return False
+
+
+def test_a_coordinator_killed_mid_rendezvous_loses_nothing(start: Start) -> None:
+    coordinator = start()
+    patient = RetryPolicy(initial=timedelta(milliseconds=100), deadline=timedelta(seconds=60))
+    nodes = clients(coordinator.url, ["a", "b", "c"], retry=patient)
+    results: dict[str, Assignment] = {}
+
+    def join(c: ElasticClient) -> None:
+        results[c.node_id] = c.join("127.0.0.1", timeout=timedelta(seconds=90), spec=spec(3, 3))
+
+    early = [threading.Thread(target=join, args=(c,)) for c in nodes[:2]]
+    for t in early:
+        t.start()
+    deadline = time.monotonic() + 30
+    while not registered(nodes[2], 2):  # both registered and long-polling
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    coordinator.kill()
+    coordinator.start()
+    join(nodes[2])
+    for t in early:
+        t.join(60)
+    assert sorted(results) == ["a", "b", "c"], coordinator.log_tail()
+    check_one_generation(list(results.values()))
+    assert results["a"].generation == 1  # the registrations survived: no extra round
+
+
+def test_the_token_guards_v1_but_not_the_probes(start: Start) -> None:
+    url = start("--token", "s3cret").url
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        reply = httpx.get(f"{url}/v1/jobs", headers=headers)
+        assert reply.status_code == 401
+        assert reply.json()["code"] == "unauthorized"
+        assert reply.headers["www-authenticate"] == "Bearer"
+    with pytest.raises(Unauthorized):
+        ElasticClient(url, "job", "a").jobs()
+    (node,) = clients(url, ["a"], token="s3cret")
+    assert join_all([node], spec(1, 1))[0].rank == 0
+
+
+def test_client_errors_carry_the_code(start: Start) -> None:
+    url = start().url
+    (a,) = clients(url, ["a"])
+    with pytest.raises(UnknownJob):
+        a.membership()
+    a.create_job(1, 1)
+    a.create_job(1, 1)  # idempotent
+    with pytest.raises(JobConflict):
+        a.create_job(1, 2)
+    join_all([a])
+    with pytest.raises(JobFull):
+        ElasticClient(url, "job", "b").join("127.0.0.1", timeout=timedelta(seconds=5))
