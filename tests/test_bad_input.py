@@ -1,0 +1,184 @@
+"""Bad requests get a 4xx with a machine-readable code, and change nothing stored."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ._coordinator import Coordinator
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    store = tmp_path_factory.mktemp("store")
+    coordinator = Coordinator(["--storage", f"local:{store}"], {}).start()
+    # One job with one sealed generation, which no bad request may disturb.
+    spec = {"min_nodes": 1, "max_nodes": 1, "last_call": 0, "heartbeat_timeout": 60}
+    reply = httpx.post(
+        f"{coordinator.url}/v1/jobs/job/join",
+        json={"node_id": "a", "addr": "127.0.0.1", "port": 1234, "spec": spec, "wait": 30},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    yield coordinator.url
+    coordinator.stop()
+
+
+def snapshot(url: str) -> Any:
+    jobs = httpx.get(f"{url}/v1/jobs").json()
+    status = httpx.get(f"{url}/v1/jobs/job").json()
+    for member in status["members"]:
+        member.pop("heartbeat_age")  # time passes; nothing else may change
+        member.pop("state")
+    return jobs, status
+
+
+JOIN = {"node_id": "b", "addr": "h", "port": 1}
+
+CASES: list[tuple[str, str, str, Any, int, str]] = [
+    # (id, method, path, body (bytes = raw), status, code)
+    ("malformed-json", "POST", "/v1/jobs/job/join", b'{"node_id": "b",', 400, "malformed_json"),
+    ("not-an-object", "POST", "/v1/jobs/job/join", b"[1, 2]", 422, "invalid_request"),
+    ("wrong-type", "POST", "/v1/jobs/job/join", {**JOIN, "port": "eighty"}, 422, "invalid_request"),
+    ("missing-field", "POST", "/v1/jobs/job/join", {"node_id": "b"}, 422, "invalid_request"),
+    ("unknown-field", "POST", "/v1/jobs/job/join", {**JOIN, "rank": 0}, 422, "invalid_request"),
+    (
+        "bad-node-id",
+        "POST",
+        "/v1/jobs/job/join",
+        {**JOIN, "node_id": "../a"},
+        422,
+        "invalid_request",
+    ),
+    ("huge-wait", "POST", "/v1/jobs/job/join", {**JOIN, "wait": 3600}, 422, "invalid_request"),
+    ("oversized", "POST", "/v1/jobs/job/join", b"{" + b" " * 70_000 + b"}", 413, "body_too_large"),
+    ("bad-job-id", "GET", "/v1/jobs/bad$id", None, 400, "invalid_id"),
+    ("dotdot-job-id", "GET", "/v1/jobs/..", None, 404, "not_found"),
+    (
+        "dotdot-node-id",
+        "POST",
+        "/v1/jobs/job/join",
+        {**JOIN, "node_id": ".."},
+        422,
+        "invalid_request",
+    ),
+    ("long-job-id", "GET", "/v1/jobs/" + "j" * 65, None, 400, "invalid_id"),
+    ("encoded-slash", "GET", "/v1/jobs/a%2Fb", None, 404, "not_found"),
+    ("encoded-slash-node", "POST", "/v1/jobs/job/nodes/a%2F..%2Fb/leave", {}, 404, "not_found"),
+    ("unknown-job", "GET", "/v1/jobs/nojob", None, 404, "unknown_job"),
+    ("join-unknown-job", "POST", "/v1/jobs/nojob/join", JOIN, 404, "unknown_job"),
+    ("beyond-max", "POST", "/v1/jobs/job/join", {**JOIN, "wait": 0}, 409, "job_full"),
+    (
+        "conflicting-spec",
+        "PUT",
+        "/v1/jobs/job",
+        {"min_nodes": 1, "max_nodes": 4, "last_call": 0, "heartbeat_timeout": 60},
+        409,
+        "job_conflict",
+    ),
+    (
+        "min-over-max",
+        "PUT",
+        "/v1/jobs/new",
+        {"min_nodes": 3, "max_nodes": 2},
+        422,
+        "invalid_request",
+    ),
+    ("negative-time", "PUT", "/v1/jobs/new", {"last_call": -1}, 422, "invalid_request"),
+    (
+        "future-generation",
+        "POST",
+        "/v1/jobs/job/nodes/a/heartbeat",
+        {"generation": 9},
+        409,
+        "stale_generation",
+    ),
+    (
+        "not-a-member",
+        "POST",
+        "/v1/jobs/job/nodes/zz/heartbeat",
+        {"generation": 1},
+        404,
+        "unknown_node",
+    ),
+    (
+        "stale-leave",
+        "POST",
+        "/v1/jobs/job/nodes/a/leave",
+        {"generation": 0},
+        422,
+        "invalid_request",
+    ),
+    (
+        "unknown-node-wait",
+        "POST",
+        "/v1/jobs/job/nodes/zz/wait",
+        {"round": 2, "wait": 0},
+        404,
+        "unknown_node",
+    ),
+    ("no-route", "GET", "/v1/nothing", None, 404, "not_found"),
+    ("wrong-method", "DELETE", "/v1/jobs/job", None, 405, "method_not_allowed"),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code"),
+    [c[1:] for c in CASES],
+    ids=[c[0] for c in CASES],
+)
+def test_bad_requests_are_refused_and_change_nothing(
+    url: str, method: str, path: str, body: Any, status: int, code: str
+) -> None:
+    before = snapshot(url)
+    kwargs: dict[str, Any] = {"timeout": 30}
+    if isinstance(body, bytes):
+        kwargs["content"] = body
+        kwargs["headers"] = {"Content-Type": "application/json"}
+    elif body is not None:
+        kwargs["json"] = body
+    reply = httpx.request(method, f"{url}{path}", **kwargs)
+    assert reply.status_code == status, reply.text
+    payload = reply.json()
+    assert payload["code"] == code
+    assert isinstance(payload["message"], str) and payload["message"]
+    assert snapshot(url) == before
+
+
+def test_a_streamed_oversized_body_is_refused(url: str) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"node_id": "b", "addr": "'
+        for _ in range(20):
+            yield b"x" * 8192
+        yield b'"}'
+
+    reply = httpx.post(
+        f"{url}/v1/jobs/job/join",
+        content=chunks(),
+        headers={"Content-Type": "application/json"},
+    )
+    assert reply.status_code == 413
+    assert reply.json()["code"] == "body_too_large"
+
+
+def test_a_zombie_from_an_ended_generation_is_fenced(tmp_path: Path) -> None:
+    coordinator = Coordinator(["--storage", f"local:{tmp_path}"], {}).start()
+    try:
+        spec = {"min_nodes": 1, "max_nodes": 2, "last_call": 0, "heartbeat_timeout": 60}
+        base = f"{coordinator.url}/v1/jobs/job"
+        join = {"node_id": "a", "addr": "h", "port": 1, "spec": spec, "wait": 30}
+        assert httpx.post(f"{base}/join", json=join, timeout=60).json()["status"] == "sealed"
+        # b joins: generation 1 ends; a's old process keeps talking about it.
+        httpx.post(f"{base}/join", json={**join, "node_id": "b", "wait": 0}, timeout=60)
+        reply = httpx.post(f"{base}/nodes/a/leave", json={"generation": 1})
+        assert (reply.status_code, reply.json()["code"]) == (409, "stale_generation")
+        beat = httpx.post(f"{base}/nodes/a/heartbeat", json={"generation": 1}).json()
+        assert beat["action"] == "restart"
+        history = httpx.get(base).json()["history"]
+        assert history[0]["ended_reason"] == "node b joined"
+    finally:
+        coordinator.stop()
