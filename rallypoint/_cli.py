@@ -37,6 +37,7 @@ def _serve(args: argparse.Namespace) -> int:
             "storage": args.storage,
             "token": args.token,
             "insecure": args.insecure or None,
+            "access_log": args.access_log or None,
         }.items()
         if v is not None
     }
@@ -51,6 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=settings.host,
         port=settings.port,
         log_level="info",
+        access_log=settings.access_log,
         timeout_graceful_shutdown=10,
     )
     return 0
@@ -75,6 +77,11 @@ def _parser() -> argparse.ArgumentParser:
         "--insecure",
         action="store_true",
         help="allow a non-loopback address without a token [RALLYPOINT_INSECURE]",
+    )
+    serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log every request [RALLYPOINT_ACCESS_LOG, off]",
     )
     serve.set_defaults(run=_serve)
     return parser

@@ -95,6 +95,10 @@ class Driver:
         assert loop.job is not None
         return loop.job, loop.changed
 
+    def poke(self, job_id: str) -> None:
+        """Asks for a tick on the next pass (after a join registered)."""
+        self._loop(job_id).tick_now = True
+
     async def refresh(self, job_id: str) -> None:
         """Reads the job now and asks for a tick on the next pass.
 

@@ -110,6 +110,18 @@ class Generation:
         """Node id to rank, for constant-time membership checks on every heartbeat."""
         return {m.node_id: m.rank for m in self.members}
 
+    @functools.cached_property
+    def members_json(self) -> bytes:
+        """The members as the wire's JSON list, made once: every one of N replies
+        carries all N members, and serialising them per reply would cost O(N^2)."""
+        return json.dumps(
+            [
+                {"node_id": m.node_id, "rank": m.rank, "addr": m.addr, "port": m.port}
+                for m in self.members
+            ],
+            separators=(",", ":"),
+        ).encode()
+
 
 @dataclass(frozen=True)
 class Node:
@@ -270,6 +282,13 @@ def _node_entity(job_id: str, n: Node) -> Entity:
     )
 
 
+def _beat_op(job_id: str, node_id: str, at: float, generation: int) -> BatchOp:
+    return BatchOp(
+        "upsert",
+        Entity(job_id, BEAT + node_id, {"kind": "beat", "at": at, "generation": generation}),
+    )
+
+
 class Rendezvous:
     """Jobs, joins, seals, heartbeats and departures, over one table.
 
@@ -363,6 +382,11 @@ class Rendezvous:
                 self._sealed.popitem(last=False)
         return gen
 
+    def cached(self, job_id: str, generation: int) -> Generation | None:
+        """:meth:`sealed` if it is cached, without touching storage (for async callers)."""
+        with self._lock:
+            return self._sealed.get((job_id, generation))
+
     def members(self, job_id: str, generation: int) -> tuple[Member, ...]:
         """A sealed generation's members in rank order."""
         return self.sealed(job_id, generation).members
@@ -452,8 +476,9 @@ class Rendezvous:
                 continue
             now = self.clock()
             node = Node(node_id, addr, port, job.round, now, "waiting", join_id)
-            self.table.upsert(_node_entity(job_id, node))
-            self.beat(job_id, [node_id])
+            self.table.batch(  # one write: registration and first heartbeat together
+                [BatchOp("upsert", _node_entity(job_id, node)), _beat_op(job_id, node_id, now, 0)]
+            )
             return job.round
 
     def _registered(self, job: Job, node: Node) -> bool:
@@ -468,13 +493,7 @@ class Rendezvous:
     def beat(self, job_id: str, node_ids: Iterable[str], generation: int = 0) -> None:
         """Records that nodes are alive now (in batches of 100: one partition)."""
         now = self.clock()
-        ops = [
-            BatchOp(
-                "upsert",
-                Entity(job_id, BEAT + n, {"kind": "beat", "at": now, "generation": generation}),
-            )
-            for n in dict.fromkeys(node_ids)
-        ]
+        ops = [_beat_op(job_id, n, now, generation) for n in dict.fromkeys(node_ids)]
         for start in range(0, len(ops), 100):
             self.table.batch(ops[start : start + 100])
 
@@ -487,14 +506,12 @@ class Rendezvous:
     def _nodes(self, job_id: str, where: tuple[Cond, ...] = ()) -> list[Node]:
         return [_node(e) for e in self.table.query(job_id, (Cond("kind", "eq", "node"), *where))]
 
-    def assignment(
-        self, job: Job, node_id: str, round: int
-    ) -> Assignment | Literal["missed"] | None:
+    def outcome(self, job: Job, node_id: str, round: int) -> Generation | Literal["missed"] | None:
         """A waiting node's outcome for ``round``, given a fresh job snapshot.
 
         Returns:
-            The assignment once ``round`` sealed with the node in it; ``"missed"`` if the
-            round sealed (or passed) without it, so it must join again; None while
+            The sealed generation once ``round`` sealed with the node in it; ``"missed"``
+            if the round sealed (or passed) without it, so it must join again; None while
             the round is still open.
         """
         if job.generation < round:
@@ -502,10 +519,17 @@ class Rendezvous:
         if job.generation > round or job.status != "sealed":
             return "missed"
         sealed = self.sealed(job.job_id, round)
+        return sealed if node_id in sealed.ranks else "missed"
+
+    def assignment(
+        self, job: Job, node_id: str, round: int
+    ) -> Assignment | Literal["missed"] | None:
+        """Like :meth:`outcome`, with the node's assignment for a sealed round."""
+        sealed = self.outcome(job, node_id, round)
+        if sealed is None or sealed == "missed":
+            return sealed
         members = sealed.members
-        mine = next((m for m in members if m.node_id == node_id), None)
-        if mine is None:
-            return "missed"
+        mine = members[sealed.ranks[node_id]]
         return Assignment(
             job_id=job.job_id,
             node_id=node_id,

@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     storage_prefix: str = "rp"
     token: str | None = None
     insecure: bool = False
+    #: One log line per request; off by default, as every node heartbeats every second.
+    access_log: bool = False
 
     @field_validator("storage")
     @classmethod

@@ -56,7 +56,9 @@ def start(backend: tuple[list[str], dict[str, str]]) -> Iterator[Start]:
         coordinator.stop()
 
 
-def spec(min_nodes: int, max_nodes: int, last_call: float = 0.5, timeout: float = 2) -> JobSpec:
+def spec(min_nodes: int, max_nodes: int, last_call: float = 0.5, timeout: float = 10) -> JobSpec:
+    """A job spec; nodes in these tests heartbeat only where detection is tested, so the
+    default timeout is long enough that a slow machine never ends a generation early."""
     return JobSpec(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -113,7 +115,7 @@ def test_nodes_join_one_generation(start: Start) -> None:
 def test_a_silent_member_makes_the_others_restart(start: Start) -> None:
     url = start().url
     nodes = clients(url, ["r0", "r1", "r2"])
-    first = join_all(nodes, spec(2, 3))
+    first = join_all(nodes, spec(2, 3, timeout=2))
     check_one_generation(first)
     by_node = {a.node_id: a.rank for a in first}
     beats = [c.heartbeats(timedelta(seconds=0.3)) for c in nodes[:2]]  # r2 is "killed"
@@ -174,7 +176,10 @@ def test_a_coordinator_killed_mid_rendezvous_loses_nothing(start: Start) -> None
     results: dict[str, Assignment] = {}
 
     def join(c: ElasticClient) -> None:
-        results[c.node_id] = c.join("127.0.0.1", timeout=timedelta(seconds=90), spec=spec(3, 3))
+        # These nodes never heartbeat: the timeout must outlast the coordinator's restart
+        # plus the clients' backoff, or it (rightly) ends the generation they sealed.
+        s = spec(3, 3, timeout=30)
+        results[c.node_id] = c.join("127.0.0.1", timeout=timedelta(seconds=90), spec=s)
 
     early = [threading.Thread(target=join, args=(c,)) for c in nodes[:2]]
     for t in early:

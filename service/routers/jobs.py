@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 import anyio.to_thread
@@ -21,6 +22,7 @@ from rallypoint.client._models import (
     WaitRequest,
 )
 
+from .._rendezvous import Generation
 from ..deps import Auth, DriverDep, JobId, NodeId, RdzvDep
 from ..errors import JoinTimeout, UnknownNode
 
@@ -53,6 +55,7 @@ async def job_status(job_id: JobId, rdzv: RdzvDep) -> JobStatus:
 
 @router.post(
     "/{job_id}/join",
+    response_model=JoinReply,
     responses={202: {"model": JoinReply, "description": "still waiting: poll /wait"}},
 )
 async def join(
@@ -62,12 +65,12 @@ async def join(
     driver: DriverDep,
     request: Request,
     response: Response,
-) -> JoinReply:
+) -> JoinReply | Response:
     """Registers a node for the next generation and waits up to ``wait`` s for its seal."""
     round = await anyio.to_thread.run_sync(
         rdzv.join, job_id, body.node_id, body.addr, body.port, body.spec, body.join_id
     )
-    await driver.refresh(job_id)
+    driver.poke(job_id)
     return await _await_seal(
         job_id, body.node_id, round, body.wait, rdzv, driver, request, response
     )
@@ -75,6 +78,7 @@ async def join(
 
 @router.post(
     "/{job_id}/nodes/{node_id}/wait",
+    response_model=JoinReply,
     responses={202: {"model": JoinReply, "description": "still waiting: poll again"}},
 )
 async def wait(
@@ -85,11 +89,34 @@ async def wait(
     driver: DriverDep,
     request: Request,
     response: Response,
-) -> JoinReply:
+) -> JoinReply | Response:
     """Waits up to ``wait`` s more for the round a join registered for to seal."""
     return await _await_seal(
         job_id, node_id, body.round, body.wait, rdzv, driver, request, response
     )
+
+
+def _sealed_reply(job_id: str, node_id: str, sealed: Generation) -> Response:
+    """The JoinReply of a sealed round, built around the generation's members JSON,
+    which is serialised once rather than once per member (O(N^2) for N members)."""
+    members = sealed.members
+    head = {
+        "job_id": job_id,
+        "node_id": node_id,
+        "generation": sealed.generation,
+        "rank": sealed.ranks[node_id],
+        "world_size": len(members),
+        "master_addr": members[0].addr,
+        "master_port": members[0].port,
+        "checkpoint": sealed.checkpoint.model_dump(mode="json") if sealed.checkpoint else None,
+    }
+    assignment = json.dumps(head, separators=(",", ":")).encode()[:-1]  # without its "}"
+    body = b'{"status":"sealed","round":%d,"assignment":%b,"members":%b}}' % (
+        sealed.generation,
+        assignment,
+        sealed.members_json,
+    )
+    return Response(body, media_type="application/json")
 
 
 async def _await_seal(
@@ -101,24 +128,27 @@ async def _await_seal(
     driver: DriverDep,
     request: Request,
     response: Response,
-) -> JoinReply:
+) -> JoinReply | Response:
     node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
     join_timeout = (await driver.snapshot(job_id))[0].spec.join_timeout.total_seconds()
     deadline = time.monotonic() + wait
     with driver.waiting(job_id, node_id):
         while True:
             job, changed = await driver.snapshot(job_id)
-            outcome = await anyio.to_thread.run_sync(rdzv.assignment, job, node_id, round)
+            if rdzv.cached(job_id, round) is not None:  # no storage read: stay on the loop
+                outcome = rdzv.outcome(job, node_id, round)
+            else:
+                outcome = await anyio.to_thread.run_sync(rdzv.outcome, job, node_id, round)
             if outcome == "missed":
                 # Sealed without this node (it came too late): it wants the next one.
                 round = await anyio.to_thread.run_sync(
                     rdzv.join, job_id, node_id, node.addr, node.port, None, node.join_id
                 )
                 node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
-                await driver.refresh(job_id)
+                driver.poke(job_id)
                 continue
             if outcome is not None:
-                return JoinReply(status="sealed", round=round, assignment=outcome)
+                return _sealed_reply(job_id, node_id, outcome)
             if rdzv.clock() - node.joined_at > join_timeout:
                 raise JoinTimeout(
                     f"round {round} of job {job_id!r} did not seal within {join_timeout:.0f} s"
@@ -139,7 +169,9 @@ async def heartbeat(
     job, _ = await driver.snapshot(job_id)
     action = rdzv.heartbeat(job, node_id, body.generation)
     if action == "continue" and body.generation is not None:
-        sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, body.generation)
+        sealed = rdzv.cached(job_id, body.generation)
+        if sealed is None:
+            sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, body.generation)
         if node_id not in sealed.ranks:
             raise UnknownNode(f"node {node_id!r} is not a member of generation {body.generation}")
     if action == "continue":
