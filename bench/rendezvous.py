@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -31,9 +32,12 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
 
 from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
 from tests._azurite import free_port, running_azurite  # noqa: E402
@@ -57,36 +61,72 @@ def spec(n: int, timeout: float = 30) -> JobSpec:
     )
 
 
-def join_round(
-    url: str, job: str, n: int, timeout: float = 30
-) -> tuple[float, list[ElasticClient]]:
-    """N clients join at once; seconds until the last has its assignment."""
-    clients = [ElasticClient(url, job, f"n{i:04d}") for i in range(n)]  # made before timing
-    barrier = threading.Barrier(n + 1)
-    done: list[float] = [0.0] * n
-    errors: list[BaseException] = []
+THREADS_PER_PROCESS = 128
 
-    def node(i: int) -> None:
-        barrier.wait()
+
+def _node_process(
+    url: str, job: str, names: list[str], n: int, timeout: float, ready: Any, go: Any, out: Any
+) -> None:
+    """One process of simulated nodes: a thread and a real ElasticClient per node."""
+    sys.setswitchinterval(0.0005)  # hundreds of threads: hand the GIL on quickly
+    # One transport for the process's nodes (each still gets its own connection): an
+    # httpx client per node would load the CA certificates once per node.
+    shared = httpx.HTTPTransport(limits=httpx.Limits(max_connections=None))
+    clients = [ElasticClient(url, job, name, transport=shared) for name in names]
+    done: list[float] = []
+    errors: list[str] = []
+
+    def node(c: ElasticClient, port: int) -> None:
+        go.wait()
         try:
-            clients[i].join("127.0.0.1", 20000 + i, spec=spec(n, timeout))
-        except BaseException as exc:
-            errors.append(exc)
-        done[i] = time.perf_counter()
+            c.join("127.0.0.1", port, spec=spec(n, timeout))
+            done.append(time.time())
+        except Exception as exc:
+            errors.append(repr(exc))
 
-    threads = [threading.Thread(target=node, args=(i,), daemon=True) for i in range(n)]
+    threads = [
+        threading.Thread(target=node, args=(c, 20000 + int(c.node_id[1:])), daemon=True)
+        for c in clients
+    ]
     for t in threads:
         t.start()
-    barrier.wait()
-    start = time.perf_counter()
+    ready.release()
     for t in threads:
         t.join()
+    ranks = [(c.assignment.generation, c.assignment.rank) for c in clients if c.assignment]
+    out.put((max(done, default=0.0), ranks, errors))
+
+
+def join_round(url: str, job: str, n: int, timeout: float = 30) -> tuple[float, list[str]]:
+    """N nodes join at once; seconds from their common start until the last assignment.
+
+    Nodes are threads spread over processes of at most 128 (real nodes are separate
+    machines; a thousand threads in one process mostly measure its GIL).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    names = [f"n{i:04d}" for i in range(n)]
+    groups = [names[i : i + THREADS_PER_PROCESS] for i in range(0, n, THREADS_PER_PROCESS)]
+    ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_node_process, args=(url, job, g, n, timeout, ready, go, out))
+        for g in groups
+    ]
+    for p in procs:
+        p.start()
+    for _ in procs:
+        if not ready.acquire(timeout=300):
+            raise RuntimeError("node processes did not start")
+    start = time.time()
+    go.set()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [e for _, _, errs in results for e in errs]
     if errors:
-        raise RuntimeError(f"{len(errors)} joins failed; first: {errors[0]!r}")
-    generations = {c.assignment.generation for c in clients if c.assignment}
-    ranks = sorted(c.assignment.rank for c in clients if c.assignment)
-    assert generations == {1} and ranks == list(range(n)), (generations, ranks[:5])
-    return max(done) - start, clients
+        raise RuntimeError(f"{len(errors)} joins failed; first: {errors[0]}")
+    ranks = sorted(r for _, rs, _ in results for r in rs)
+    assert ranks == [(1, i) for i in range(n)], ranks[:5]
+    return max(t for t, _, _ in results) - start, names
 
 
 TORCH_ROUND = """
@@ -159,9 +199,7 @@ def bench_rounds(sizes: list[int], torch_sizes: list[int], azurite: str) -> None
         for n in sizes:
             row = {}
             for name, coordinator in backends.items():
-                row[name], clients = join_round(coordinator.url, f"round-{n}", n)
-                for c in clients:
-                    c.close()
+                row[name], _ = join_round(coordinator.url, f"round-{n}", n)
             anchor = torch_round(n) if n in torch_sizes else None
             anchor_text = (
                 f"{anchor:11.2f}"
@@ -227,11 +265,8 @@ def bench_heartbeats(n: int, seconds: float, azurite: str) -> None:
         },
     ).start()
     try:
-        _, clients = join_round(coordinator.url, "beats", n, timeout=10)
-        generation = clients[0].assignment.generation  # type: ignore[union-attr]
-        nodes = [c.node_id for c in clients]
-        for c in clients:
-            c.close()
+        _, nodes = join_round(coordinator.url, "beats", n, timeout=10)
+        generation = 1
         assert coordinator.proc is not None
         cpu0, wall0 = cpu_seconds(coordinator.proc.pid), time.monotonic()
         latencies, restarts, errors = asyncio.run(

@@ -159,20 +159,28 @@ class Driver:
             started = time.monotonic()
             try:
                 beats, loop.beats = loop.beats, {}
-                job = loop.job
-                timeout = job.spec.heartbeat_timeout.total_seconds() if job else 3.0
+                known = loop.job
+                timeout = known.spec.heartbeat_timeout.total_seconds() if known else 3.0
                 if loop.waiters and started >= next_waiter_beat:
                     for node_id in loop.waiters:
                         beats.setdefault(node_id, 0)
                     next_waiter_beat = started + timeout / 3
                 if beats:
                     await self._write_beats(job_id, beats)
+                fresh: Job
                 if loop.tick_now or started >= next_tick:
                     loop.tick_now = False
-                    job, wait = await anyio.to_thread.run_sync(self.rdzv.tick, job_id)
+                    fresh, wait = await anyio.to_thread.run_sync(self.rdzv.tick, job_id)
                     next_tick = started + min(max(wait, self.interval), self.max_tick)
                 else:
-                    job = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
+                    fresh = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
+                if fresh.status == "sealed" and self.rdzv.cached(job_id, fresh.generation) is None:
+                    # Warm the cache before the waiters wake: each needs the members.
+                    sealed = await anyio.to_thread.run_sync(
+                        self.rdzv.sealed, job_id, fresh.generation
+                    )
+                    sealed.members_json  # noqa: B018 - computed once here, not per reply
+                job: Job | None = fresh
                 loop.error = None
             except Exception as exc:  # storage down, job deleted: report to requests, retry
                 log.warning("job %s: %s", job_id, exc)

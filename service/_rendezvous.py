@@ -305,6 +305,7 @@ class Rendezvous:
         self.table = table
         self.clock = clock
         self._sealed: OrderedDict[tuple[str, int], Generation] = OrderedDict()
+        self._loading: dict[tuple[str, int], threading.Lock] = {}
         self._lock = threading.Lock()
 
     # --- jobs ---------------------------------------------------------------------------
@@ -321,17 +322,22 @@ class Rendezvous:
         now = self.clock()
         job = Job(job_id, spec, 0, "open", 0, now, now, "")
         try:
-            stored = self.table.insert(_job_entity(job))
-        except AlreadyExists:
+            # Every joiner passes the spec; reading first spares them a failing insert.
             existing = self.get_job(job_id)
-            if existing.spec != spec:
-                raise JobConflict(
-                    f"job {job_id!r} exists with {existing.spec.model_dump(mode='json')}, "
-                    f"not {spec.model_dump(mode='json')}"
-                ) from None
-            return existing, False
-        self.table.upsert(Entity(INDEX, job_id, {"created_at": now}))
-        return replace(job, etag=stored.etag or ""), True
+        except UnknownJob:
+            try:
+                stored = self.table.insert(_job_entity(job))
+            except AlreadyExists:
+                existing = self.get_job(job_id)
+            else:
+                self.table.upsert(Entity(INDEX, job_id, {"created_at": now}))
+                return replace(job, etag=stored.etag or ""), True
+        if existing.spec != spec:
+            raise JobConflict(
+                f"job {job_id!r} exists with {existing.spec.model_dump(mode='json')}, "
+                f"not {spec.model_dump(mode='json')}"
+            )
+        return existing, False
 
     def get_job(self, job_id: str) -> Job:
         """Reads a job.
@@ -375,12 +381,20 @@ class Rendezvous:
             if key in self._sealed:
                 self._sealed.move_to_end(key)
                 return self._sealed[key]
-        gen = self.generation(job_id, generation)
-        with self._lock:
-            self._sealed[key] = gen
-            while len(self._sealed) > 64:
-                self._sealed.popitem(last=False)
-        return gen
+            loading = self._loading.setdefault(key, threading.Lock())
+        # Single flight: when a seal wakes a thousand waiters, one of them reads the
+        # record and the rest wait for it, instead of a thousand reads and decodes.
+        with loading:
+            with self._lock:
+                if key in self._sealed:
+                    return self._sealed[key]
+            gen = self.generation(job_id, generation)
+            with self._lock:
+                self._sealed[key] = gen
+                self._loading.pop(key, None)
+                while len(self._sealed) > 64:
+                    self._sealed.popitem(last=False)
+            return gen
 
     def cached(self, job_id: str, generation: int) -> Generation | None:
         """:meth:`sealed` if it is cached, without touching storage (for async callers)."""
@@ -427,6 +441,18 @@ class Rendezvous:
         spec: JobSpec | None = None,
         join_id: str | None = None,
     ) -> int:
+        """:meth:`register`, returning just the round."""
+        return self.register(job_id, node_id, addr, port, spec, join_id).round
+
+    def register(
+        self,
+        job_id: str,
+        node_id: str,
+        addr: str,
+        port: int,
+        spec: JobSpec | None = None,
+        join_id: str | None = None,
+    ) -> Node:
         """Registers a node for the job's next generation.
 
         A node that joins while a generation runs ends it (a newcomer, or a member that
@@ -439,7 +465,7 @@ class Rendezvous:
                 nothing: it waits for the round the first request registered for.
 
         Returns:
-            The round (generation number) the node waits for.
+            The node's registration; its ``round`` is the generation it waits for.
 
         Raises:
             UnknownJob: No job, and no spec to create it with.
@@ -460,7 +486,7 @@ class Rendezvous:
                 registered = None
         while True:
             if registered is not None and self._registered(job, registered):
-                return registered.round  # a retry of a join that already registered
+                return registered  # a retry of a join that already registered
             if job.status == "sealed":
                 members = self.members(job_id, job.generation)
                 if all(m.node_id != node_id for m in members):
@@ -479,7 +505,7 @@ class Rendezvous:
             self.table.batch(  # one write: registration and first heartbeat together
                 [BatchOp("upsert", _node_entity(job_id, node)), _beat_op(job_id, node_id, now, 0)]
             )
-            return job.round
+            return node
 
     def _registered(self, job: Job, node: Node) -> bool:
         """Whether a registration still stands: its round is open, or sealed with it."""

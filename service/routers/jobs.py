@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import time
+from dataclasses import replace
 
 import anyio.to_thread
 from fastapi import APIRouter, Request, Response
@@ -22,7 +23,7 @@ from rallypoint.client._models import (
     WaitRequest,
 )
 
-from .._rendezvous import Generation
+from .._rendezvous import Generation, Node
 from ..deps import Auth, DriverDep, JobId, NodeId, RdzvDep
 from ..errors import JoinTimeout, UnknownNode
 
@@ -67,13 +68,11 @@ async def join(
     response: Response,
 ) -> JoinReply | Response:
     """Registers a node for the next generation and waits up to ``wait`` s for its seal."""
-    round = await anyio.to_thread.run_sync(
-        rdzv.join, job_id, body.node_id, body.addr, body.port, body.spec, body.join_id
+    node = await anyio.to_thread.run_sync(
+        rdzv.register, job_id, body.node_id, body.addr, body.port, body.spec, body.join_id
     )
     driver.poke(job_id)
-    return await _await_seal(
-        job_id, body.node_id, round, body.wait, rdzv, driver, request, response
-    )
+    return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response)
 
 
 @router.post(
@@ -91,9 +90,9 @@ async def wait(
     response: Response,
 ) -> JoinReply | Response:
     """Waits up to ``wait`` s more for the round a join registered for to seal."""
-    return await _await_seal(
-        job_id, node_id, body.round, body.wait, rdzv, driver, request, response
-    )
+    node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
+    node = replace(node, round=body.round)
+    return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response)
 
 
 def _sealed_reply(job_id: str, node_id: str, sealed: Generation) -> Response:
@@ -121,15 +120,14 @@ def _sealed_reply(job_id: str, node_id: str, sealed: Generation) -> Response:
 
 async def _await_seal(
     job_id: str,
-    node_id: str,
-    round: int,
+    node: Node,
     wait: float,
     rdzv: RdzvDep,
     driver: DriverDep,
     request: Request,
     response: Response,
 ) -> JoinReply | Response:
-    node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
+    node_id, round = node.node_id, node.round
     join_timeout = (await driver.snapshot(job_id))[0].spec.join_timeout.total_seconds()
     deadline = time.monotonic() + wait
     with driver.waiting(job_id, node_id):
@@ -141,10 +139,10 @@ async def _await_seal(
                 outcome = await anyio.to_thread.run_sync(rdzv.outcome, job, node_id, round)
             if outcome == "missed":
                 # Sealed without this node (it came too late): it wants the next one.
-                round = await anyio.to_thread.run_sync(
-                    rdzv.join, job_id, node_id, node.addr, node.port, None, node.join_id
+                node = await anyio.to_thread.run_sync(
+                    rdzv.register, job_id, node_id, node.addr, node.port, None, node.join_id
                 )
-                node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
+                round = node.round
                 driver.poke(job_id)
                 continue
             if outcome is not None:
