@@ -265,7 +265,8 @@ def bench_heartbeats(n: int, seconds: float, azurite: str) -> None:
         },
     ).start()
     try:
-        _, nodes = join_round(coordinator.url, "beats", n, timeout=10)
+        # Nobody heartbeats while a thousand nodes join: the timeout must outlast that.
+        _, nodes = join_round(coordinator.url, "beats", n, timeout=600)
         generation = 1
         assert coordinator.proc is not None
         cpu0, wall0 = cpu_seconds(coordinator.proc.pid), time.monotonic()
