@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup test lint typecheck serve bench-storage clean
+.PHONY: setup test lint typecheck serve bench-storage bench-rendezvous clean
 
 setup: $(VENV)/.installed node_modules/.installed
 
@@ -37,6 +37,9 @@ serve: setup
 
 bench-storage: setup
 	$(BIN)/python bench/storage.py
+
+bench-rendezvous: setup
+	$(BIN)/python bench/rendezvous.py
 
 clean:
 	rm -rf $(VENV) node_modules build .rallypoint .pytest_cache .mypy_cache .ruff_cache
