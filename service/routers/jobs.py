@@ -133,7 +133,9 @@ async def _await_seal(
     with driver.waiting(job_id, node_id):
         while True:
             job, changed = await driver.snapshot(job_id)
-            if rdzv.cached(job_id, round) is not None:  # no storage read: stay on the loop
+            # Before the seal, or with the generation cached, no storage is read: stay on
+            # the event loop rather than hop to a thread for each of a thousand waiters.
+            if job.generation < round or rdzv.cached(job_id, round) is not None:
                 outcome = rdzv.outcome(job, node_id, round)
             else:
                 outcome = await anyio.to_thread.run_sync(rdzv.outcome, job, node_id, round)
@@ -155,8 +157,11 @@ async def _await_seal(
             if left <= 0 or driver.closing or await request.is_disconnected():
                 response.status_code = 202
                 return JoinReply(status="waiting", round=round)
+            # The seal sets ``changed``; the timeout only paces the join-timeout and
+            # disconnect checks, and a vanished waiter must not look alive for long.
+            pace = max(1.0, job.spec.heartbeat_timeout.total_seconds() / 3)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), timeout=min(left, 1.0))
+                await asyncio.wait_for(changed.wait(), timeout=min(left, pace))
 
 
 @router.post("/{job_id}/nodes/{node_id}/heartbeat")
