@@ -102,13 +102,14 @@ class Driver:
     async def refresh(self, job_id: str) -> None:
         """Reads the job now and asks for a tick on the next pass.
 
-        Called after this process changed the job (a join, a departure), so the next
-        request here already sees the change: read-your-writes on one replica.
+        Called after a departure through this process, so the next heartbeat here
+        already answers ``restart``: read-your-writes on one replica. (Joins only
+        :meth:`poke`: their outcome reaches the joiner through the long-poll anyway.)
         """
-        loop = self._loop(job_id)
-        loop.tick_now = True
+        self.poke(job_id)
         started = time.monotonic()
-        self._publish(loop, await anyio.to_thread.run_sync(self.rdzv.get_job, job_id), started)
+        job = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
+        self._publish(self._loop(job_id), job, started)
 
     @staticmethod
     def _publish(loop: _JobLoop, job: Job, read_at: float) -> None:
