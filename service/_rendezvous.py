@@ -38,7 +38,6 @@ from rallypoint.client._models import (
     JobSpec,
     JobStatus,
     JobSummary,
-    MemberInfo,
     MemberStatus,
     WaitingNode,
 )
@@ -121,6 +120,21 @@ class Generation:
             ],
             separators=(",", ":"),
         ).encode()
+
+    def assignment_json(self, job_id: str, node_id: str) -> bytes:
+        """A member's :class:`Assignment` as JSON, built around :attr:`members_json`."""
+        head = {
+            "job_id": job_id,
+            "node_id": node_id,
+            "generation": self.generation,
+            "rank": self.ranks[node_id],
+            "world_size": len(self.members),
+            "master_addr": self.members[0].addr,
+            "master_port": self.members[0].port,
+            "checkpoint": self.checkpoint.model_dump(mode="json") if self.checkpoint else None,
+        }
+        without_brace = json.dumps(head, separators=(",", ":")).encode()[:-1]
+        return b'%b,"members":%b}' % (without_brace, self.members_json)
 
 
 @dataclass(frozen=True)
@@ -401,10 +415,6 @@ class Rendezvous:
         with self._lock:
             return self._sealed.get((job_id, generation))
 
-    def members(self, job_id: str, generation: int) -> tuple[Member, ...]:
-        """A sealed generation's members in rank order."""
-        return self.sealed(job_id, generation).members
-
     def _end(self, job: Job, reason: str) -> bool:
         """Ends the job's sealed generation; False if the job changed meanwhile."""
         now = self.clock()
@@ -488,9 +498,9 @@ class Rendezvous:
             if registered is not None and self._registered(job, registered):
                 return registered  # a retry of a join that already registered
             if job.status == "sealed":
-                members = self.members(job_id, job.generation)
-                if all(m.node_id != node_id for m in members):
-                    if len(members) >= job.spec.max_nodes:
+                running = self.sealed(job_id, job.generation)
+                if node_id not in running.ranks:
+                    if len(running.members) >= job.spec.max_nodes:
                         raise JobFull(
                             f"job {job_id!r} runs with max_nodes={job.spec.max_nodes} members"
                         )
@@ -550,26 +560,12 @@ class Rendezvous:
     def assignment(
         self, job: Job, node_id: str, round: int
     ) -> Assignment | Literal["missed"] | None:
-        """Like :meth:`outcome`, with the node's assignment for a sealed round."""
+        """Like :meth:`outcome`, with the node's assignment for a sealed round (parsed
+        from the same JSON the coordinator sends)."""
         sealed = self.outcome(job, node_id, round)
         if sealed is None or sealed == "missed":
             return sealed
-        members = sealed.members
-        mine = members[sealed.ranks[node_id]]
-        return Assignment(
-            job_id=job.job_id,
-            node_id=node_id,
-            generation=round,
-            rank=mine.rank,
-            world_size=len(members),
-            master_addr=members[0].addr,
-            master_port=members[0].port,
-            members=[
-                MemberInfo(node_id=m.node_id, rank=m.rank, addr=m.addr, port=m.port)
-                for m in members
-            ],
-            checkpoint=sealed.checkpoint,
-        )
+        return Assignment.model_validate_json(sealed.assignment_json(job.job_id, node_id))
 
     def node(self, job_id: str, node_id: str) -> Node:
         """Reads a node's registration.
@@ -616,7 +612,7 @@ class Rendezvous:
         # Stable ranks: the last generation's survivors first, in their old order.
         previous: dict[str, int] = {}
         if job.generation:
-            previous = {m.node_id: m.rank for m in self.members(job.job_id, job.generation)}
+            previous = self.sealed(job.job_id, job.generation).ranks
         ordered = sorted(
             waiting,
             key=lambda n: (previous.get(n.node_id, math.inf), n.joined_at, n.node_id),
@@ -645,7 +641,7 @@ class Rendezvous:
 
     def _check_members(self, job: Job) -> tuple[bool, float]:
         timeout = _seconds(job.spec.heartbeat_timeout)
-        members = self.members(job.job_id, job.generation)
+        members = self.sealed(job.job_id, job.generation).members
         beats = self._beats(job.job_id)
         now = self.clock()
         # A member's clock starts at the seal at the latest: it was alive to be chosen.
@@ -697,9 +693,7 @@ class Rendezvous:
                 f"(latest is {job.generation}, {job.status})"
             )
         self.table.upsert(_node_entity(job_id, replace(node, state="left")))
-        while job.status == "sealed" and any(
-            m.node_id == node_id for m in self.members(job_id, job.generation)
-        ):
+        while job.status == "sealed" and node_id in self.sealed(job_id, job.generation).ranks:
             if self._end(job, f"node {node_id} left: {reason}"):
                 return
             job = self.get_job(job_id)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from dataclasses import replace
 
@@ -96,24 +95,10 @@ async def wait(
 
 
 def _sealed_reply(job_id: str, node_id: str, sealed: Generation) -> Response:
-    """The JoinReply of a sealed round, built around the generation's members JSON,
-    which is serialised once rather than once per member (O(N^2) for N members)."""
-    members = sealed.members
-    head = {
-        "job_id": job_id,
-        "node_id": node_id,
-        "generation": sealed.generation,
-        "rank": sealed.ranks[node_id],
-        "world_size": len(members),
-        "master_addr": members[0].addr,
-        "master_port": members[0].port,
-        "checkpoint": sealed.checkpoint.model_dump(mode="json") if sealed.checkpoint else None,
-    }
-    assignment = json.dumps(head, separators=(",", ":")).encode()[:-1]  # without its "}"
-    body = b'{"status":"sealed","round":%d,"assignment":%b,"members":%b}}' % (
+    """The JoinReply of a sealed round, around the generation's prebuilt members JSON."""
+    body = b'{"status":"sealed","round":%d,"assignment":%b}' % (
         sealed.generation,
-        assignment,
-        sealed.members_json,
+        sealed.assignment_json(job_id, node_id),
     )
     return Response(body, media_type="application/json")
 
