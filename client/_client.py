@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from types import TracebackType
 from typing import Any
@@ -21,6 +21,9 @@ from pydantic import BaseModel
 
 from ._models import (
     Assignment,
+    BeginCheckpoint,
+    CheckpointBegun,
+    CheckpointInfo,
     HeartbeatReply,
     HeartbeatRequest,
     JobSpec,
@@ -29,6 +32,8 @@ from ._models import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
+    ReportShard,
+    ShardFile,
     WaitRequest,
     check_id,
 )
@@ -328,6 +333,87 @@ class ElasticClient:
         self._request(
             "POST", f"{self._node}/leave", LeaveRequest(generation=generation, reason=reason)
         )
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def _generation(self, generation: int | None) -> int:
+        if generation is not None:
+            return generation
+        if self.assignment is None:
+            raise ValueError("join() first, or pass the generation this node runs in")
+        return self.assignment.generation
+
+    def begin_checkpoint(
+        self,
+        step: int,
+        files: Sequence[str] = ("shard.safetensors",),
+        *,
+        generation: int | None = None,
+    ) -> CheckpointBegun:
+        """The version of ``step`` in this node's generation (every rank gets the same one)
+        and write URLs for this rank's ``files``.
+
+        Raises:
+            StaleGeneration: The generation ended; re-join before saving.
+            CheckpointConflict: The version expired and is being collected.
+        """
+        body = BeginCheckpoint(
+            node_id=self.node_id,
+            generation=self._generation(generation),
+            step=step,
+            files=list(files),
+        )
+        reply = self._request("POST", f"{self._job}/checkpoints", body)
+        return CheckpointBegun.model_validate_json(reply.content)
+
+    def report_checkpoint(
+        self,
+        version: int,
+        files: Sequence[ShardFile],
+        *,
+        metadata: dict[str, Any] | None = None,
+        rank_metadata: dict[str, Any] | None = None,
+        generation: int | None = None,
+    ) -> CheckpointInfo:
+        """Reports this rank's uploaded files of ``version``; the last rank's report
+        commits it. Safe to retry.
+
+        Args:
+            version: From :meth:`begin_checkpoint`.
+            files: Every file this rank uploaded, with size and checksum.
+            metadata: Rank 0's becomes the version's (replicated non-tensor state).
+            rank_metadata: This rank's own non-tensor state.
+            generation: Defaults to this node's.
+
+        Raises:
+            StaleGeneration: The generation ended: this version will never commit.
+            IncompleteUpload: A file is not in storage at its reported size.
+            CheckpointConflict: The version expired.
+        """
+        body = ReportShard(
+            node_id=self.node_id,
+            generation=self._generation(generation),
+            files=list(files),
+            metadata=metadata,
+            rank_metadata=rank_metadata,
+        )
+        reply = self._request("POST", f"{self._job}/checkpoints/{version}/shards", body)
+        return CheckpointInfo.model_validate_json(reply.content)
+
+    def checkpoint(self, version: int | None = None) -> CheckpointInfo:
+        """A version with read URLs for its manifest and files; the authoritative latest
+        if ``version`` is None.
+
+        Raises:
+            UnknownCheckpoint: No such version, or none committed yet.
+        """
+        path = f"{self._job}/checkpoints/{'latest' if version is None else version}"
+        return CheckpointInfo.model_validate_json(self._request("GET", path).content)
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Every version of the job, committed or being written, oldest first."""
+        reply = self._request("GET", f"{self._job}/checkpoints")
+        return [CheckpointInfo.model_validate(v) for v in reply.json()]
 
     def close(self) -> None:
         self._http.close()

@@ -13,7 +13,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 __all__ = [
     "ID_PATTERN",
+    "MAX_METADATA_BYTES",
+    "MAX_SHARD_FILES",
     "Assignment",
+    "BeginCheckpoint",
+    "CheckpointBegun",
+    "CheckpointInfo",
     "CheckpointPointer",
     "ErrorBody",
     "GenerationInfo",
@@ -26,8 +31,13 @@ __all__ = [
     "JoinReply",
     "JoinRequest",
     "LeaveRequest",
+    "Manifest",
+    "ManifestFile",
+    "ManifestShard",
     "MemberInfo",
     "MemberStatus",
+    "ReportShard",
+    "ShardFile",
     "WaitRequest",
     "WaitingNode",
     "check_id",
@@ -103,9 +113,118 @@ class WaitRequest(_Model):
 class CheckpointPointer(_Model):
     """The authoritative latest checkpoint a generation resumes from."""
 
-    version: str
+    version: int
     step: int
-    manifest_url: str | None = None
+    #: The generation that saved it.
+    generation: int
+
+
+#: Files a rank may write per checkpoint version.
+MAX_SHARD_FILES = 64
+#: Serialised size of a report's metadata (its non-tensor state), in bytes.
+MAX_METADATA_BYTES = 512 * 1024
+
+
+class BeginCheckpoint(_Model):
+    """A rank asks for the version of ``step`` in its generation, and upload URLs."""
+
+    node_id: Id
+    generation: int = Field(ge=1)
+    step: int = Field(ge=0)
+    #: The files this rank will write, relative to its folder in the version.
+    files: list[Id] = Field(default=["shard.safetensors"], min_length=1, max_length=MAX_SHARD_FILES)
+
+    @model_validator(mode="after")
+    def _unique(self) -> BeginCheckpoint:
+        if len(set(self.files)) != len(self.files):
+            raise ValueError("file names must be unique")
+        return self
+
+
+class CheckpointBegun(_Model):
+    """Where a rank writes its shard of a version (every rank of a generation asking
+    for the same step gets the same version)."""
+
+    version: int
+    step: int
+    generation: int
+    rank: int
+    world_size: int
+    state: Literal["pending", "committed"]
+    #: File name to a write URL that reaches only that object (empty unless pending).
+    upload_urls: dict[str, str]
+    #: When the URLs expire and an unfinished version is collected (epoch seconds).
+    expires_at: float
+
+
+class ShardFile(_Model):
+    name: Id
+    size: int = Field(ge=0)
+    #: ``xxh3-128:<hex>`` of the object's bytes, checked when it is loaded.
+    checksum: str = Field(min_length=1, max_length=160)
+
+
+class ReportShard(_Model):
+    """A rank's files of a version, reported after they were uploaded."""
+
+    node_id: Id
+    generation: int = Field(ge=1)
+    files: list[ShardFile] = Field(min_length=1, max_length=MAX_SHARD_FILES)
+    #: Rank 0's becomes the version's metadata (state replicated on every rank).
+    metadata: dict[str, Any] | None = None
+    #: This rank's own metadata (its rank-specific state).
+    rank_metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _unique(self) -> ReportShard:
+        if len({f.name for f in self.files}) != len(self.files):
+            raise ValueError("file names must be unique")
+        return self
+
+
+class CheckpointInfo(_Model):
+    """One version; ``urls`` (read URLs by name relative to the version's folder,
+    ``manifest.json`` among them) only where asked for and committed."""
+
+    version: int
+    step: int
+    generation: int
+    world_size: int
+    state: Literal["pending", "committed"]
+    created_at: float
+    committed_at: float | None = None
+    #: Ranks that reported their files so far.
+    reported: int = 0
+    #: Whether this is the job's authoritative latest.
+    latest: bool = False
+    urls: dict[str, str] = Field(default_factory=dict)
+
+
+class ManifestFile(_Model):
+    name: str
+    size: int
+    checksum: str
+
+
+class ManifestShard(_Model):
+    rank: int
+    node_id: str
+    files: list[ManifestFile]
+    metadata: dict[str, Any] | None = None
+
+
+class Manifest(_Model):
+    """``manifest.json`` of a committed version, written before the pointer moves."""
+
+    format: Literal["rallypoint.checkpoint/1"] = "rallypoint.checkpoint/1"
+    job_id: str
+    version: int
+    step: int
+    generation: int
+    world_size: int
+    created_at: float
+    metadata: dict[str, Any] | None = None
+    shards: list[ManifestShard]
 
 
 class MemberInfo(_Model):
@@ -193,6 +312,8 @@ class JobSummary(_Model):
     status: Literal["open", "sealed"]
     world_size: int
     created_at: float
+    #: The authoritative latest checkpoint.
+    checkpoint: CheckpointPointer | None = None
 
 
 class JobStatus(JobSummary):

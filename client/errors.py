@@ -12,7 +12,10 @@ Hierarchy::
     │   ├── JobConflict       409: the job exists with other parameters
     │   ├── JobFull           409: the job runs with max_nodes members already
     │   ├── StaleGeneration   409: this node's generation is over (it was fenced out)
-    │   └── JoinTimeout       408: no generation sealed in time
+    │   ├── JoinTimeout       408: no generation sealed in time
+    │   ├── UnknownCheckpoint 404: no such checkpoint version (or none committed yet)
+    │   ├── CheckpointConflict 409: the version is no longer open (expired, collected)
+    │   └── IncompleteUpload  409: a reported file is not in storage as reported
     └── SignedUrlError        a signed URL that is malformed, expired, tampered or
                               used for an access it does not grant
 """
@@ -20,6 +23,8 @@ Hierarchy::
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointConflict",
+    "IncompleteUpload",
     "InvalidRequest",
     "JobConflict",
     "JobFull",
@@ -30,6 +35,7 @@ __all__ = [
     "StaleGeneration",
     "TransportError",
     "Unauthorized",
+    "UnknownCheckpoint",
     "UnknownJob",
     "UnknownNode",
     "error_for",
@@ -94,6 +100,18 @@ class JoinTimeout(ServerError):
     code = "join_timeout"
 
 
+class UnknownCheckpoint(ServerError):
+    code = "unknown_checkpoint"
+
+
+class CheckpointConflict(ServerError):
+    code = "checkpoint_conflict"
+
+
+class IncompleteUpload(ServerError):
+    code = "incomplete_upload"
+
+
 class SignedUrlError(RallypointError):
     code = "access_denied"
 
@@ -108,6 +126,9 @@ _BY_CODE: dict[str, type[ServerError]] = {
         JobFull,
         StaleGeneration,
         JoinTimeout,
+        UnknownCheckpoint,
+        CheckpointConflict,
+        IncompleteUpload,
     )
 }
 _INVALID = {"invalid_request", "invalid_id", "malformed_json", "body_too_large", "bad_request"}

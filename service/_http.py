@@ -21,6 +21,8 @@ log = logging.getLogger("rallypoint.http")
 
 #: No request of the API carries more; a larger body is refused before it is parsed.
 MAX_BODY_BYTES = 64 * 1024
+#: Shard reports carry a rank's checkpoint metadata (its non-tensor state).
+MAX_REPORT_BYTES = 1024 * 1024
 
 _HTTP_CODES = {
     401: "unauthorized",
@@ -80,39 +82,41 @@ def check_token(expected: str | None, header: str | None) -> bool:
 
 
 class BodyLimit:
-    """Refuses bodies over ``limit`` bytes with 413, whether announced or streamed."""
+    """Refuses bodies over ``limit`` bytes (``report_limit`` for shard reports) with 413,
+    whether announced or streamed."""
 
-    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, app: ASGIApp, limit: int = MAX_BODY_BYTES, report_limit: int = MAX_REPORT_BYTES
+    ) -> None:
         self.app = app
         self.limit = limit
+        self.report_limit = report_limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.report_limit if scope["path"].endswith("/shards") else self.limit
+        message = f"request bodies are limited to {limit} bytes"
         declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            await self._refuse(send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await self._refuse(send, message)
             return
         seen = 0
 
         async def counted() -> Message:
             nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
+            received = await receive()
+            seen += len(received.get("body", b""))
+            if seen > limit:
                 # Raised inside the app, so its handler answers with the usual body.
-                raise HTTPException(413, self._message)
-            return message
+                raise HTTPException(413, message)
+            return received
 
         await self.app(scope, counted, send)
 
-    @property
-    def _message(self) -> str:
-        return f"request bodies are limited to {self.limit} bytes"
-
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps({"code": "body_too_large", "message": self._message}).encode()
+    async def _refuse(self, send: Send, message: str) -> None:
+        body = json.dumps({"code": "body_too_large", "message": message}).encode()
         await send(
             {
                 "type": "http.response.start",

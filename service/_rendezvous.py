@@ -2,9 +2,10 @@
 
 One partition per job holds:
 
-- ``job``         the job entity: spec, latest generation, ``open`` or ``sealed``. It is
-                  the only entity more than one node writes, and only to seal or end a
-                  generation, always by ETag compare-and-swap.
+- ``job``         the job entity: spec, latest generation, ``open`` or ``sealed``, and the
+                  authoritative latest checkpoint. It is the only entity more than one
+                  node writes, and only to seal or end a generation or to move the
+                  checkpoint pointer, always by ETag compare-and-swap.
 - ``node:ID``     one per node: address, the round it registered for, ``waiting``/``left``.
                   Joining writes only this, so a thousand joins do not fight over a row.
 - ``beat:ID``     one per node: the coordinator's clock at its last heartbeat.
@@ -24,7 +25,6 @@ import json
 import math
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -42,6 +42,7 @@ from rallypoint.client._models import (
     WaitingNode,
 )
 
+from ._packed import pack, unpack
 from .errors import (
     AlreadyExists,
     JobConflict,
@@ -54,7 +55,7 @@ from .errors import (
 )
 from .storage import BatchOp, Cond, Entity, Table, Value
 
-__all__ = ["Job", "Member", "Rendezvous"]
+__all__ = ["Generation", "Job", "Member", "Node", "Rendezvous", "job_entity"]
 
 JOB_ROW = "job"
 NODE = "node:"
@@ -62,7 +63,6 @@ BEAT = "beat:"
 GEN = "gen:"
 #: A partition listing every job; ``~`` cannot occur in a job id.
 INDEX = "~jobs"
-_CHUNK = 60 * 1024  # members are stored zlib-compressed in bytes properties of <= 64 KiB
 
 Status = Literal["open", "sealed"]
 
@@ -79,6 +79,8 @@ class Job:
     created_at: float
     changed_at: float
     etag: str
+    #: The authoritative latest checkpoint; the next seal snapshots it.
+    checkpoint: CheckpointPointer | None = None
 
     @property
     def round(self) -> int:
@@ -198,10 +200,19 @@ def _job(job_id: str, e: Entity) -> Job:
         created_at=_float(d, "created_at"),
         changed_at=_float(d, "changed_at"),
         etag=e.etag or "",
+        checkpoint=(
+            CheckpointPointer(
+                version=_int(d, "ckpt_version"),
+                step=_int(d, "ckpt_step"),
+                generation=_int(d, "ckpt_generation"),
+            )
+            if d.get("ckpt_version") is not None
+            else None
+        ),
     )
 
 
-def _job_entity(job: Job) -> Entity:
+def job_entity(job: Job) -> Entity:
     return Entity(
         job.job_id,
         JOB_ROW,
@@ -212,27 +223,19 @@ def _job_entity(job: Job) -> Entity:
             "world_size": job.world_size,
             "created_at": job.created_at,
             "changed_at": job.changed_at,
+            "ckpt_version": job.checkpoint.version if job.checkpoint else None,
+            "ckpt_step": job.checkpoint.step if job.checkpoint else None,
+            "ckpt_generation": job.checkpoint.generation if job.checkpoint else None,
         },
     )
 
 
 def _encode_members(members: Iterable[Member]) -> dict[str, bytes]:
-    raw = json.dumps(
-        [[m.node_id, m.rank, m.addr, m.port] for m in members], separators=(",", ":")
-    ).encode()
-    packed = zlib.compress(raw, 6)
-    return {f"m{i // _CHUNK}": packed[i : i + _CHUNK] for i in range(0, len(packed), _CHUNK)}
+    return pack([[m.node_id, m.rank, m.addr, m.port] for m in members])
 
 
 def _decode_members(data: Mapping[str, Value | None]) -> tuple[Member, ...]:
-    chunks = []
-    for i in range(len(data)):
-        chunk = data.get(f"m{i}")
-        if not isinstance(chunk, bytes):
-            break
-        chunks.append(chunk)
-    packed = b"".join(chunks)
-    return tuple(Member(n, r, a, p) for n, r, a, p in json.loads(zlib.decompress(packed)))
+    return tuple(Member(n, r, a, p) for n, r, a, p in unpack(data))
 
 
 def _generation(e: Entity) -> Generation:
@@ -340,7 +343,7 @@ class Rendezvous:
             existing = self.get_job(job_id)
         except UnknownJob:
             try:
-                stored = self.table.insert(_job_entity(job))
+                stored = self.table.insert(job_entity(job))
             except AlreadyExists:
                 existing = self.get_job(job_id)
             else:
@@ -424,7 +427,7 @@ class Rendezvous:
                 [
                     BatchOp(
                         "replace",
-                        _job_entity(replace(job, status="open", changed_at=now)),
+                        job_entity(replace(job, status="open", changed_at=now)),
                         if_match=job.etag,
                     ),
                     BatchOp(
@@ -567,6 +570,24 @@ class Rendezvous:
             return sealed
         return Assignment.model_validate_json(sealed.assignment_json(job.job_id, node_id))
 
+    def member(self, job: Job, node_id: str, generation: int) -> tuple[Generation, int]:
+        """Fences a request that acts for ``generation``: the generation and the node's rank.
+
+        Raises:
+            StaleGeneration: ``generation`` is not the job's running one.
+            UnknownNode: The node is not a member of it.
+        """
+        if generation != job.generation or job.status != "sealed":
+            raise StaleGeneration(
+                f"generation {generation} of job {job.job_id!r} is not running "
+                f"(latest is {job.generation}, {job.status})"
+            )
+        gen = self.sealed(job.job_id, generation)
+        rank = gen.ranks.get(node_id)
+        if rank is None:
+            raise UnknownNode(f"node {node_id!r} is not a member of generation {generation}")
+        return gen, rank
+
     def node(self, job_id: str, node_id: str) -> Node:
         """Reads a node's registration.
 
@@ -624,14 +645,16 @@ class Rendezvous:
                 return False, deadline - now
         chosen = ordered[: spec.max_nodes]
         members = tuple(Member(n.node_id, i, n.addr, n.port) for i, n in enumerate(chosen))
-        gen = Generation(job.round, members, now, None, None, None, "")
+        # The checkpoint pointer is snapshotted with the seal, in the same CAS, so every
+        # member of the generation resumes from the same version.
+        gen = Generation(job.round, members, now, None, None, job.checkpoint, "")
         sealed = replace(
             job, generation=job.round, status="sealed", world_size=len(members), changed_at=now
         )
         try:
             self.table.batch(
                 [
-                    BatchOp("replace", _job_entity(sealed), if_match=job.etag),
+                    BatchOp("replace", job_entity(sealed), if_match=job.etag),
                     BatchOp("insert", _generation_entity(job.job_id, gen)),
                 ]
             )
@@ -708,6 +731,7 @@ class Rendezvous:
             status=job.status,
             world_size=job.world_size if job.status == "sealed" else 0,
             created_at=job.created_at,
+            checkpoint=job.checkpoint,
         )
 
     def status(self, job_id: str) -> JobStatus:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import timedelta
 
 from fastapi import FastAPI
 
 import rallypoint
 
 from . import routers
+from ._checkpoints import Checkpoints
 from ._driver import Driver
 from ._http import BodyLimit, install_handlers
 from ._rendezvous import Rendezvous
@@ -42,6 +44,12 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         app.state.storage = store
         app.state.rdzv = Rendezvous(store.table("jobs"))
         app.state.driver = Driver(app.state.rdzv)
+        app.state.checkpoints = Checkpoints(
+            app.state.rdzv,
+            store.blobs("checkpoints"),
+            keep=settings.checkpoint_keep,
+            timeout=timedelta(seconds=settings.checkpoint_timeout),
+        )
         yield
         await app.state.driver.close()
         if storage is None:
@@ -52,5 +60,6 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     install_handlers(app)
     app.include_router(routers.health)
     app.include_router(routers.jobs)
+    app.include_router(routers.checkpoints)
     app.add_middleware(BodyLimit)
     return app

@@ -12,18 +12,24 @@ from fastapi import Depends, Path, Request
 
 from rallypoint.client._models import check_id
 
+from ._checkpoints import Checkpoints
 from ._driver import Driver
 from ._http import check_token
 from ._rendezvous import Rendezvous
 from .errors import InvalidId, Unauthorized
 from .settings import Settings
 
-__all__ = ["Auth", "DriverDep", "JobId", "NodeId", "RdzvDep", "SettingsDep"]
+__all__ = ["Auth", "CheckpointsDep", "DriverDep", "JobId", "NodeId", "RdzvDep", "SettingsDep"]
 
 
 async def _rdzv(request: Request) -> Rendezvous:
     rdzv: Rendezvous = request.app.state.rdzv
     return rdzv
+
+
+async def _checkpoints(request: Request) -> Checkpoints:
+    checkpoints: Checkpoints = request.app.state.checkpoints
+    return checkpoints
 
 
 async def _driver(request: Request) -> Driver:
@@ -57,6 +63,7 @@ async def _node_id(node_id: Annotated[str, Path()]) -> str:
 
 
 RdzvDep = Annotated[Rendezvous, Depends(_rdzv)]
+CheckpointsDep = Annotated[Checkpoints, Depends(_checkpoints)]
 DriverDep = Annotated[Driver, Depends(_driver)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 JobId = Annotated[str, Depends(_job_id)]

@@ -16,7 +16,10 @@ Hierarchy::
     │   ├── JobConflict         409: the job exists with other parameters
     │   ├── JobFull             409: max_nodes are members already
     │   ├── StaleGeneration     409: the request acts for a generation that ended (fencing)
-    │   └── JoinTimeout         408: no generation sealed within join_timeout
+    │   ├── JoinTimeout         408: no generation sealed within join_timeout
+    │   ├── UnknownCheckpoint   404: no such checkpoint version (or none committed yet)
+    │   ├── CheckpointConflict  409: the version is not open for this (expired, other step)
+    │   └── IncompleteUpload    409: a reported file is missing or not its reported size
     └── StorageError
         ├── NotFound            the entity or blob does not exist
         ├── AlreadyExists       insert-if-absent / create-if-absent found one
@@ -34,6 +37,8 @@ __all__ = [
     "AccessDenied",
     "AlreadyExists",
     "BadRequest",
+    "CheckpointConflict",
+    "IncompleteUpload",
     "InvalidId",
     "InvalidName",
     "InvalidRequest",
@@ -49,6 +54,7 @@ __all__ = [
     "StorageError",
     "StorageUnavailable",
     "Unauthorized",
+    "UnknownCheckpoint",
     "UnknownJob",
     "UnknownNode",
 ]
@@ -114,6 +120,23 @@ class StaleGeneration(RequestError):
 class JoinTimeout(RequestError):
     code = "join_timeout"
     status = 408
+
+
+class UnknownCheckpoint(RequestError):
+    code = "unknown_checkpoint"
+    status = 404
+
+
+class CheckpointConflict(RequestError):
+    code = "checkpoint_conflict"
+    status = 409
+
+
+class IncompleteUpload(RequestError):
+    """A rank reported a file that storage does not hold as reported: never commit it."""
+
+    code = "incomplete_upload"
+    status = 409
 
 
 class StorageError(RallypointServiceError):

@@ -37,6 +37,11 @@ class Settings(BaseSettings):
     insecure: bool = False
     #: One log line per request; off by default, as every node heartbeats every second.
     access_log: bool = False
+    #: Committed checkpoint versions kept per job (the latest is kept regardless).
+    checkpoint_keep: int = Field(3, ge=1)
+    #: Seconds a checkpoint version may stay unfinished (its upload URLs live as long)
+    #: before it is garbage-collected.
+    checkpoint_timeout: float = Field(3600.0, gt=0, le=7 * 86400)
 
     @field_validator("storage")
     @classmethod

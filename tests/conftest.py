@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -9,6 +9,9 @@ import pytest
 from rallypoint.service.storage import AzureStorage, LocalStorage, Storage
 
 from ._azurite import running_azurite
+from ._coordinator import Coordinator
+
+Start = Callable[..., Coordinator]
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +32,29 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]
         store = AzureStorage(prefix, connection_string=request.getfixturevalue("azurite"))
     yield store
     store.close()
+
+
+@pytest.fixture(params=["local", "azure"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """Arguments and environment for coordinators sharing one storage."""
+    if request.param == "local":
+        return ["--storage", f"local:{tmp_path / 'store'}"], {}
+    prefix = "c" + uuid.uuid4().hex[:10]
+    return ["--storage", "azure"], {
+        "AZURE_STORAGE_CONNECTION_STRING": request.getfixturevalue("azurite"),
+        "RALLYPOINT_STORAGE_PREFIX": prefix,
+    }
+
+
+@pytest.fixture
+def start(backend: tuple[list[str], dict[str, str]]) -> Iterator[Start]:
+    started: list[Coordinator] = []
+
+    def run(*extra: str) -> Coordinator:
+        args, env = backend
+        started.append(Coordinator([*args, *extra], env).start())
+        return started[-1]
+
+    yield run
+    for coordinator in started:
+        coordinator.stop()

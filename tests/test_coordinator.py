@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,35 +22,7 @@ from rallypoint.client import (
     UnknownJob,
 )
 
-from ._coordinator import Coordinator
-
-Start = Callable[..., Coordinator]
-
-
-@pytest.fixture(params=["local", "azure"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
-    """Arguments and environment for coordinators sharing one storage."""
-    if request.param == "local":
-        return ["--storage", f"local:{tmp_path / 'store'}"], {}
-    prefix = "c" + uuid.uuid4().hex[:10]
-    return ["--storage", "azure"], {
-        "AZURE_STORAGE_CONNECTION_STRING": request.getfixturevalue("azurite"),
-        "RALLYPOINT_STORAGE_PREFIX": prefix,
-    }
-
-
-@pytest.fixture
-def start(backend: tuple[list[str], dict[str, str]]) -> Iterator[Start]:
-    started: list[Coordinator] = []
-
-    def run(*extra: str) -> Coordinator:
-        args, env = backend
-        started.append(Coordinator([*args, *extra], env).start())
-        return started[-1]
-
-    yield run
-    for coordinator in started:
-        coordinator.stop()
+from .conftest import Start
 
 
 def spec(min_nodes: int, max_nodes: int, last_call: float = 0.5, timeout: float = 10) -> JobSpec:

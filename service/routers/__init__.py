@@ -1,6 +1,7 @@
 """One APIRouter per resource."""
 
+from .checkpoints import router as checkpoints
 from .health import router as health
 from .jobs import router as jobs
 
-__all__ = ["health", "jobs"]
+__all__ = ["checkpoints", "health", "jobs"]

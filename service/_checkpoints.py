@@ -1,0 +1,491 @@
+"""Checkpoint versions as plain code over the table and blob ports.
+
+Rows live in the job's partition of the ``jobs`` table, beside the job entity, so the
+latest-pointer moves in one atomic batch with the version's commit:
+
+- ``ckseq``                      the next version number (CAS): numbers are never reused.
+- ``ckpt:VVVVVVVVVV``            one per version: generation, step, world size, state.
+- ``ckstep:GGGGGGGGGG:SSS...``   (generation, step) to version, so every rank that asks
+                                 for the same step of a generation gets the same version.
+- ``ckrep:VVVVVVVVVV:RRRRR``     one per rank that reported: its files and metadata.
+
+Blobs, in the ``checkpoints`` container: ``JOB/vVVVVVVVVVV/rank-RRRRR/FILE``, written by
+the ranks through write URLs (the coordinator never carries checkpoint bytes), and
+``JOB/vVVVVVVVVVV/manifest.json``, written here before the pointer moves, so a version
+that is latest is always complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any, Literal
+
+from rallypoint.client._models import (
+    MAX_METADATA_BYTES,
+    BeginCheckpoint,
+    CheckpointBegun,
+    CheckpointInfo,
+    CheckpointPointer,
+    Manifest,
+    ManifestFile,
+    ManifestShard,
+    ReportShard,
+    ShardFile,
+)
+
+from ._packed import MAX_PACKED, pack, unpack
+from ._rendezvous import Job, Rendezvous, job_entity
+from .errors import (
+    AlreadyExists,
+    CheckpointConflict,
+    IncompleteUpload,
+    InvalidRequest,
+    Modified,
+    NotFound,
+    StorageUnavailable,
+    UnknownCheckpoint,
+)
+from .storage import BatchOp, BlobStore, Cond, Entity, Value
+
+__all__ = ["Checkpoints", "Version"]
+
+CKSEQ = "ckseq"
+CKPT = "ckpt:"
+CKSTEP = "ckstep:"
+CKREP = "ckrep:"
+MANIFEST = "manifest.json"
+
+State = Literal["pending", "committed", "deleting"]
+
+
+@dataclass(frozen=True)
+class Version:
+    """A snapshot of one version's row."""
+
+    job_id: str
+    version: int
+    generation: int
+    step: int
+    world_size: int
+    state: State
+    created_at: float
+    committed_at: float | None
+    etag: str = ""
+
+    @property
+    def folder(self) -> str:
+        return f"{self.job_id}/v{self.version:010d}/"
+
+
+@dataclass(frozen=True)
+class Report:
+    rank: int
+    node_id: str
+    files: list[ShardFile]
+    metadata: dict[str, Any] | None
+    rank_metadata: dict[str, Any] | None
+
+
+def _step_key(generation: int, step: int) -> str:
+    return f"{CKSTEP}{generation:010d}:{step:020d}"
+
+
+def _step_entity(job_id: str, key: str, version: int) -> Entity:
+    return Entity(job_id, key, {"kind": "ckstep", "version": version})
+
+
+def _rank_folder(version: Version, rank: int) -> str:
+    return f"{version.folder}rank-{rank:05d}/"
+
+
+def _version(job_id: str, e: Entity) -> Version:
+    d = e.data
+    committed_at = d.get("committed_at")
+    state = str(d["state"])
+    if state not in ("pending", "committed", "deleting"):
+        raise TypeError(f"stored checkpoint state {state!r} is unknown")
+    return Version(
+        job_id=job_id,
+        version=int(str(d["version"])),
+        generation=int(str(d["generation"])),
+        step=int(str(d["step"])),
+        world_size=int(str(d["world_size"])),
+        state=state,  # type: ignore[arg-type]  # checked above
+        created_at=float(str(d["created_at"])),
+        committed_at=None if committed_at is None else float(str(committed_at)),
+        etag=e.etag or "",
+    )
+
+
+def _entity(v: Version) -> Entity:
+    return Entity(
+        v.job_id,
+        f"{CKPT}{v.version:010d}",
+        {
+            "kind": "ckpt",
+            "version": v.version,
+            "generation": v.generation,
+            # Steps may pass 2^31; Azure stores a Python int above it as Int64 either way.
+            "step": v.step,
+            "world_size": v.world_size,
+            "state": v.state,
+            "created_at": v.created_at,
+            "committed_at": v.committed_at,
+        },
+    )
+
+
+def _report(data: Mapping[str, Value | None]) -> Report:
+    payload = unpack(data)
+    return Report(
+        rank=int(str(data["rank"])),
+        node_id=str(data["node_id"]),
+        files=[ShardFile.model_validate(f) for f in payload["files"]],
+        metadata=payload.get("metadata"),
+        rank_metadata=payload.get("rank_metadata"),
+    )
+
+
+class Checkpoints:
+    """Begins, commits, lists and collects a job's checkpoint versions.
+
+    Like :class:`Rendezvous`, every method reads what it needs and writes with ETag
+    conditions, so coordinator replicas may share the storage.
+
+    Args:
+        rdzv: The job's rendezvous (for the job entity, fencing and the clock).
+        blobs: Where shards and manifests live.
+        keep: Committed versions to retain; the latest is kept regardless.
+        timeout: How long a version may stay unfinished before it is collected; its
+            upload URLs expire with it.
+        read_ttl: How long read URLs are valid.
+    """
+
+    def __init__(
+        self,
+        rdzv: Rendezvous,
+        blobs: BlobStore,
+        *,
+        keep: int = 3,
+        timeout: timedelta = timedelta(hours=1),
+        read_ttl: timedelta = timedelta(hours=1),
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
+        self.rdzv = rdzv
+        self.table = rdzv.table
+        self.blobs = blobs
+        self.keep = keep
+        self.timeout = timeout.total_seconds()
+        self.read_ttl = read_ttl
+
+    # --- writing ------------------------------------------------------------------------
+
+    def begin(self, job_id: str, request: BeginCheckpoint) -> CheckpointBegun:
+        """The version of ``request.step`` in the node's generation, created by the first
+        rank that asks, and write URLs for this rank's files.
+
+        Raises:
+            UnknownJob, UnknownNode: As the names say.
+            StaleGeneration: The generation is not the job's running one (fencing).
+            CheckpointConflict: The version is being collected.
+        """
+        job = self.rdzv.get_job(job_id)
+        gen, rank = self.rdzv.member(job, request.node_id, request.generation)
+        version = self._version_for(job_id, request.generation, request.step, len(gen.members))
+        if version.state == "deleting":
+            raise CheckpointConflict(
+                f"version {version.version} (step {version.step}) expired and is being "
+                "collected; save a later step"
+            )
+        urls: dict[str, str] = {}
+        expires_at = version.created_at + self.timeout
+        if version.state == "pending":
+            # The URLs die with the version: nothing can be written into a collected one.
+            ttl = timedelta(seconds=max(1.0, expires_at - self.rdzv.clock()))
+            urls = self.blobs.grant(
+                _rank_folder(version, rank), request.files, access="write", ttl=ttl
+            )
+        return CheckpointBegun(
+            version=version.version,
+            step=version.step,
+            generation=version.generation,
+            rank=rank,
+            world_size=version.world_size,
+            state="committed" if version.state == "committed" else "pending",
+            upload_urls=urls,
+            expires_at=expires_at,
+        )
+
+    def _version_for(self, job_id: str, generation: int, step: int, world_size: int) -> Version:
+        key = _step_key(generation, step)
+        for _ in range(100):
+            try:
+                number = self.table.get(job_id, key).data["version"]
+                found = self._get(job_id, int(str(number)))
+            except (NotFound, UnknownCheckpoint):
+                pass  # not begun yet, or collected between the two reads
+            else:
+                if found.state != "pending" or not self._expired(found):
+                    return found
+                self.collect(job_id)
+                continue
+            now = self.rdzv.clock()
+            try:
+                seq = self.table.get(job_id, CKSEQ)
+                number = int(str(seq.data["next"]))
+                seq_op = BatchOp("replace", Entity(job_id, CKSEQ, {"next": number + 1}), seq.etag)
+            except NotFound:
+                number = 1
+                seq_op = BatchOp("insert", Entity(job_id, CKSEQ, {"next": 2}))
+            version = Version(job_id, number, generation, step, world_size, "pending", now, None)
+            try:
+                stored = self.table.batch(
+                    [
+                        seq_op,
+                        BatchOp("insert", _entity(version)),
+                        BatchOp(
+                            "insert", Entity(job_id, key, {"kind": "ckstep", "version": number})
+                        ),
+                    ]
+                )
+            except (Modified, AlreadyExists):
+                continue  # another rank created it (or another step took the number)
+            self.collect(job_id)  # a new version is when old ones may go
+            entity = stored[1]
+            return replace(version, etag=entity.etag if entity and entity.etag else "")
+        raise StorageUnavailable(f"could not allocate a checkpoint version for job {job_id!r}")
+
+    def report(self, job_id: str, number: int, request: ReportShard) -> CheckpointInfo:
+        """Records a rank's uploaded files; the last rank's report commits the version.
+
+        Raises:
+            StaleGeneration: The generation ended (a zombie's report changes nothing).
+            UnknownCheckpoint: No such version.
+            CheckpointConflict: The version belongs to another generation, or expired.
+            IncompleteUpload: A file is not in storage at its reported size.
+            InvalidRequest: The metadata is too large.
+        """
+        version = self._get(job_id, number)
+        job = self.rdzv.get_job(job_id)
+        _, rank = self.rdzv.member(job, request.node_id, request.generation)
+        if version.generation != request.generation:
+            raise CheckpointConflict(
+                f"version {number} belongs to generation {version.generation}, "
+                f"not {request.generation}"
+            )
+        if version.state == "committed":
+            return self._info(job, version, self._reports(version))  # a retried report
+        if version.state != "pending" or self._expired(version):
+            raise CheckpointConflict(f"version {number} expired before every rank reported")
+        payload = {
+            "files": [f.model_dump() for f in request.files],
+            "metadata": request.metadata if rank == 0 else None,
+            "rank_metadata": request.rank_metadata,
+        }
+        size = len(json.dumps(payload, separators=(",", ":")))
+        if size > MAX_METADATA_BYTES:
+            raise InvalidRequest(f"metadata is {size} bytes; at most {MAX_METADATA_BYTES}")
+        packed = pack(payload)
+        if sum(len(chunk) for chunk in packed.values()) > MAX_PACKED:
+            raise InvalidRequest("metadata does not compress to fit a report")
+        folder = _rank_folder(version, rank)
+        for f in request.files:
+            try:
+                stored = self.blobs.info(folder + f.name)
+            except NotFound:
+                raise IncompleteUpload(f"rank {rank} reported {f.name!r}, never uploaded") from None
+            if stored.size != f.size:
+                raise IncompleteUpload(
+                    f"rank {rank} reported {f.name!r} as {f.size} bytes; storage holds "
+                    f"{stored.size}"
+                )
+        self.table.upsert(
+            Entity(
+                job_id,
+                f"{CKREP}{number:010d}:{rank:05d}",
+                {
+                    "kind": "ckrep",
+                    "version": number,
+                    "rank": rank,
+                    "node_id": request.node_id,
+                    **packed,
+                },
+            )
+        )
+        reports = self._reports(version)
+        if len(reports) == version.world_size:
+            version = self._commit(version, reports)
+            job = self.rdzv.get_job(job_id)
+        return self._info(job, version, reports)
+
+    def _commit(self, version: Version, reports: dict[int, Report]) -> Version:
+        manifest = Manifest(
+            job_id=version.job_id,
+            version=version.version,
+            step=version.step,
+            generation=version.generation,
+            world_size=version.world_size,
+            created_at=version.created_at,
+            metadata=reports[0].metadata,
+            shards=[
+                ManifestShard(
+                    rank=r.rank,
+                    node_id=r.node_id,
+                    files=[ManifestFile(**f.model_dump()) for f in r.files],
+                    metadata=r.rank_metadata,
+                )
+                for r in sorted(reports.values(), key=lambda r: r.rank)
+            ],
+        )
+        # Racing committers write the same bytes: the manifest holds nothing per-writer.
+        self.blobs.put(version.folder + MANIFEST, manifest.model_dump_json(indent=1).encode())
+        while True:
+            job = self.rdzv.get_job(version.job_id)
+            committed = replace(version, state="committed", committed_at=self.rdzv.clock())
+            ops = [BatchOp("replace", _entity(committed), if_match=version.etag)]
+            # Fencing: only the running generation moves the pointer, and only forwards.
+            if (
+                job.generation == version.generation
+                and job.status == "sealed"
+                and (job.checkpoint is None or version.step > job.checkpoint.step)
+            ):
+                pointer = CheckpointPointer(
+                    version=version.version, step=version.step, generation=version.generation
+                )
+                ops.append(
+                    BatchOp("replace", job_entity(replace(job, checkpoint=pointer)), job.etag)
+                )
+            try:
+                stored = self.table.batch(ops)
+            except Modified:
+                version = self._get(version.job_id, version.version)
+                if version.state == "committed":
+                    return version  # a racing report committed it
+                if version.state != "pending":
+                    raise CheckpointConflict(
+                        f"version {version.version} was collected before it committed"
+                    ) from None
+                continue  # the job entity changed: judge the pointer again
+            entity = stored[0]
+            committed = replace(committed, etag=entity.etag if entity and entity.etag else "")
+            self.collect(version.job_id)
+            return committed
+
+    # --- reading ------------------------------------------------------------------------
+
+    def get(self, job_id: str, number: int | None = None, *, urls: bool = True) -> CheckpointInfo:
+        """One version (the latest if ``number`` is None), with read URLs if committed.
+
+        Raises:
+            UnknownCheckpoint: No such version, or no version committed yet.
+        """
+        job = self.rdzv.get_job(job_id)
+        if number is None:
+            if job.checkpoint is None:
+                raise UnknownCheckpoint(f"job {job_id!r} has no committed checkpoint yet")
+            number = job.checkpoint.version
+        version = self._get(job_id, number)
+        if version.state == "deleting":
+            raise UnknownCheckpoint(f"version {number} of job {job_id!r} was collected")
+        info = self._info(
+            job, version, None if version.state == "committed" else self._reports(version)
+        )
+        if urls and version.state == "committed":
+            grant = self.blobs.grant(version.folder, None, access="read", ttl=self.read_ttl)
+            info = info.model_copy(update={"urls": grant})
+        return info
+
+    def versions(self, job_id: str) -> list[CheckpointInfo]:
+        """Every version not being collected, oldest first (no URLs)."""
+        job = self.rdzv.get_job(job_id)
+        return [
+            self._info(job, v, None if v.state == "committed" else self._reports(v))
+            for v in self._rows(job_id)
+            if v.state != "deleting"
+        ]
+
+    def _info(
+        self, job: Job, version: Version, reports: Mapping[int, Report] | None
+    ) -> CheckpointInfo:
+        return CheckpointInfo(
+            version=version.version,
+            step=version.step,
+            generation=version.generation,
+            world_size=version.world_size,
+            state="committed" if version.state == "committed" else "pending",
+            created_at=version.created_at,
+            committed_at=version.committed_at,
+            reported=version.world_size if reports is None else len(reports),
+            latest=job.checkpoint is not None and job.checkpoint.version == version.version,
+        )
+
+    def _get(self, job_id: str, number: int) -> Version:
+        try:
+            return _version(job_id, self.table.get(job_id, f"{CKPT}{number:010d}"))
+        except NotFound:
+            raise UnknownCheckpoint(f"job {job_id!r} has no checkpoint version {number}") from None
+
+    def _rows(self, job_id: str) -> list[Version]:
+        return [_version(job_id, e) for e in self.table.query(job_id, [Cond("kind", "eq", "ckpt")])]
+
+    def _reports(self, version: Version) -> dict[int, Report]:
+        where = [Cond("kind", "eq", "ckrep"), Cond("version", "eq", version.version)]
+        reports = (_report(e.data) for e in self.table.query(version.job_id, where))
+        return {r.rank: r for r in reports}
+
+    def _expired(self, version: Version) -> bool:
+        return self.rdzv.clock() >= version.created_at + self.timeout
+
+    # --- collecting ---------------------------------------------------------------------
+
+    def collect(self, job_id: str) -> list[int]:
+        """Deletes unfinished versions past their timeout and committed ones beyond the
+        last ``keep``; never the latest.
+
+        Returns:
+            The versions deleted.
+        """
+        job = self.rdzv.get_job(job_id)
+        versions = self._rows(job_id)
+        latest = job.checkpoint.version if job.checkpoint else None
+        committed = [v.version for v in versions if v.state == "committed"]
+        keep = set(committed[-self.keep :]) | {latest}
+        doomed = [
+            v
+            for v in versions
+            if v.version not in keep
+            and (v.state != "pending" or self._expired(v))  # committed, deleting or stale
+        ]
+        return [v.version for v in doomed if self._delete(v)]
+
+    def _delete(self, version: Version) -> bool:
+        if version.state != "deleting":
+            try:
+                # Marked first, by CAS: a commit racing this either lands before (and the
+                # mark fails) or fails itself; the blobs go only after the mark.
+                self.table.replace(
+                    _entity(replace(version, state="deleting")), if_match=version.etag
+                )
+            except (Modified, NotFound):
+                return False
+        for blob in self.blobs.list(version.folder):
+            with contextlib.suppress(NotFound):  # a concurrent collector got there first
+                self.blobs.delete(blob.name)
+        job_id = version.job_id
+        reports = [f"{CKREP}{version.version:010d}:{rank:05d}" for rank in self._reports(version)]
+        # The version row goes last, so a half-collected version is still found (as
+        # "deleting") and finished by the next collect.
+        rows = [
+            *reports,
+            _step_key(version.generation, version.step),
+            f"{CKPT}{version.version:010d}",
+        ]
+        for row in rows:
+            with contextlib.suppress(NotFound):
+                self.table.delete(job_id, row)
+        return True

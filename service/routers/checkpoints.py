@@ -1,0 +1,62 @@
+"""Checkpoint versions of a job (``/v1/jobs/{job_id}/checkpoints``).
+
+The coordinator hands out signed URLs and keeps the books; the bytes go straight
+between trainers and storage.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio.to_thread
+from fastapi import APIRouter, Path
+
+from rallypoint.client._models import BeginCheckpoint, CheckpointBegun, CheckpointInfo, ReportShard
+
+from ..deps import Auth, CheckpointsDep, JobId
+
+__all__ = ["router"]
+
+router = APIRouter(
+    prefix="/v1/jobs/{job_id}/checkpoints", tags=["checkpoints"], dependencies=[Auth]
+)
+
+VersionNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
+
+
+@router.post("")
+async def begin(
+    job_id: JobId, body: BeginCheckpoint, checkpoints: CheckpointsDep
+) -> CheckpointBegun:
+    """Begins (or finds) the version of ``step`` in the caller's generation, with write
+    URLs for the caller's files. Every rank of a generation gets the same version."""
+    return await anyio.to_thread.run_sync(checkpoints.begin, job_id, body)
+
+
+@router.post("/{version}/shards")
+async def report(
+    job_id: JobId, version: VersionNumber, body: ReportShard, checkpoints: CheckpointsDep
+) -> CheckpointInfo:
+    """Reports the caller's uploaded files; the last rank's report commits the version,
+    which becomes the latest if its generation still runs and its step is newer."""
+    return await anyio.to_thread.run_sync(checkpoints.report, job_id, version, body)
+
+
+@router.get("")
+async def list_versions(job_id: JobId, checkpoints: CheckpointsDep) -> list[CheckpointInfo]:
+    """Every version, committed or still being written, oldest first."""
+    return await anyio.to_thread.run_sync(checkpoints.versions, job_id)
+
+
+@router.get("/latest")
+async def latest(job_id: JobId, checkpoints: CheckpointsDep) -> CheckpointInfo:
+    """The authoritative latest version, with read URLs for its manifest and shards."""
+    return await anyio.to_thread.run_sync(checkpoints.get, job_id, None)
+
+
+@router.get("/{version}")
+async def get_version(
+    job_id: JobId, version: VersionNumber, checkpoints: CheckpointsDep
+) -> CheckpointInfo:
+    """One version; read URLs once it is committed."""
+    return await anyio.to_thread.run_sync(checkpoints.get, job_id, version)

@@ -1,0 +1,275 @@
+"""Checkpoint versions as plain code (no HTTP), on SQLite and on a real Azurite."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+
+from rallypoint.client._models import BeginCheckpoint, ReportShard, ShardFile
+from rallypoint.service._checkpoints import Checkpoints
+from rallypoint.service._rendezvous import Rendezvous
+from rallypoint.service.errors import (
+    CheckpointConflict,
+    IncompleteUpload,
+    InvalidRequest,
+    StaleGeneration,
+    UnknownCheckpoint,
+    UnknownNode,
+)
+from rallypoint.service.storage import BlobStore, Storage
+
+from .test_rendezvous import Clock, join_all, spec
+
+TIMEOUT = 600.0
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def rdzv(storage: Storage, clock: Clock) -> Rendezvous:
+    return Rendezvous(storage.table("jobs"), clock)
+
+
+@pytest.fixture
+def blobs(storage: Storage) -> BlobStore:
+    return storage.blobs("checkpoints")
+
+
+@pytest.fixture
+def ckpts(rdzv: Rendezvous, blobs: BlobStore) -> Checkpoints:
+    return Checkpoints(rdzv, blobs, keep=2, timeout=timedelta(seconds=TIMEOUT))
+
+
+def seal(rdzv: Rendezvous, nodes: list[str]) -> int:
+    """Seals a generation of ``nodes`` (in rank order) and returns its number."""
+    join_all(rdzv, nodes, spec(1, 8, last_call=1))
+    clock = rdzv.clock
+    assert isinstance(clock, Clock)
+    clock.advance(1)
+    job, _ = rdzv.tick("job")
+    assert job.status == "sealed" and job.world_size == len(nodes)
+    return job.generation
+
+
+def save(ckpts: Checkpoints, blobs: BlobStore, nodes: list[str], generation: int, step: int) -> int:
+    """Every rank begins, uploads one file and reports; returns the version."""
+    version = 0
+    for node in nodes:
+        begun = ckpts.begin("job", BeginCheckpoint(node_id=node, generation=generation, step=step))
+        version = begun.version
+        data = f"{node}@{step}".encode()
+        blobs.put(f"job/v{version:010d}/rank-{begun.rank:05d}/shard.safetensors", data)
+        info = ckpts.report(
+            "job",
+            version,
+            ReportShard(
+                node_id=node,
+                generation=generation,
+                files=[ShardFile(name="shard.safetensors", size=len(data), checksum="x:1")],
+                metadata={"step": step},
+                rank_metadata={"node": node},
+            ),
+        )
+    assert info.state == "committed"
+    return version
+
+
+def test_ranks_racing_to_begin_a_step_get_one_version(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
+    nodes = [f"n{i}" for i in range(8)]
+    gen = seal(rdzv, nodes)
+    with ThreadPoolExecutor(8) as pool:
+        begun = list(
+            pool.map(
+                lambda n: ckpts.begin("job", BeginCheckpoint(node_id=n, generation=gen, step=5)),
+                nodes,
+            )
+        )
+    assert {b.version for b in begun} == {1}
+    assert sorted(b.rank for b in begun) == list(range(8))
+    assert all(b.state == "pending" and set(b.upload_urls) == {"shard.safetensors"} for b in begun)
+    other = ckpts.begin("job", BeginCheckpoint(node_id="n0", generation=gen, step=6))
+    assert other.version == 2
+
+
+def test_the_last_report_commits_and_moves_the_pointer(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
+    nodes = ["a", "b", "c"]
+    gen = seal(rdzv, nodes)
+    version = save(ckpts, blobs, nodes, gen, step=100)
+    job = rdzv.get_job("job")
+    assert job.checkpoint is not None and (job.checkpoint.version, job.checkpoint.step) == (
+        version,
+        100,
+    )
+    manifest = json.loads(blobs.get(f"job/v{version:010d}/manifest.json"))
+    assert manifest["world_size"] == 3 and manifest["metadata"] == {"step": 100}
+    assert [s["rank"] for s in manifest["shards"]] == [0, 1, 2]
+    assert [s["metadata"] for s in manifest["shards"]] == [{"node": n} for n in nodes]
+    latest = ckpts.get("job")
+    assert latest.latest and latest.version == version
+    assert set(latest.urls) == {
+        "manifest.json",
+        *(f"rank-{r:05d}/shard.safetensors" for r in range(3)),
+    }
+    # The next generation's members all get this pointer in their assignment.
+    rdzv.leave("job", "c", gen, "test")
+    gen2 = seal(rdzv, ["a", "b"])
+    job = rdzv.get_job("job")
+    for node in ("a", "b"):
+        assignment = rdzv.assignment(job, node, gen2)
+        assert assignment not in (None, "missed")
+        assert assignment.checkpoint == job.checkpoint  # type: ignore[union-attr]
+
+
+def test_the_pointer_never_moves_back(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
+    gen = seal(rdzv, ["a"])
+    newer = save(ckpts, blobs, ["a"], gen, step=200)
+    older = save(ckpts, blobs, ["a"], gen, step=150)
+    job = rdzv.get_job("job")
+    assert job.checkpoint is not None and job.checkpoint.version == newer
+    assert not ckpts.get("job", older).latest and ckpts.get("job", older).state == "committed"
+
+
+def test_unuploaded_or_wrong_size_files_are_refused(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
+    gen = seal(rdzv, ["a"])
+    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    files = [ShardFile(name="shard.safetensors", size=10, checksum="x:1")]
+    report = ReportShard(node_id="a", generation=gen, files=files)
+    with pytest.raises(IncompleteUpload):
+        ckpts.report("job", begun.version, report)
+    blobs.put(f"job/v{begun.version:010d}/rank-00000/shard.safetensors", b"12345")
+    with pytest.raises(IncompleteUpload):
+        ckpts.report("job", begun.version, report)
+    assert rdzv.get_job("job").checkpoint is None
+    with pytest.raises(UnknownCheckpoint):
+        ckpts.get("job")
+
+
+def test_a_zombie_from_an_ended_generation_is_refused(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
+    gen = seal(rdzv, ["a", "b"])
+    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    blobs.put(f"job/v{begun.version:010d}/rank-00000/shard.safetensors", b"zombie")
+    rdzv.leave("job", "b", gen, "preempted")  # the generation ends
+    files = [ShardFile(name="shard.safetensors", size=6, checksum="x:1")]
+    with pytest.raises(StaleGeneration):
+        ckpts.report("job", begun.version, ReportShard(node_id="a", generation=gen, files=files))
+    with pytest.raises(StaleGeneration):
+        ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=2))
+    with pytest.raises(UnknownNode):
+        gen2 = seal(rdzv, ["a"])
+        ckpts.begin("job", BeginCheckpoint(node_id="b", generation=gen2, step=2))
+    assert ckpts.versions("job")[0].state == "pending"
+    assert rdzv.get_job("job").checkpoint is None
+
+
+def test_a_report_for_another_generations_version_is_refused(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
+    gen = seal(rdzv, ["a"])
+    old = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    rdzv.leave("job", "a", gen, "restart")
+    gen2 = seal(rdzv, ["a"])
+    files = [ShardFile(name="shard.safetensors", size=1, checksum="x:1")]
+    with pytest.raises(CheckpointConflict):
+        ckpts.report("job", old.version, ReportShard(node_id="a", generation=gen2, files=files))
+
+
+def test_metadata_over_the_limit_is_refused(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
+    gen = seal(rdzv, ["a"])
+    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    files = [ShardFile(name="shard.safetensors", size=1, checksum="x:1")]
+    huge = {"blob": "x" * (600 * 1024)}
+    with pytest.raises(InvalidRequest):
+        ckpts.report(
+            "job",
+            begun.version,
+            ReportShard(node_id="a", generation=gen, files=files, metadata=huge),
+        )
+
+
+def test_unfinished_versions_are_collected_after_the_timeout(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore, clock: Clock
+) -> None:
+    gen = seal(rdzv, ["a", "b"])
+    kept = save(ckpts, blobs, ["a", "b"], gen, step=10)
+    # Rank a uploads and reports step 20; rank b dies mid-upload.
+    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=20))
+    blobs.put(f"job/v{begun.version:010d}/rank-00000/shard.safetensors", b"half")
+    files = [ShardFile(name="shard.safetensors", size=4, checksum="x:1")]
+    info = ckpts.report("job", begun.version, ReportShard(node_id="a", generation=gen, files=files))
+    assert info.state == "pending" and info.reported == 1
+    assert ckpts.collect("job") == []  # not yet: its uploads may still finish
+    clock.advance(TIMEOUT + 1)
+    assert ckpts.collect("job") == [begun.version]
+    assert list(blobs.list(f"job/v{begun.version:010d}/")) == []
+    with pytest.raises(UnknownCheckpoint):
+        ckpts.get("job", begun.version)
+    assert ckpts.get("job").version == kept  # the previous latest stays loadable
+    assert ckpts.get("job").urls
+
+
+def test_an_expired_step_gets_a_fresh_version(
+    ckpts: Checkpoints, rdzv: Rendezvous, clock: Clock
+) -> None:
+    gen = seal(rdzv, ["a"])
+    first = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    clock.advance(TIMEOUT + 1)
+    again = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    assert again.version > first.version and again.state == "pending"
+
+
+def test_retention_keeps_the_last_k_and_always_the_latest(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
+    gen = seal(rdzv, ["a"])
+    latest = save(ckpts, blobs, ["a"], gen, step=1000)
+    # Older steps commit later but never become latest; retention (keep=2) must not
+    # take the latest although two newer versions exist.
+    for step in (10, 20, 30):
+        save(ckpts, blobs, ["a"], gen, step=step)
+    versions = {v.version: v for v in ckpts.versions("job")}
+    assert latest in versions and versions[latest].latest
+    assert len(versions) == 3  # the two newest plus the latest
+    assert list(blobs.list(f"job/v{latest:010d}/"))
+    for v in range(1, 5):
+        assert bool(list(blobs.list(f"job/v{v:010d}/"))) == (v in versions)
+
+
+def test_two_coordinators_commit_one_version(
+    storage: Storage, clock: Clock, blobs: BlobStore
+) -> None:
+    one, two = (
+        Checkpoints(Rendezvous(storage.table("jobs"), clock), blobs, timeout=timedelta(hours=1))
+        for _ in range(2)
+    )
+    nodes = [f"n{i}" for i in range(6)]
+    gen = seal(one.rdzv, nodes)
+
+    def rank(i: int) -> str:
+        ckpts = (one, two)[i % 2]
+        node = nodes[i]
+        begun = ckpts.begin("job", BeginCheckpoint(node_id=node, generation=gen, step=7))
+        blobs.put(f"job/v{begun.version:010d}/rank-{begun.rank:05d}/shard.safetensors", b"x")
+        files = [ShardFile(name="shard.safetensors", size=1, checksum="x:1")]
+        report = ReportShard(node_id=node, generation=gen, files=files)
+        return ckpts.report("job", begun.version, report).state
+
+    with ThreadPoolExecutor(6) as pool:
+        states = list(pool.map(rank, range(6)))
+    assert "committed" in states
+    job = one.rdzv.get_job("job")
+    assert job.checkpoint is not None and job.checkpoint.step == 7
+    assert [v.state for v in one.versions("job")] == ["committed"]
