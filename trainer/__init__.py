@@ -1,10 +1,43 @@
-"""Trainer-side helpers: what runs inside a training process (``rallypoint[trainer]``)."""
+"""What runs inside a training process (``pip install rallypoint[trainer]``).
 
+Example::
+
+    from rallypoint.client import ElasticClient
+    from rallypoint.trainer import CheckpointManager, ElasticSampler
+
+    client = ElasticClient.from_env()
+    assignment = client.join()
+    checkpoints = CheckpointManager(client)
+    sampler = ElasticSampler(dataset, rank=assignment.rank, world_size=assignment.world_size)
+    if (restored := checkpoints.load_latest()) is not None:
+        model.load_state_dict(restored.state["model"])
+        sampler.load_state_dict(restored.state["sampler"])
+    ...
+    checkpoints.save({"model": model.state_dict(), "sampler": sampler.state_dict()}, step)
+"""
+
+from ._checkpoint import CheckpointManager, Restored, SaveHandle
+from ._progress import Progress
+from ._sampler import ElasticSampler
 from ._transfer import download, upload
-from .errors import RallypointTrainerError, TransferDenied, TransferError, TransferNotFound
+from .errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    RallypointTrainerError,
+    TransferDenied,
+    TransferError,
+    TransferNotFound,
+)
 
 __all__ = [
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "CheckpointManager",
+    "ElasticSampler",
+    "Progress",
     "RallypointTrainerError",
+    "Restored",
+    "SaveHandle",
     "TransferDenied",
     "TransferError",
     "TransferNotFound",

@@ -6,14 +6,23 @@ go up in parallel blocks; ``file://`` URLs are the local backend's signed paths.
 
 from __future__ import annotations
 
+import base64
+import mmap
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, cast
+
+import torch
 
 from rallypoint.client._fileurl import SourceError, verify_file_url, write_atomically
 from rallypoint.client.errors import SignedUrlError
 
+from ._progress import Progress
+from ._shard import as_memoryview
 from .errors import TransferDenied, TransferError, TransferNotFound
 
-__all__ = ["download", "upload"]
+__all__ = ["download", "read_object", "upload", "upload_parts"]
 
 _PARALLEL = 8
 _CHUNK = 8 << 20
@@ -90,3 +99,159 @@ def download(url: str) -> bytes:
             return bytes(blob.download_blob(max_concurrency=_PARALLEL).readall())
     except AzureError as exc:
         raise _azure_error(exc, url) from exc
+
+
+class _Parts:
+    """A file object over buffers, so the local store streams them without joining."""
+
+    def __init__(self, parts: Sequence[memoryview], progress: Progress | None) -> None:
+        self._parts = [p for p in parts if len(p)]
+        self._index = 0
+        self._offset = 0
+        self._progress = progress
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:
+        target = memoryview(buffer)
+        filled = 0
+        while filled < len(target) and self._index < len(self._parts):
+            part = self._parts[self._index]
+            n = min(len(target) - filled, len(part) - self._offset)
+            target[filled : filled + n] = part[self._offset : self._offset + n]
+            filled += n
+            self._offset += n
+            if self._offset == len(part):
+                self._index += 1
+                self._offset = 0
+        if self._progress is not None:
+            self._progress.update(filled)
+        return filled
+
+
+def upload_parts(url: str, parts: Sequence[memoryview], progress: Progress | None = None) -> None:
+    """Writes the concatenation of ``parts`` as one object through a signed write URL.
+
+    Azure gets 8 MiB blocks staged in parallel straight from the buffers; the local
+    store gets one sequential, fsynced write.
+
+    Raises:
+        TransferDenied: The URL does not grant writing.
+        TransferError: Storage failed.
+    """
+    if url.startswith("file:"):
+        try:
+            store, path = verify_file_url(url, "w")
+            write_atomically(store, path, cast(BinaryIO, _Parts(parts, progress)), if_absent=False)
+        except SignedUrlError as exc:
+            raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
+        except OSError as exc:
+            raise TransferError(f"{_redacted(url)}: {exc}") from exc
+        return
+    from azure.core.exceptions import AzureError
+    from azure.storage.blob import BlobBlock, BlobClient
+
+    blocks = [p[i : i + _CHUNK] for p in parts for i in range(0, len(p), _CHUNK)]
+    try:
+        with BlobClient.from_blob_url(url) as blob:
+            if len(blocks) <= 1:
+                data = bytes(blocks[0]) if blocks else b""
+                blob.upload_blob(data, overwrite=True)
+                if progress is not None:
+                    progress.update(len(data))
+                return
+            ids = [base64.b64encode(f"{i:08d}".encode()).decode() for i in range(len(blocks))]
+
+            def stage(i: int) -> None:
+                blob.stage_block(ids[i], bytes(blocks[i]), length=len(blocks[i]))
+                if progress is not None:
+                    progress.update(len(blocks[i]))
+
+            with ThreadPoolExecutor(_PARALLEL) as pool:
+                list(pool.map(stage, range(len(blocks))))
+            blob.commit_block_list([BlobBlock(block_id=i) for i in ids])
+    except AzureError as exc:
+        raise _azure_error(exc, url) from exc
+
+
+class _Into:
+    """A seekable file object writing into a buffer (parallel ranged downloads)."""
+
+    def __init__(self, target: memoryview) -> None:
+        self._target = target
+        self._pos = 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._pos = offset if whence == os.SEEK_SET else self._pos + offset
+        return self._pos
+
+    def write(self, data: bytes | memoryview) -> int:
+        end = self._pos + len(data)
+        if end > len(self._target):
+            raise TransferError(
+                f"the object holds more than the {len(self._target)} bytes expected"
+            )
+        self._target[self._pos : end] = data
+        self._pos = end
+        return len(data)
+
+
+def read_object(url: str, size: int, progress: Progress | None = None) -> torch.Tensor:
+    """An object's bytes as a uint8 tensor, through a signed read URL.
+
+    A local object is mapped copy-on-write (``MAP_PRIVATE``): nothing is copied, pages
+    come from the page cache as they are read, and writing to the tensor never reaches
+    the file. An Azure object is downloaded in parallel ranges into fresh memory.
+
+    Args:
+        url: The signed read URL.
+        size: The bytes expected; the result may differ (the caller checks).
+        progress: Counts downloaded bytes (Azure only: a mapping moves nothing).
+
+    Raises:
+        TransferDenied, TransferNotFound, TransferError: As for :func:`download`.
+    """
+    if url.startswith("file:"):
+        try:
+            _, path = verify_file_url(url, "r")
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return torch.empty(0, dtype=torch.uint8)
+                mapped = mmap.mmap(
+                    f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
+        except SignedUrlError as exc:
+            raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise TransferNotFound(f"{_redacted(url)}: no such object") from exc
+        except OSError as exc:
+            raise TransferError(f"{_redacted(url)}: {exc}") from exc
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+    from azure.core.exceptions import AzureError
+    from azure.storage.blob import BlobClient
+
+    buffer = torch.empty(size, dtype=torch.uint8)
+    seen = 0
+
+    def hook(current: int, total: int | None) -> None:
+        nonlocal seen
+        if progress is not None and current > seen:
+            progress.update(current - seen)
+            seen = current
+
+    try:
+        with BlobClient.from_blob_url(url) as blob:
+            stream = blob.download_blob(max_concurrency=_PARALLEL, progress_hook=hook)
+            if stream.size != size:
+                return buffer[: min(size, stream.size)]  # the caller reports the mismatch
+            stream.readinto(cast(BinaryIO, _Into(as_memoryview(buffer))))
+    except AzureError as exc:
+        raise _azure_error(exc, url) from exc
+    return buffer

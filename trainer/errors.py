@@ -3,14 +3,23 @@
 Hierarchy::
 
     RallypointTrainerError
-    └── TransferError          moving bytes to or from storage failed
-        ├── TransferDenied     the signed URL is expired, tampered or out of scope
-        └── TransferNotFound   the object a read URL names does not exist
+    ├── TransferError          moving bytes to or from storage failed
+    │   ├── TransferDenied     the signed URL is expired, tampered or out of scope
+    │   └── TransferNotFound   the object a read URL names does not exist
+    └── CheckpointError        a checkpoint could not be saved or loaded
+        └── CheckpointCorrupt  a shard is missing, truncated or fails its checksum
 """
 
 from __future__ import annotations
 
-__all__ = ["RallypointTrainerError", "TransferDenied", "TransferError", "TransferNotFound"]
+__all__ = [
+    "CheckpointCorrupt",
+    "CheckpointError",
+    "RallypointTrainerError",
+    "TransferDenied",
+    "TransferError",
+    "TransferNotFound",
+]
 
 
 class RallypointTrainerError(Exception):
@@ -33,3 +42,15 @@ class TransferDenied(TransferError):
 
 class TransferNotFound(TransferError):
     code = "not_found"
+
+
+class CheckpointError(RallypointTrainerError):
+    """A checkpoint could not be saved or loaded; the message says which and why."""
+
+    code = "checkpoint_failed"
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A shard is missing, truncated, or its bytes do not match the manifest's checksum."""
+
+    code = "checkpoint_corrupt"

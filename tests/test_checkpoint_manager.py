@@ -1,0 +1,251 @@
+"""CheckpointManager end to end: real coordinators, real files, real Azurite."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rallypoint.client import ElasticClient, StaleGeneration
+from rallypoint.trainer import CheckpointCorrupt, CheckpointManager, ElasticSampler, download
+
+from .conftest import Start
+from .test_coordinator import clients, join_all, spec
+
+
+def make_state(seed: int = 0) -> dict[str, Any]:
+    """A small but realistic state: model, Adam (int-keyed state), scheduler, sampler,
+    tensors of several dtypes, and plain values JSON cannot tell apart."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
+    model(torch.randn(8, 16)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "sampler": ElasticSampler(100, rank=0, world_size=1).state_dict(),
+        "half": torch.randn(7, dtype=torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "ids": torch.arange(5, dtype=torch.int64).reshape(1, 5),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "shape": (2, 3),
+        "losses": [1.5, float("inf"), float("nan")],
+        "name": "run-1",
+        "none": None,
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.cpu(), b.cpu())
+        )
+    if isinstance(a, dict):  # an OrderedDict (a state_dict) comes back as a dict
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
+    return bool(a == b)
+
+
+def managers(url: str, names: list[str], lo: int, hi: int) -> list[CheckpointManager]:
+    nodes = clients(url, names)
+    join_all(nodes, spec(lo, hi))
+    return sorted((CheckpointManager(n, progress=False) for n in nodes), key=lambda m: m.rank)
+
+
+def save_all(ms: list[CheckpointManager], state: Any, step: int) -> None:
+    with ThreadPoolExecutor(len(ms)) as pool:
+        handles = list(
+            pool.map(lambda m: m.save(state, step, rank_state={"rank": torch.tensor([m.rank])}), ms)
+        )
+    infos = [h.result() for h in handles if h is not None]
+    assert len(infos) == len(ms)
+    assert any(i.state == "committed" for i in infos)
+
+
+def test_save_and_load_round_trip(start: Start) -> None:
+    url = start().url
+    (m,) = managers(url, ["a"], 1, 1)
+    state = make_state()
+    rng = torch.get_rng_state()
+    handle = m.save(state, 10, rank_state={"rng": rng}, metadata={"loss": 0.25}, blocking=True)
+    assert handle is not None and handle.result().state == "committed"
+    assert handle.result().latest
+    # A new generation resumes from it.
+    (m2,) = managers(url, ["a"], 1, 1)
+    assert m2.assignment.checkpoint is not None and m2.assignment.checkpoint.step == 10
+    restored = m2.load_latest()
+    assert restored is not None
+    assert (restored.step, restored.world_size, restored.metadata) == (10, 1, {"loss": 0.25})
+    assert same(restored.state, state)
+    assert same(restored.rank_state, {"rng": rng})
+    # The restored tensors are the user's to change, and changing them changes no file.
+    restored.state["model"]["0.weight"].add_(1)
+    again = m2.load_latest()
+    assert again is not None and same(again.state, state)
+
+
+def test_a_fresh_job_has_nothing_to_load(start: Start) -> None:
+    (m,) = managers(start().url, ["a"], 1, 1)
+    assert m.load_latest() is None
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_shards_are_plain_safetensors(start: Start, tmp_path: Path) -> None:
+    (m,) = managers(start().url, ["a"], 1, 1)
+    state = {"w": torch.randn(3, 4), "b": torch.zeros(2, dtype=torch.float16)}
+    m.save(state, 1, blocking=True)
+    (shard,) = tmp_path.glob("store/**/shard.safetensors")
+    loaded = load_file(shard)
+    assert sorted(loaded) == ["s0", "s1"]
+    assert torch.equal(loaded["s0"], state["w"]) and torch.equal(loaded["s1"], state["b"])
+
+
+def test_load_at_a_smaller_and_a_larger_world(start: Start) -> None:
+    url = start().url
+    names = ["n0", "n1", "n2", "n3"]
+    ms = managers(url, names, 3, 5)
+    assert [m.world_size for m in ms] == [4] * 4
+    state = {f"t{i}": torch.randn(64 + i, 16) for i in range(16)} | {"step": 7}
+    save_all(ms, state, 7)
+    # Each rank wrote about a quarter of the replicated bytes.
+    info = ms[0].client.checkpoint()
+    sizes = [len(download(info.urls[f"rank-{r:05d}/shard.safetensors"])) for r in range(4)]
+    total = sum(t.numel() * 4 for k, t in state.items() if isinstance(t, torch.Tensor))
+    assert max(sizes) < total / 4 * 1.3
+    for survivors in (["n0", "n1", "n2"], ["n0", "n1", "n2", "n3", "n4"]):
+        resumed = managers(url, survivors, 3, 5)
+        assert [m.world_size for m in resumed] == [len(survivors)] * len(survivors)
+        for m in resumed:
+            restored = m.load_latest()
+            assert restored is not None and restored.world_size == 4
+            assert same(restored.state, state)
+            expected = {"rank": torch.tensor([m.rank])} if m.rank < 4 else None
+            assert same(restored.rank_state, expected)
+
+
+def test_consecutive_saves_never_mix(start: Start) -> None:
+    url = start().url
+    (m,) = managers(url, ["a"], 1, 1)
+    first = {"w": torch.full((256, 256), 1.0)}
+    second = {"w": torch.full((256, 256), 2.0)}
+    one = m.save(first, 1)
+    two = m.save(second, 2)  # waits for the first: its staging buffer is in use
+    assert one is not None and two is not None
+    assert one.result().version != two.result().version
+    for version, expected in ((one.result().version, first), (two.result().version, second)):
+        assert same(m.load(version).state, expected)
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_a_corrupt_or_missing_shard_fails_loudly(start: Start, tmp_path: Path) -> None:
+    url = start().url
+    (m,) = managers(url, ["a"], 1, 1)
+    m.save({"w": torch.randn(1000)}, 1, blocking=True)
+    (shard,) = tmp_path.glob("store/**/shard.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(data)
+    (m2,) = managers(url, ["a"], 1, 1)
+    with pytest.raises(CheckpointCorrupt, match="checksum"):
+        m2.load_latest()
+    shard.unlink()
+    with pytest.raises(CheckpointCorrupt, match="missing"):
+        m2.load_latest()
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_the_named_version_wins_over_newer_looking_files(start: Start, tmp_path: Path) -> None:
+    url = start().url
+    (m,) = managers(url, ["a"], 1, 1)
+    m.save({"w": torch.zeros(4)}, 1, blocking=True)
+    m.save({"w": torch.ones(4)}, 2, blocking=True)
+    # A cache that trusts modification times would pick version 1 now.
+    future = time.time() + 3600
+    for path in tmp_path.glob("store/**/v0000000001/**/*"):
+        os.utime(path, (future, future))
+    (m2,) = managers(url, ["a"], 1, 1)
+    restored = m2.load_latest()
+    assert restored is not None and restored.step == 2
+    assert torch.equal(restored.state["w"], torch.ones(4))
+
+
+def test_a_zombie_manager_cannot_save(start: Start) -> None:
+    url = start().url
+    (old,) = managers(url, ["a"], 1, 1)
+    (new,) = managers(url, ["a"], 1, 1)  # the node restarted: generation 1 ended
+    handle = old.save({"w": torch.zeros(2)}, 5)
+    assert handle is not None
+    with pytest.raises(StaleGeneration):
+        handle.result()
+    assert new.client.checkpoints() == []
+
+
+SAVER = """
+import sys, torch
+from datetime import timedelta
+from rallypoint.client import ElasticClient
+from rallypoint.trainer import CheckpointManager
+client = ElasticClient(sys.argv[1], "job", "a")
+client.join("127.0.0.1", 29500, spec=None, timeout=timedelta(seconds=60))
+m = CheckpointManager(client, progress=False)
+m.save({"w": torch.ones(8)}, 1, blocking=True)
+print("committed", flush=True)
+m.save({"w": torch.zeros(64 << 20)}, 2, blocking=True)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_a_rank_killed_mid_upload_never_becomes_latest(start: Start, tmp_path: Path) -> None:
+    url = start().url
+    s = spec(1, 1)
+    ElasticClient(url, "job", "x").create_job(
+        1,
+        1,
+        last_call=s.last_call,
+        heartbeat_timeout=s.heartbeat_timeout,
+        join_timeout=s.join_timeout,
+    )
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, url], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "committed"
+        # The 256 MiB shard is being written once a temporary file holds some of it.
+        deadline = time.monotonic() + 60
+        while not any(p.stat().st_size for p in tmp_path.glob("store/**/tmp/*")):
+            assert time.monotonic() < deadline and proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    (m,) = managers(url, ["a"], 1, 1)  # the node comes back: a new generation
+    versions = m.client.checkpoints()
+    assert [(v.version, v.state, v.latest) for v in versions] == [
+        (1, "committed", True),
+        (2, "pending", False),
+    ]
+    restored = m.load_latest()
+    assert restored is not None and restored.version == 1
+    assert torch.equal(restored.state["w"], torch.ones(8))
