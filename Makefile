@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup test lint typecheck serve bench-storage bench-rendezvous clean
+.PHONY: setup test lint typecheck serve bench-storage bench-rendezvous bench-checkpoint clean
 
 setup: $(VENV)/.installed node_modules/.installed
 
@@ -40,6 +40,9 @@ bench-storage: setup
 
 bench-rendezvous: setup
 	$(BIN)/python bench/rendezvous.py
+
+bench-checkpoint: setup
+	$(BIN)/python bench/checkpoint.py
 
 clean:
 	rm -rf $(VENV) node_modules build .rallypoint .pytest_cache .mypy_cache .ruff_cache

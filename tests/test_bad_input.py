@@ -24,6 +24,13 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         timeout=60,
     )
     assert reply.status_code == 200, reply.text
+    # And one checkpoint version being written (version 1), which must stay as it is.
+    begun = httpx.post(
+        f"{coordinator.url}/v1/jobs/job/checkpoints",
+        json={"node_id": "a", "generation": 1, "step": 1},
+        timeout=30,
+    )
+    assert begun.status_code == 200 and begun.json()["version"] == 1, begun.text
     yield coordinator.url
     coordinator.stop()
 
@@ -34,10 +41,18 @@ def snapshot(url: str) -> Any:
     for member in status["members"]:
         member.pop("heartbeat_age")  # time passes; nothing else may change
         member.pop("state")
-    return jobs, status
+    checkpoints = httpx.get(f"{url}/v1/jobs/job/checkpoints").json()
+    return jobs, status, checkpoints
 
 
 JOIN = {"node_id": "b", "addr": "h", "port": 1}
+CKPT = "/v1/jobs/job/checkpoints"
+BEGIN = {"node_id": "a", "generation": 1, "step": 2}
+REPORT = {
+    "node_id": "a",
+    "generation": 1,
+    "files": [{"name": "shard.safetensors", "size": 10, "checksum": "xxh3-128:0"}],
+}
 
 CASES: list[tuple[str, str, str, Any, int, str]] = [
     # (id, method, path, body (bytes = raw), status, code)
@@ -122,6 +137,33 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
         "unknown_node",
     ),
     ("no-route", "GET", "/v1/nothing", None, 404, "not_found"),
+    ("ckpt-no-latest", "GET", f"{CKPT}/latest", None, 404, "unknown_checkpoint"),
+    ("ckpt-unknown-version", "GET", f"{CKPT}/99", None, 404, "unknown_checkpoint"),
+    ("ckpt-version-not-int", "GET", f"{CKPT}/abc", None, 422, "invalid_request"),
+    ("ckpt-unknown-job", "GET", "/v1/jobs/nojob/checkpoints", None, 404, "unknown_job"),
+    ("ckpt-stale", "POST", CKPT, {**BEGIN, "generation": 7}, 409, "stale_generation"),
+    ("ckpt-not-member", "POST", CKPT, {**BEGIN, "node_id": "b"}, 404, "unknown_node"),
+    ("ckpt-negative-step", "POST", CKPT, {**BEGIN, "step": -1}, 422, "invalid_request"),
+    ("ckpt-path-trick", "POST", CKPT, {**BEGIN, "files": ["../x"]}, 422, "invalid_request"),
+    ("ckpt-same-file-twice", "POST", CKPT, {**BEGIN, "files": ["a", "a"]}, 422, "invalid_request"),
+    ("ckpt-no-upload", "POST", f"{CKPT}/1/shards", REPORT, 409, "incomplete_upload"),
+    ("ckpt-report-unknown", "POST", f"{CKPT}/42/shards", REPORT, 404, "unknown_checkpoint"),
+    (
+        "ckpt-report-stale",
+        "POST",
+        f"{CKPT}/1/shards",
+        {**REPORT, "generation": 2},
+        409,
+        "stale_generation",
+    ),
+    (
+        "ckpt-report-oversized",
+        "POST",
+        f"{CKPT}/1/shards",
+        b"{" + b" " * (1100 * 1024) + b"}",
+        413,
+        "body_too_large",
+    ),
     ("wrong-method", "DELETE", "/v1/jobs/job", None, 405, "method_not_allowed"),
 ]
 

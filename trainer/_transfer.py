@@ -101,32 +101,6 @@ def download(url: str) -> bytes:
         raise _azure_error(exc, url) from exc
 
 
-class _Parts:
-    """A file object over buffers, so the local store streams them without joining."""
-
-    def __init__(self, parts: Sequence[memoryview], progress: Progress | None) -> None:
-        self._parts = [p for p in parts if len(p)]
-        self._index = 0
-        self._offset = 0
-        self._progress = progress
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:
-        target = memoryview(buffer)
-        filled = 0
-        while filled < len(target) and self._index < len(self._parts):
-            part = self._parts[self._index]
-            n = min(len(target) - filled, len(part) - self._offset)
-            target[filled : filled + n] = part[self._offset : self._offset + n]
-            filled += n
-            self._offset += n
-            if self._offset == len(part):
-                self._index += 1
-                self._offset = 0
-        if self._progress is not None:
-            self._progress.update(filled)
-        return filled
-
-
 def upload_parts(url: str, parts: Sequence[memoryview], progress: Progress | None = None) -> None:
     """Writes the concatenation of ``parts`` as one object through a signed write URL.
 
@@ -140,7 +114,8 @@ def upload_parts(url: str, parts: Sequence[memoryview], progress: Progress | Non
     if url.startswith("file:"):
         try:
             store, path = verify_file_url(url, "w")
-            write_atomically(store, path, cast(BinaryIO, _Parts(parts, progress)), if_absent=False)
+            on_write = progress.update if progress is not None else None
+            write_atomically(store, path, parts, if_absent=False, on_write=on_write)
         except SignedUrlError as exc:
             raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
         except OSError as exc:

@@ -1,0 +1,326 @@
+"""CheckpointManager, side by side with torch.save, DCP async_save, dd and azure-storage-blob.
+
+One process saves a state dict of ``--mib`` MiB in ``--tensors`` float32 tensors through
+a real coordinator (uvicorn) on local storage and on Azurite:
+
+1. blocked: how long ``save()`` keeps training waiting, beside the copy of the same
+   tensors into preallocated buffers, the blocking part of
+   ``torch.distributed.checkpoint.async_save``, and ``torch.save``.
+2. persisted: MiB/s from ``save()`` to the version committed, beside ``dd bs=8M
+   conv=fdatasync`` of as many bytes on the same disk (local) and a plain
+   azure-storage-blob ``upload_blob(max_concurrency=8)`` of the same bytes (Azurite).
+3. load: MiB/s of ``load()`` (checksums verified), beside ``dd`` of the shard to
+   /dev/null (local) and ``download_blob(max_concurrency=8).readall()`` (Azurite).
+4. peak memory: in a fresh process, the peak RSS over three saves, less the RSS before
+   the state was made, as a multiple of the state's size.
+
+Each figure is the median of ``--repeat`` rounds after one warm-up; pairs alternate.
+
+Usage: python bench/checkpoint.py [--mib 1024] [--tensors 64] [--repeat 3]
+       [--only local|azurite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch  # noqa: E402
+
+from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
+from rallypoint.trainer import CheckpointManager  # noqa: E402
+from tests._azurite import running_azurite  # noqa: E402
+from tests._coordinator import Coordinator  # noqa: E402
+
+MiB = 1 << 20
+
+
+def make_state(mib: int, tensors: int) -> dict[str, torch.Tensor]:
+    per = mib * MiB // tensors // 4
+    return {f"layer{i}.weight": torch.randn(per // 1024, 1024) for i in range(tensors)}
+
+
+def median(f: Callable[[], float], repeat: int) -> float:
+    f()  # warm-up
+    return statistics.median(f() for _ in range(repeat))
+
+
+def paired(
+    ours: Callable[[], float], anchor: Callable[[], float], repeat: int
+) -> tuple[float, float]:
+    """Medians of both, alternating so that both see the same disk weather."""
+    ours()
+    anchor()
+    a, b = [], []
+    for _ in range(repeat):
+        a.append(ours())
+        b.append(anchor())
+    return statistics.median(a), statistics.median(b)
+
+
+def joined_manager(url: str) -> CheckpointManager:
+    client = ElasticClient(url, "bench", "n0")
+    spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
+    client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
+    client.heartbeats(timedelta(seconds=1))  # a trainer beats while it saves; so do we
+    return CheckpointManager(client, progress=False)
+
+
+class Rallypoint:
+    def __init__(self, url: str, state: dict[str, torch.Tensor]) -> None:
+        self.manager = joined_manager(url)
+        self.state = state
+        self.step = 0
+        self.blocked: list[float] = []
+        self.persisted: list[float] = []
+        self.version = 0
+
+    def save(self) -> float:
+        self.step += 1
+        start = time.perf_counter()
+        handle = self.manager.save(self.state, self.step)
+        blocked = time.perf_counter() - start
+        assert handle is not None
+        info = handle.result()
+        persisted = time.perf_counter() - start
+        assert info.state == "committed"
+        self.version = info.version
+        self.blocked.append(blocked)
+        self.persisted.append(persisted)
+        return persisted
+
+    def load(self) -> float:
+        start = time.perf_counter()
+        restored = self.manager.load(self.version)
+        elapsed = time.perf_counter() - start
+        assert restored.state.keys() == self.state.keys()
+        return elapsed
+
+
+def copy_anchor(state: dict[str, torch.Tensor]) -> Callable[[], float]:
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+
+    def run() -> float:
+        start = time.perf_counter()
+        for k, v in state.items():
+            buffers[k].copy_(v)
+        return time.perf_counter() - start
+
+    return run
+
+
+def torch_save_anchor(state: dict[str, torch.Tensor], work: Path) -> Callable[[], float]:
+    def run() -> float:
+        start = time.perf_counter()
+        torch.save(state, work / "torch_save.pt")
+        return time.perf_counter() - start
+
+    return run
+
+
+def dcp_anchor(state: dict[str, torch.Tensor], work: Path) -> Callable[[], float]:
+    import torch.distributed.checkpoint as dcp
+
+    # Without a process group DCP saves as a single process (numpy-free, as here).
+    rounds = iter(range(1_000_000))
+
+    def run() -> float:
+        target = work / f"dcp{next(rounds)}"
+        start = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(target))
+        blocked = time.perf_counter() - start
+        future.result()
+        subprocess.run(["rm", "-rf", str(target)], check=True)
+        return blocked
+
+    return run
+
+
+def dd_write(source: Callable[[], Path], work: Path) -> Callable[[], float]:
+    """dd of the latest shard: the same bytes, read from the page cache (dd from
+    /dev/zero wrote faster here than any real data did)."""
+
+    def run() -> float:
+        start = time.perf_counter()
+        subprocess.run(
+            [
+                "dd",
+                f"if={source()}",
+                f"of={work / 'dd.bin'}",
+                "bs=8M",
+                "conv=fdatasync",
+                "status=none",
+            ],
+            check=True,
+        )
+        return time.perf_counter() - start
+
+    return run
+
+
+def dd_read(path: Path) -> Callable[[], float]:
+    def run() -> float:
+        start = time.perf_counter()
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=8M", "status=none"], check=True)
+        return time.perf_counter() - start
+
+    return run
+
+
+def sdk_blob(conn: str, nbytes: int) -> tuple[Callable[[], float], Callable[[], float]]:
+    from azure.storage.blob import BlobServiceClient
+
+    service = BlobServiceClient.from_connection_string(conn)
+    container = service.get_container_client("anchor")
+    if not container.exists():
+        container.create_container()
+    blob = container.get_blob_client("state.bin")
+    data = os.urandom(nbytes)
+
+    def put() -> float:
+        start = time.perf_counter()
+        blob.upload_blob(data, overwrite=True, max_concurrency=8)
+        return time.perf_counter() - start
+
+    def get() -> float:
+        start = time.perf_counter()
+        blob.download_blob(max_concurrency=8).readall()
+        return time.perf_counter() - start
+
+    return put, get
+
+
+def peak_memory(url: str, mib: int, tensors: int) -> float:
+    """Runs three saves in a fresh process; peak RSS growth over the state's size."""
+    code = f"""
+import sys, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, {str(ROOT)!r})
+from bench.checkpoint import joined_manager, make_state
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+before = rss("VmRSS:")
+manager = joined_manager({url!r})
+state = make_state({mib}, {tensors})
+for step in range(1, 4):
+    manager.save(state, 1000 + step, blocking=True)
+print((rss("VmHWM:") - before) / sum(t.numel() * 4 for t in state.values()))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def shard_path(store: Path, version: int) -> Path:
+    (path,) = store.glob(f"**/v{version:010d}/rank-00000/shard.safetensors")
+    return path
+
+
+def bench(
+    kind: str,
+    url: str,
+    state: dict[str, torch.Tensor],
+    work: Path,
+    repeat: int,
+    conn: str | None,
+    store: Path | None,
+) -> None:
+    nbytes = sum(t.numel() * 4 for t in state.values())
+    rp = Rallypoint(url, state)
+    print(f"\n== {kind}: {nbytes / MiB:.0f} MiB in {len(state)} tensors ==")
+    if kind == "local":
+        assert store is not None
+
+        def shard() -> Path:
+            return shard_path(store, rp.version)
+
+        put, get = dd_write(shard, work), lambda: dd_read(shard())()
+        write_name, read_name = "dd conv=fdatasync", "dd to /dev/null"
+    else:
+        assert conn is not None
+        put, get = sdk_blob(conn, nbytes)
+        write_name, read_name = "upload_blob", "download_blob"
+    persisted, write_anchor = paired(rp.save, put, repeat)
+    blocked = statistics.median(rp.blocked[1:])
+    load, read_anchor = paired(rp.load, get, repeat)
+    rate = nbytes / MiB
+    print(
+        f"persisted   {rate / persisted:8.0f} MiB/s   {write_name} {rate / write_anchor:8.0f} MiB/s"
+        f"   ratio {write_anchor / persisted:.2f}"
+    )
+    print(
+        f"load        {rate / load:8.0f} MiB/s   {read_name} {rate / read_anchor:8.0f} MiB/s"
+        f"   ratio {read_anchor / load:.2f}"
+    )
+    if kind == "local":
+        copy = median(copy_anchor(state), repeat)
+        dcp = median(dcp_anchor(state, work), repeat)
+        tsave = median(torch_save_anchor(state, work), repeat)
+        print(
+            f"blocked     {blocked:8.3f} s      copy into preallocated buffers {copy:.3f} s"
+            f"   ratio {blocked / copy:.2f}"
+        )
+        print(
+            f"            DCP async_save blocked {dcp:.3f} s ({dcp / blocked:.1f}x ours),"
+            f" torch.save {tsave:.3f} s ({tsave / blocked:.1f}x ours)"
+        )
+        first = rp.blocked[0]
+        print(f"            first save (allocates the staging buffer) blocked {first:.3f} s")
+        print(
+            f"peak memory {peak_memory(url, nbytes // MiB, len(state)):.2f}x the state"
+            " (state + staging + everything else)"
+        )
+    else:
+        print(f"blocked     {blocked:8.3f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=1024)
+    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--only", choices=["local", "azurite"])
+    args = parser.parse_args()
+    state = make_state(args.mib, args.tensors)
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, median of {args.repeat} after a warm-up"
+    )
+    with tempfile.TemporaryDirectory(
+        dir=ROOT / "build" if (ROOT / "build").is_dir() else None
+    ) as tmp:
+        work = Path(tmp)
+        if args.only in (None, "local"):
+            store = work / "store"
+            coordinator = Coordinator(["--storage", f"local:{store}"], {}).start()
+            try:
+                bench("local", coordinator.url, state, work, args.repeat, None, store)
+            finally:
+                coordinator.stop()
+        if args.only in (None, "azurite"):
+            with running_azurite() as conn:
+                coordinator = Coordinator(
+                    ["--storage", "azure"],
+                    {"AZURE_STORAGE_CONNECTION_STRING": conn, "RALLYPOINT_STORAGE_PREFIX": "bench"},
+                ).start()
+                try:
+                    bench("azurite", coordinator.url, state, work, args.repeat, conn, None)
+                finally:
+                    coordinator.stop()
+
+
+if __name__ == "__main__":
+    main()
