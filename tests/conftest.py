@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.storage import AzureStorage, LocalStorage, Storage
 
 from ._azurite import running_azurite
@@ -58,3 +59,24 @@ def start(backend: tuple[list[str], dict[str, str]]) -> Iterator[Start]:
     yield run
     for coordinator in started:
         coordinator.stop()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def rdzv(storage: Storage, clock: Clock) -> Rendezvous:
+    return Rendezvous(storage.table("jobs"), clock)

@@ -21,19 +21,10 @@ from rallypoint.service.errors import (
 )
 from rallypoint.service.storage import BlobStore, Storage
 
-from .test_rendezvous import Clock, join_all, spec
+from .conftest import Clock
+from .test_rendezvous import join_all, spec
 
 TIMEOUT = 600.0
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def rdzv(storage: Storage, clock: Clock) -> Rendezvous:
-    return Rendezvous(storage.table("jobs"), clock)
 
 
 @pytest.fixture

@@ -19,26 +19,7 @@ from rallypoint.service.errors import (
 )
 from rallypoint.service.storage import Storage
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def rdzv(storage: Storage, clock: Clock) -> Rendezvous:
-    return Rendezvous(storage.table("jobs"), clock)
+from .conftest import Clock
 
 
 def spec(min_nodes: int, max_nodes: int, last_call: float = 5, timeout: float = 3) -> JobSpec:

@@ -7,9 +7,10 @@ go up in parallel blocks; ``file://`` URLs are the local backend's signed paths.
 from __future__ import annotations
 
 import base64
+import contextlib
 import mmap
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, cast
 
@@ -37,6 +38,19 @@ def _azure_error(exc: Exception, url: str) -> TransferError:
     kind = {403: TransferDenied, 404: TransferNotFound}.get(status or 0, TransferError)
     detail = str(getattr(exc, "message", None) or exc).splitlines()[0]
     return kind(f"{_redacted(url)}: {detail}")
+
+
+@contextlib.contextmanager
+def _reading(url: str) -> Iterator[None]:
+    """Translates what reading a local object through a signed URL may raise."""
+    try:
+        yield
+    except SignedUrlError as exc:
+        raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        raise TransferNotFound(f"{_redacted(url)}: no such object") from exc
+    except OSError as exc:
+        raise TransferError(f"{_redacted(url)}: {exc}") from exc
 
 
 def upload(
@@ -82,15 +96,9 @@ def download(url: str) -> bytes:
         TransferError: Storage failed.
     """
     if url.startswith("file:"):
-        try:
+        with _reading(url):
             _, path = verify_file_url(url, "r")
             return path.read_bytes()
-        except SignedUrlError as exc:
-            raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise TransferNotFound(f"{_redacted(url)}: no such object") from exc
-        except OSError as exc:
-            raise TransferError(f"{_redacted(url)}: {exc}") from exc
     from azure.core.exceptions import AzureError
     from azure.storage.blob import BlobClient
 
@@ -194,7 +202,7 @@ def read_object(url: str, size: int, progress: Progress | None = None) -> torch.
         TransferDenied, TransferNotFound, TransferError: As for :func:`download`.
     """
     if url.startswith("file:"):
-        try:
+        with _reading(url):
             _, path = verify_file_url(url, "r")
             with open(path, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:
@@ -202,12 +210,6 @@ def read_object(url: str, size: int, progress: Progress | None = None) -> torch.
                 mapped = mmap.mmap(
                     f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
                 )
-        except SignedUrlError as exc:
-            raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise TransferNotFound(f"{_redacted(url)}: no such object") from exc
-        except OSError as exc:
-            raise TransferError(f"{_redacted(url)}: {exc}") from exc
         return torch.frombuffer(mapped, dtype=torch.uint8)
     from azure.core.exceptions import AzureError
     from azure.storage.blob import BlobClient
