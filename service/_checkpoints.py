@@ -279,7 +279,7 @@ class Checkpoints:
                 f"not {request.generation}"
             )
         if version.state == "committed":
-            return self._info(job, version, self._reports(version))  # a retried report
+            return self._info(job, version)  # a retried report
         if version.state != "pending" or self._expired(version):
             raise CheckpointConflict(f"version {number} expired before every rank reported")
         payload = {
@@ -392,9 +392,7 @@ class Checkpoints:
         version = self._get(job_id, number)
         if version.state == "deleting":
             raise UnknownCheckpoint(f"version {number} of job {job_id!r} was collected")
-        info = self._info(
-            job, version, None if version.state == "committed" else self._reports(version)
-        )
+        info = self._info(job, version)
         if urls and version.state == "committed":
             grant = self.blobs.grant(version.folder, None, access="read", ttl=self.read_ttl)
             info = info.model_copy(update={"urls": grant})
@@ -403,15 +401,15 @@ class Checkpoints:
     def versions(self, job_id: str) -> list[CheckpointInfo]:
         """Every version not being collected, oldest first (no URLs)."""
         job = self.rdzv.get_job(job_id)
-        return [
-            self._info(job, v, None if v.state == "committed" else self._reports(v))
-            for v in self._rows(job_id)
-            if v.state != "deleting"
-        ]
+        return [self._info(job, v) for v in self._rows(job_id) if v.state != "deleting"]
 
     def _info(
-        self, job: Job, version: Version, reports: Mapping[int, Report] | None
+        self, job: Job, version: Version, reports: Mapping[int, Report] | None = None
     ) -> CheckpointInfo:
+        """``reports`` if the caller read them already; read here only while pending (a
+        committed version has all of them)."""
+        if reports is None and version.state != "committed":
+            reports = self._reports(version)
         return CheckpointInfo(
             version=version.version,
             step=version.step,
@@ -433,9 +431,12 @@ class Checkpoints:
     def _rows(self, job_id: str) -> list[Version]:
         return [_version(job_id, e) for e in self.table.query(job_id, [Cond("kind", "eq", "ckpt")])]
 
-    def _reports(self, version: Version) -> dict[int, Report]:
+    def _report_rows(self, version: Version) -> list[Entity]:
         where = [Cond("kind", "eq", "ckrep"), Cond("version", "eq", version.version)]
-        reports = (_report(e.data) for e in self.table.query(version.job_id, where))
+        return list(self.table.query(version.job_id, where))
+
+    def _reports(self, version: Version) -> dict[int, Report]:
+        reports = (_report(e.data) for e in self._report_rows(version))
         return {r.rank: r for r in reports}
 
     def _expired(self, version: Version) -> bool:
@@ -477,7 +478,8 @@ class Checkpoints:
             with contextlib.suppress(NotFound):  # a concurrent collector got there first
                 self.blobs.delete(blob.name)
         job_id = version.job_id
-        reports = [f"{CKREP}{version.version:010d}:{rank:05d}" for rank in self._reports(version)]
+        # Only the keys are needed: unpacking every rank's metadata would be wasted.
+        reports = [e.row_key for e in self._report_rows(version)]
         # The version row goes last, so a half-collected version is still found (as
         # "deleting") and finished by the next collect.
         rows = [
