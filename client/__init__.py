@@ -11,6 +11,7 @@ Example::
 """
 
 from ._client import (
+    GENERATION_ENV,
     JOB_ENV,
     NODE_ENV,
     TOKEN_ENV,
@@ -34,7 +35,10 @@ from ._models import (
     ManifestShard,
     MemberInfo,
     MemberStatus,
+    NodeInfo,
     ShardFile,
+    StoreReply,
+    StoreRequest,
     WaitingNode,
 )
 from .errors import (
@@ -56,6 +60,7 @@ from .errors import (
 )
 
 __all__ = [
+    "GENERATION_ENV",
     "JOB_ENV",
     "NODE_ENV",
     "TOKEN_ENV",
@@ -82,12 +87,15 @@ __all__ = [
     "ManifestShard",
     "MemberInfo",
     "MemberStatus",
+    "NodeInfo",
     "RallypointError",
     "RetryPolicy",
     "ServerError",
     "ShardFile",
     "SignedUrlError",
     "StaleGeneration",
+    "StoreReply",
+    "StoreRequest",
     "TransportError",
     "Unauthorized",
     "UnknownCheckpoint",

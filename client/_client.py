@@ -32,14 +32,18 @@ from ._models import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
+    NodeInfo,
     ReportShard,
     ShardFile,
+    StoreReply,
+    StoreRequest,
     WaitRequest,
     check_id,
 )
 from .errors import JoinTimeout, RallypointError, TransportError, error_for
 
 __all__ = [
+    "GENERATION_ENV",
     "JOB_ENV",
     "NODE_ENV",
     "TOKEN_ENV",
@@ -59,6 +63,9 @@ JOB_ENV = "RALLYPOINT_JOB"
 TOKEN_ENV = "RALLYPOINT_TOKEN"
 #: This node's id; defaults to the host name (stable across restarts of the node).
 NODE_ENV = "RALLYPOINT_NODE"
+#: The generation a torchrun agent joined, set for its workers: their ``join()`` returns
+#: the agent's assignment instead of starting a round of their own.
+GENERATION_ENV = "RALLYPOINT_GENERATION"
 
 # Each long-poll is held this long by the coordinator: far below proxies' 180 s limits.
 _POLL = 30.0
@@ -112,6 +119,8 @@ class ElasticClient:
         retry: How transport errors and 429/5xx answers are retried.
         timeout: Connect and read timeout of requests other than long-polls.
         transport: An httpx transport (tests, proxies).
+        generation: A generation this node already joined (its torchrun agent did):
+            :meth:`join` returns that assignment rather than joining again.
 
     Raises:
         ValueError: ``job_id`` or ``node_id`` is not a valid id.
@@ -127,6 +136,7 @@ class ElasticClient:
         retry: RetryPolicy | None = None,
         timeout: timedelta = timedelta(seconds=30),
         transport: httpx.BaseTransport | None = None,
+        generation: int | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.job_id = check_id(job_id)
@@ -138,11 +148,13 @@ class ElasticClient:
             base_url=self.url, headers=headers, timeout=self._timeout, transport=transport
         )
         self.assignment: Assignment | None = None
+        self._joined = generation
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> ElasticClient:
-        """A client from ``RALLYPOINT_URL``, ``RALLYPOINT_JOB``, ``RALLYPOINT_TOKEN`` and
-        ``RALLYPOINT_NODE``; keyword arguments win over the environment.
+        """A client from ``RALLYPOINT_URL``, ``RALLYPOINT_JOB``, ``RALLYPOINT_TOKEN``,
+        ``RALLYPOINT_NODE`` and ``RALLYPOINT_GENERATION`` (set by the torchrun plugin for
+        its workers); keyword arguments win over the environment.
 
         Raises:
             ValueError: ``RALLYPOINT_URL`` or ``RALLYPOINT_JOB`` is not set.
@@ -152,6 +164,9 @@ class ElasticClient:
         if not url or not job_id:
             raise ValueError(f"set {URL_ENV} and {JOB_ENV} (or pass url= and job_id=)")
         kwargs.setdefault("token", os.environ.get(TOKEN_ENV) or None)
+        generation = os.environ.get(GENERATION_ENV)
+        if generation:
+            kwargs.setdefault("generation", int(generation))
         return cls(url, job_id, **kwargs)
 
     # --- plumbing -----------------------------------------------------------------------
@@ -251,6 +266,10 @@ class ElasticClient:
     ) -> Assignment:
         """Joins the job's next generation and blocks until it seals.
 
+        In a worker that torchrun started with ``--rdzv-backend=rallypoint`` (the client
+        came from :meth:`from_env`), the agent joined already: the first call returns the
+        agent's assignment, checkpoint pointer included, and starts no round.
+
         Each request is a long-poll the coordinator holds for at most 30 s, so no proxy
         cuts it; between them the client polls again until the seal or ``timeout``.
 
@@ -268,7 +287,11 @@ class ElasticClient:
         Raises:
             JoinTimeout: No generation with this node sealed in time.
             JobFull, JobConflict, UnknownJob: As named.
+            StaleGeneration: The agent's generation ended before this worker asked.
         """
+        if self._joined is not None and self.assignment is None:
+            self.assignment = self.assignment_in(self._joined)
+            return self.assignment
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
 
         def wait_for() -> float:
@@ -300,6 +323,32 @@ class ElasticClient:
         self.assignment = reply.assignment
         return reply.assignment
 
+    def assignment_in(self, generation: int) -> Assignment:
+        """This node's assignment in a running generation it is a member of.
+
+        Raises:
+            StaleGeneration: The generation is not running (any more).
+            UnknownNode: This node is not a member of it.
+        """
+        path = f"{self._job}/generations/{generation}/nodes/{self.node_id}"
+        return Assignment.model_validate_json(self._request("GET", path).content)
+
+    def node_info(self) -> NodeInfo:
+        """This node's registration (``left`` after :meth:`leave`).
+
+        Raises:
+            UnknownNode: It never joined.
+        """
+        return NodeInfo.model_validate_json(self._request("GET", self._node).content)
+
+    def store(self, generation: int, request: StoreRequest) -> StoreReply:
+        """One operation on a generation's key-value store (see
+        ``rallypoint.trainer.CoordinatorStore``, the ``torch.distributed.Store`` on it)."""
+        reply = self._request(
+            "POST", f"{self._job}/store/{generation}", request, read_timeout=request.wait
+        )
+        return StoreReply.model_validate_json(reply.content)
+
     def heartbeat(self) -> HeartbeatReply:
         """Tells the coordinator this node lives; the reply says whether to restart."""
         generation = self.assignment.generation if self.assignment else None
@@ -323,13 +372,18 @@ class ElasticClient:
             interval = self.membership().spec.heartbeat_timeout / 4
         return Heartbeats(self, interval, on_restart)
 
-    def leave(self, reason: str = "left") -> None:
+    def leave(self, reason: str = "left", *, fenced: bool = True) -> None:
         """Leaves the job; if this node was a member, the others restart without it.
 
+        Args:
+            reason: Shown in the job's generation history.
+            fenced: Refuse if this node's generation ended already (a zombie must not
+                act); False leaves whatever runs (an agent shutting down).
+
         Raises:
-            StaleGeneration: This node's generation ended already.
+            StaleGeneration: This node's generation ended already (``fenced`` only).
         """
-        generation = self.assignment.generation if self.assignment else None
+        generation = self.assignment.generation if self.assignment and fenced else None
         self._request(
             "POST", f"{self._node}/leave", LeaveRequest(generation=generation, reason=reason)
         )

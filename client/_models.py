@@ -15,6 +15,8 @@ __all__ = [
     "ID_PATTERN",
     "MAX_METADATA_BYTES",
     "MAX_SHARD_FILES",
+    "MAX_STORE_KEYS",
+    "MAX_STORE_VALUE_BYTES",
     "Assignment",
     "BeginCheckpoint",
     "CheckpointBegun",
@@ -36,8 +38,11 @@ __all__ = [
     "ManifestShard",
     "MemberInfo",
     "MemberStatus",
+    "NodeInfo",
     "ReportShard",
     "ShardFile",
+    "StoreReply",
+    "StoreRequest",
     "WaitRequest",
     "WaitingNode",
     "check_id",
@@ -320,3 +325,65 @@ class JobStatus(JobSummary):
     members: list[MemberStatus]
     waiting: list[WaitingNode]
     history: list[GenerationInfo]
+
+
+class NodeInfo(_Model):
+    """A node's registration: ``left`` once it left the job (it is not to re-join)."""
+
+    node_id: str
+    addr: str
+    round: int
+    state: Literal["waiting", "left"]
+
+
+#: Keys per store request, and the size of one value (a table property holds 64 KiB).
+MAX_STORE_KEYS = 256
+MAX_STORE_VALUE_BYTES = 48 * 1024
+_StoreKey = Annotated[str, Field(min_length=1, max_length=512)]
+#: Base64 of a value of at most MAX_STORE_VALUE_BYTES bytes.
+_StoreValue = Annotated[str, Field(max_length=(MAX_STORE_VALUE_BYTES * 4) // 3 + 4)]
+
+
+class StoreRequest(_Model):
+    """One operation on a generation's key-value store (torch's ``Store`` methods).
+
+    Values travel base64-encoded. ``get`` and ``wait`` hold the request open for up to
+    ``wait`` seconds until every key exists.
+    """
+
+    op: Literal["set", "get", "add", "compare_set", "check", "delete", "num_keys"]
+    keys: list[_StoreKey] = Field(default_factory=list, max_length=MAX_STORE_KEYS)
+    #: ``set``: one per key.
+    values: list[_StoreValue] | None = Field(None, max_length=MAX_STORE_KEYS)
+    #: ``add``: the increment.
+    amount: int | None = None
+    #: ``compare_set``: the value expected now ("" for "absent") and the one to set.
+    expected: _StoreValue | None = None
+    desired: _StoreValue | None = None
+    wait: float = Field(0.0, ge=0, le=30)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> StoreRequest:
+        single = self.op in ("add", "compare_set", "delete")
+        if single and len(self.keys) != 1:
+            raise ValueError(f"{self.op} takes exactly one key")
+        if self.op not in ("num_keys",) and not self.keys:
+            raise ValueError(f"{self.op} needs keys")
+        if self.op == "set" and (self.values is None or len(self.values) != len(self.keys)):
+            raise ValueError("set needs one value per key")
+        if self.op == "add" and self.amount is None:
+            raise ValueError("add needs an amount")
+        if self.op == "compare_set" and (self.expected is None or self.desired is None):
+            raise ValueError("compare_set needs expected and desired")
+        return self
+
+
+class StoreReply(_Model):
+    #: ``get``: one per key, None for a key still missing when the wait ended.
+    values: list[str | None] | None = None
+    #: ``add``: the new count; ``num_keys``: the number of keys.
+    count: int | None = None
+    #: ``compare_set``: the value now stored.
+    value: str | None = None
+    #: ``check``: whether every key exists; ``delete``: whether the key existed.
+    found: bool | None = None

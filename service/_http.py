@@ -82,8 +82,8 @@ def check_token(expected: str | None, header: str | None) -> bool:
 
 
 class BodyLimit:
-    """Refuses bodies over ``limit`` bytes (``report_limit`` for shard reports) with 413,
-    whether announced or streamed."""
+    """Refuses bodies over ``limit`` bytes (``report_limit`` for shard reports and store
+    operations, which carry many files or values) with 413, whether announced or streamed."""
 
     def __init__(
         self, app: ASGIApp, limit: int = MAX_BODY_BYTES, report_limit: int = MAX_REPORT_BYTES
@@ -96,7 +96,9 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.report_limit if scope["path"].endswith("/shards") else self.limit
+        path: str = scope["path"]
+        large = path.endswith("/shards") or "/store/" in path
+        limit = self.report_limit if large else self.limit
         message = f"request bodies are limited to {limit} bytes"
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):

@@ -321,6 +321,9 @@ class Rendezvous:
     def __init__(self, table: Table, clock: Callable[[], float] = time.time) -> None:
         self.table = table
         self.clock = clock
+        # A coordinator that was down heard no heartbeats: it gives every member a full
+        # timeout from its start before declaring one dead (see _check_members).
+        self.started_at = clock()
         self._sealed: OrderedDict[tuple[str, int], Generation] = OrderedDict()
         self._loading: dict[tuple[str, int], threading.Lock] = {}
         self._lock = threading.Lock()
@@ -667,8 +670,11 @@ class Rendezvous:
         members = self.sealed(job.job_id, job.generation).members
         beats = self._beats(job.job_id)
         now = self.clock()
-        # A member's clock starts at the seal at the latest: it was alive to be chosen.
-        last = {m.node_id: max(beats.get(m.node_id, 0.0), job.changed_at) for m in members}
+        # A member's clock starts at the seal at the latest (it was alive to be chosen),
+        # or at this coordinator's start: a restarted coordinator does not kill a job for
+        # the heartbeats nobody could deliver while it was down.
+        since = max(job.changed_at, self.started_at)
+        last = {m.node_id: max(beats.get(m.node_id, 0.0), since) for m in members}
         silent = sorted((t, n) for n, t in last.items() if now - t >= timeout)
         if silent:
             t, node_id = silent[0]

@@ -15,6 +15,7 @@ from ._checkpoints import Checkpoints
 from ._driver import Driver
 from ._http import BodyLimit, install_handlers
 from ._rendezvous import Rendezvous
+from ._store import KeyValue
 from .settings import Settings
 from .storage import Storage, open_storage
 
@@ -44,6 +45,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         app.state.storage = store
         app.state.rdzv = Rendezvous(store.table("jobs"))
         app.state.driver = Driver(app.state.rdzv)
+        app.state.kv = KeyValue(store.table("jobs"))
         app.state.checkpoints = Checkpoints(
             app.state.rdzv,
             store.blobs("checkpoints"),
@@ -61,5 +63,6 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(routers.health)
     app.include_router(routers.jobs)
     app.include_router(routers.checkpoints)
+    app.include_router(routers.store)
     app.add_middleware(BodyLimit)
     return app

@@ -16,10 +16,21 @@ from ._checkpoints import Checkpoints
 from ._driver import Driver
 from ._http import check_token
 from ._rendezvous import Rendezvous
+from ._store import KeyValue
 from .errors import InvalidId, Unauthorized
 from .settings import Settings
 
-__all__ = ["Auth", "CheckpointsDep", "DriverDep", "JobId", "NodeId", "RdzvDep", "SettingsDep"]
+__all__ = [
+    "Auth",
+    "CheckpointsDep",
+    "DriverDep",
+    "GenerationNumber",
+    "JobId",
+    "KeyValueDep",
+    "NodeId",
+    "RdzvDep",
+    "SettingsDep",
+]
 
 
 async def _rdzv(request: Request) -> Rendezvous:
@@ -30,6 +41,11 @@ async def _rdzv(request: Request) -> Rendezvous:
 async def _checkpoints(request: Request) -> Checkpoints:
     checkpoints: Checkpoints = request.app.state.checkpoints
     return checkpoints
+
+
+async def _kv(request: Request) -> KeyValue:
+    kv: KeyValue = request.app.state.kv
+    return kv
 
 
 async def _driver(request: Request) -> Driver:
@@ -64,9 +80,11 @@ async def _node_id(node_id: Annotated[str, Path()]) -> str:
 
 RdzvDep = Annotated[Rendezvous, Depends(_rdzv)]
 CheckpointsDep = Annotated[Checkpoints, Depends(_checkpoints)]
+KeyValueDep = Annotated[KeyValue, Depends(_kv)]
 DriverDep = Annotated[Driver, Depends(_driver)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 JobId = Annotated[str, Depends(_job_id)]
 NodeId = Annotated[str, Depends(_node_id)]
+GenerationNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
 #: Declared on the /v1 router: every route under it needs the token when one is set.
 Auth = Depends(_authorized)

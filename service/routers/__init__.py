@@ -3,5 +3,6 @@
 from .checkpoints import router as checkpoints
 from .health import router as health
 from .jobs import router as jobs
+from .store import router as store
 
-__all__ = ["checkpoints", "health", "jobs"]
+__all__ = ["checkpoints", "health", "jobs", "store"]

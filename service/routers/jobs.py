@@ -11,6 +11,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Request, Response
 
 from rallypoint.client._models import (
+    Assignment,
     HeartbeatReply,
     HeartbeatRequest,
     JobSpec,
@@ -19,11 +20,12 @@ from rallypoint.client._models import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
+    NodeInfo,
     WaitRequest,
 )
 
 from .._rendezvous import Generation, Node
-from ..deps import Auth, DriverDep, JobId, NodeId, RdzvDep
+from ..deps import Auth, DriverDep, GenerationNumber, JobId, NodeId, RdzvDep
 from ..errors import JoinTimeout, UnknownNode
 
 __all__ = ["router"]
@@ -175,3 +177,21 @@ async def leave(
     await anyio.to_thread.run_sync(rdzv.leave, job_id, node_id, body.generation, body.reason)
     await driver.refresh(job_id)
     return {"status": "left"}
+
+
+@router.get("/{job_id}/nodes/{node_id}")
+async def node_info(job_id: JobId, node_id: NodeId, rdzv: RdzvDep) -> NodeInfo:
+    """A node's registration; ``left`` once it left (a preempted node's agent stops)."""
+    node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
+    return NodeInfo(node_id=node.node_id, addr=node.addr, round=node.round, state=node.state)
+
+
+@router.get("/{job_id}/generations/{generation}/nodes/{node_id}", response_model=Assignment)
+async def assignment(
+    job_id: JobId, generation: GenerationNumber, node_id: NodeId, rdzv: RdzvDep, driver: DriverDep
+) -> Response:
+    """A member's assignment in a running generation, without joining again (what a
+    worker under torchrun asks for: its agent joined already)."""
+    job, _ = await driver.snapshot(job_id)
+    sealed, _ = await anyio.to_thread.run_sync(rdzv.member, job, node_id, generation)
+    return Response(sealed.assignment_json(job_id, node_id), media_type="application/json")

@@ -1,0 +1,86 @@
+"""The key-value store of a job's generations (``/v1/jobs/{job_id}/store/{generation}``).
+
+torchrun's agents assign worker ranks and wait at the exit barrier through it (see
+``rallypoint.trainer.CoordinatorStore``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+
+import anyio.to_thread
+from fastapi import APIRouter, Request
+
+from rallypoint.client._models import MAX_STORE_VALUE_BYTES, StoreReply, StoreRequest
+
+from ..deps import Auth, GenerationNumber, JobId, KeyValueDep, RdzvDep
+from ..errors import InvalidRequest
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/jobs/{job_id}/store", tags=["store"], dependencies=[Auth])
+
+#: How often a waiting ``get`` or ``check`` reads storage again.
+_POLL = 0.02
+
+
+def _decode(text: str) -> bytes:
+    try:
+        value = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("store values must be base64") from None
+    if len(value) > MAX_STORE_VALUE_BYTES:
+        raise InvalidRequest(f"store values are limited to {MAX_STORE_VALUE_BYTES} bytes")
+    return value
+
+
+def _encode(value: bytes | None) -> str | None:
+    return None if value is None else base64.b64encode(value).decode()
+
+
+@router.post("/{generation}")
+async def store(
+    job_id: JobId,
+    generation: GenerationNumber,
+    body: StoreRequest,
+    rdzv: RdzvDep,
+    kv: KeyValueDep,
+    request: Request,
+) -> StoreReply:
+    """One operation on the generation's keys; ``get`` and ``check`` wait up to ``wait``
+    seconds for every key to exist."""
+    await anyio.to_thread.run_sync(rdzv.get_job, job_id)  # unknown_job, before any write
+    keys = body.keys
+    if body.op == "set":
+        items = dict(zip(keys, map(_decode, body.values or []), strict=True))
+        await anyio.to_thread.run_sync(kv.set, job_id, generation, items)
+        return StoreReply()
+    if body.op == "add":
+        total = await anyio.to_thread.run_sync(
+            kv.add, job_id, generation, keys[0], body.amount or 0
+        )
+        return StoreReply(count=total)
+    if body.op == "compare_set":
+        expected, desired = _decode(body.expected or ""), _decode(body.desired or "")
+        value = await anyio.to_thread.run_sync(
+            kv.compare_set, job_id, generation, keys[0], expected, desired
+        )
+        return StoreReply(value=_encode(value))
+    if body.op == "delete":
+        found = await anyio.to_thread.run_sync(kv.delete, job_id, generation, keys[0])
+        return StoreReply(found=found)
+    if body.op == "num_keys":
+        return StoreReply(count=await anyio.to_thread.run_sync(kv.count, job_id, generation))
+    # get and check: poll storage until every key exists or the wait is over.
+    deadline = time.monotonic() + body.wait
+    while True:
+        values = await anyio.to_thread.run_sync(kv.get, job_id, generation, keys)
+        done = all(v is not None for v in values)
+        if done or time.monotonic() >= deadline or await request.is_disconnected():
+            if body.op == "check":
+                return StoreReply(found=done)
+            return StoreReply(values=[_encode(v) for v in values])
+        await asyncio.sleep(_POLL)

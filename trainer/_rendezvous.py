@@ -1,0 +1,324 @@
+"""The ``rallypoint`` rendezvous backend of torchrun.
+
+Registered through the ``torchrun.handlers`` entry point, so stock torchrun finds it::
+
+    torchrun --rdzv-backend=rallypoint --rdzv-endpoint=http://coordinator:8080 \\
+        --rdzv-id=JOB --nnodes=2:8 --max-restarts=100 train.py
+
+Options come from ``--rdzv-conf key=value,...`` (see :class:`RendezvousSettings`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousGracefulExitError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStateError,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from rallypoint.client import (
+    GENERATION_ENV,
+    JOB_ENV,
+    NODE_ENV,
+    TOKEN_ENV,
+    URL_ENV,
+    Assignment,
+    ElasticClient,
+    JobFull,
+    JobSpec,
+    JoinTimeout,
+    RallypointError,
+    ServerError,
+    StaleGeneration,
+    TransportError,
+    UnknownNode,
+)
+
+from ._store import CoordinatorStore
+
+__all__ = ["BACKEND", "RallypointRendezvousHandler", "RendezvousSettings", "create_handler"]
+
+log = logging.getLogger("rallypoint.trainer")
+
+#: The name torchrun knows the backend by (``--rdzv-backend``).
+BACKEND = "rallypoint"
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """The plugin's settings, from torchrun's flags and ``--rdzv-conf``.
+
+    ``--rdzv-conf`` keys, each read with torch's ``get_as_int``/``get``:
+
+    =====================  =========================================================
+    ``token``              the coordinator's bearer token (default ``RALLYPOINT_TOKEN``)
+    ``node_id``            this node's id (default ``RALLYPOINT_NODE``, else
+                           ``HOST-PID``: each agent process is a node)
+    ``heartbeat_timeout``  s; a member silent this long is dead (default 10)
+    ``heartbeat_interval`` s; between heartbeats (default a quarter of the timeout)
+    ``last_call``          s; after ``min`` nodes joined, wait this long for more (default 5)
+    ``join_timeout``       s; give up joining after this long (default torchrun's
+                           ``--rdzv-timeout``, else 600)
+    ``store_timeout``      s; how long store reads wait for a key (default 300)
+    =====================  =========================================================
+
+    The job is created by the first node with ``--nnodes MIN:MAX`` and these timeouts;
+    a node that asks for other values is refused (``job_conflict``).
+    """
+
+    url: str
+    job_id: str
+    node_id: str
+    addr: str
+    token: str | None
+    spec: JobSpec
+    heartbeat_interval: timedelta
+    store_timeout: timedelta
+
+    @classmethod
+    def from_parameters(cls, params: RendezvousParameters) -> RendezvousSettings:
+        """Reads torchrun's ``RendezvousParameters``.
+
+        Raises:
+            ValueError: A value is malformed or out of range.
+        """
+        url = params.endpoint.strip()
+        if not url:
+            raise ValueError("--rdzv-endpoint must name the coordinator, e.g. http://host:8080")
+        if "://" not in url:
+            url = "http://" + url
+
+        def seconds(key: str, default: float) -> timedelta:
+            value = params.get_as_int(key)
+            return timedelta(seconds=default if value is None else value)
+
+        heartbeat_timeout = seconds("heartbeat_timeout", 10)
+        interval = params.get_as_int("heartbeat_interval")
+        spec = JobSpec(
+            min_nodes=params.min_nodes,
+            max_nodes=params.max_nodes,
+            last_call=seconds("last_call", 5),
+            heartbeat_timeout=heartbeat_timeout,
+            join_timeout=seconds("join_timeout", params.get_as_int("timeout") or 600),
+        )
+        return cls(
+            url=url,
+            job_id=params.run_id,
+            node_id=params.get("node_id")
+            or os.environ.get(NODE_ENV)
+            or f"{socket.gethostname()}-{os.getpid()}"[-64:],
+            addr=params.local_addr or socket.gethostname(),
+            token=params.get("token") or os.environ.get(TOKEN_ENV) or None,
+            spec=spec,
+            heartbeat_interval=heartbeat_timeout / 4
+            if interval is None
+            else timedelta(seconds=interval),
+            store_timeout=seconds("store_timeout", 300),
+        )
+
+
+class _Beats:
+    """Heartbeats for one generation from a thread; notes when it must restart."""
+
+    def __init__(self, client: ElasticClient, interval: timedelta) -> None:
+        self._client = client
+        self._interval = interval.total_seconds()
+        self._stop = threading.Event()
+        self.ended: str | None = None
+        self._thread = threading.Thread(target=self._run, name="rallypoint-beats", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                reply = self._client.heartbeat()
+            except (StaleGeneration, UnknownNode) as exc:
+                self.ended = str(exc)
+                return
+            except RallypointError as exc:
+                # The coordinator may be restarting: keep trying. It gives members a
+                # full heartbeat timeout from its start before declaring one dead.
+                log.warning("heartbeat failed, retrying: %s", exc)
+                continue
+            if reply.action == "restart":
+                self.ended = f"generation {reply.generation} is the job's latest"
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class RallypointRendezvousHandler(RendezvousHandler):
+    """torchrun's rendezvous through a Rallypoint coordinator.
+
+    Each ``next_rendezvous`` joins the job's next generation and heartbeats for it from
+    a thread; ``num_nodes_waiting`` is non-zero as soon as the generation ended, for a
+    newcomer or for a member that died or left, so the agent restarts its workers
+    within the heartbeat timeout instead of hanging in a collective. Workers inherit
+    ``RALLYPOINT_URL``, ``RALLYPOINT_JOB``, ``RALLYPOINT_NODE`` and
+    ``RALLYPOINT_GENERATION``: ``ElasticClient.from_env().join()`` in them returns this
+    agent's assignment, checkpoint pointer included.
+
+    Args:
+        settings: See :class:`RendezvousSettings`.
+    """
+
+    def __init__(self, settings: RendezvousSettings) -> None:
+        self.settings = settings
+        self._client = ElasticClient(
+            settings.url, settings.job_id, settings.node_id, settings.token
+        )
+        self._assignment: Assignment | None = None
+        self._beats: _Beats | None = None
+        self._closed = False
+        self._left = False
+        # torchrun does not call shutdown() when a signal kills the agent; leaving is
+        # still right (it is this node's departure, not the job's end).
+        atexit.register(self._leave, "agent exited")
+
+    @property
+    def assignment(self) -> Assignment | None:
+        """The generation this agent runs in, once joined."""
+        return self._assignment
+
+    def get_backend(self) -> str:
+        """See base class."""
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        """See base class: workers build their own store at the master address."""
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class."""
+        if self._closed:
+            raise RendezvousClosedError(f"the rendezvous of job {self.settings.job_id} is closed")
+        self._stop_beats()
+        if self._assignment is not None and self._has_left():
+            raise RendezvousGracefulExitError(
+                f"node {self.settings.node_id} left job {self.settings.job_id}"
+            )
+        assignment = self._join()
+        self._assignment = assignment
+        self._export(assignment)
+        self._beats = _Beats(self._client, self.settings.heartbeat_interval)
+        log.info(
+            "rallypoint: generation %d, node rank %d of %d, checkpoint %s",
+            assignment.generation,
+            assignment.rank,
+            assignment.world_size,
+            assignment.checkpoint.version if assignment.checkpoint else None,
+        )
+        store = CoordinatorStore(
+            self._client, assignment.generation, self.settings.store_timeout, self._ended
+        )
+        return RendezvousInfo(
+            store,
+            assignment.rank,
+            assignment.world_size,
+            RendezvousStoreInfo(assignment.master_addr, assignment.master_port),
+        )
+
+    def _join(self) -> Assignment:
+        spec = self.settings.spec
+        deadline = time.monotonic() + spec.join_timeout.total_seconds()
+        while True:
+            left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
+            try:
+                return self._client.join(self.settings.addr, timeout=left, spec=spec)
+            except JobFull:
+                # A running generation has max_nodes members: wait as a spare.
+                if time.monotonic() >= deadline:
+                    raise RendezvousTimeoutError(
+                        f"job {self.settings.job_id} stayed full for {spec.join_timeout}"
+                    ) from None
+                time.sleep(min(5.0, spec.heartbeat_timeout.total_seconds() / 2))
+            except JoinTimeout as exc:
+                raise RendezvousTimeoutError(str(exc)) from exc
+            except TransportError as exc:
+                raise RendezvousConnectionError(str(exc)) from exc
+            except ServerError as exc:
+                raise RendezvousStateError(f"{exc.code}: {exc}") from exc
+
+    def _has_left(self) -> bool:
+        """Whether a worker of this node left the job (after a preemption notice)."""
+        with contextlib.suppress(RallypointError):
+            return self._client.node_info().state == "left"
+        return False
+
+    def _export(self, assignment: Assignment) -> None:
+        """The environment workers inherit (the agent starts them after this returns)."""
+        os.environ[URL_ENV] = self.settings.url
+        os.environ[JOB_ENV] = self.settings.job_id
+        os.environ[NODE_ENV] = self.settings.node_id
+        os.environ[GENERATION_ENV] = str(assignment.generation)
+        if self.settings.token:
+            os.environ[TOKEN_ENV] = self.settings.token
+
+    def _ended(self) -> str | None:
+        beats = self._beats
+        return None if beats is None else beats.ended
+
+    def _stop_beats(self) -> None:
+        if self._beats is not None:
+            self._beats.stop()
+            self._beats = None
+
+    def is_closed(self) -> bool:
+        """See base class."""
+        return self._closed
+
+    def set_closed(self) -> None:
+        """See base class: this agent joins no further generation."""
+        self._closed = True
+
+    def num_nodes_waiting(self) -> int:
+        """See base class: 1 once this generation ended (a node joined, died or left)."""
+        return 0 if self._ended() is None else 1
+
+    def get_run_id(self) -> str:
+        """See base class."""
+        return self.settings.job_id
+
+    def shutdown(self) -> bool:
+        """See base class: this node leaves the job (the others go on without it)."""
+        self._leave("agent shut down")
+        return True
+
+    def _leave(self, reason: str) -> None:
+        self._stop_beats()
+        if self._left or self._assignment is None:
+            return
+        self._left = True
+        try:
+            self._client.leave(reason, fenced=False)
+        except RallypointError as exc:
+            log.warning("could not leave job %s: %s", self.settings.job_id, exc)
+
+
+def create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torchrun's handler creator for ``--rdzv-backend=rallypoint``."""
+    return RallypointRendezvousHandler(RendezvousSettings.from_parameters(params))
+
+
+def plugin() -> object:
+    """The ``torchrun.handlers`` entry point: torch calls it for the handler creator."""
+    return create_handler

@@ -1,0 +1,133 @@
+"""``CoordinatorStore``: a ``torch.distributed.Store`` kept by the coordinator."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+from torch._C import _DistStoreError as DistStoreError
+from torch._C._distributed_c10d import Store
+
+from rallypoint.client import ElasticClient, RallypointError, StoreReply, StoreRequest
+
+__all__ = ["CoordinatorStore"]
+
+# Each waiting request is held this long by the coordinator before the client asks again
+# (and checks whether it should give up).
+_WAIT_SLICE = 5.0
+
+
+def _b64(value: str | bytes) -> str:
+    raw = value.encode() if isinstance(value, str) else bytes(value)
+    return base64.b64encode(raw).decode()
+
+
+def _raw(text: str | None) -> bytes:
+    return b"" if text is None else base64.b64decode(text)
+
+
+class CoordinatorStore(Store):
+    """The key-value store of one generation, kept in the coordinator's storage.
+
+    This is what the torchrun plugin hands the agent: it survives the loss of any
+    trainer (stock torchrun keeps it in a TCPStore on one of them), and its keys are the
+    generation's own, so a restarted round never reads the previous round's keys.
+
+    Args:
+        client: A client of the job.
+        generation: Whose keys these are.
+        timeout: How long :meth:`get` and :meth:`wait` wait for missing keys.
+        abort: Called between waits; a returned reason ends the wait with an error at once
+            (the plugin's: "the generation ended"), rather than at the timeout.
+    """
+
+    def __init__(
+        self,
+        client: ElasticClient,
+        generation: int,
+        timeout: timedelta = timedelta(seconds=300),
+        abort: Callable[[], str | None] | None = None,
+    ) -> None:
+        super().__init__()
+        self._client = client
+        self.generation = generation
+        self._timeout = timeout
+        self._abort = abort
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+    def _op(self, request: StoreRequest) -> StoreReply:
+        try:
+            return self._client.store(self.generation, request)
+        except RallypointError as exc:
+            raise DistStoreError(f"rallypoint store: {exc}") from exc
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._op(StoreRequest(op="set", keys=[key], values=[_b64(value)]))
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        if len(keys) != len(values):
+            raise ValueError("multi_set needs one value per key")
+        for start in range(0, len(keys), 100):
+            chunk = slice(start, start + 100)
+            encoded = [_b64(v) for v in values[chunk]]
+            self._op(StoreRequest(op="set", keys=list(keys[chunk]), values=encoded))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._get(list(keys), self._timeout)
+
+    def get(self, key: str) -> bytes:
+        return self._get([key], self._timeout)[0]
+
+    def _get(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            left = deadline - time.monotonic()
+            reply = self._op(
+                StoreRequest(op="get", keys=keys, wait=max(0.0, min(_WAIT_SLICE, left)))
+            )
+            values = reply.values or []
+            if all(v is not None for v in values):
+                return [_raw(v) for v in values]
+            reason = self._abort() if self._abort is not None else None
+            if reason is not None:
+                raise DistStoreError(f"rallypoint store: {reason}")
+            if time.monotonic() >= deadline:
+                missing = [k for k, v in zip(keys, values, strict=True) if v is None]
+                raise DistStoreError(
+                    f"rallypoint store: keys {missing} of generation {self.generation} "
+                    f"missing after {timeout}"
+                )
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._get(list(keys), timeout or self._timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._op(StoreRequest(op="check", keys=list(keys))).found)
+
+    def add(self, key: str, value: int) -> int:
+        return int(self._op(StoreRequest(op="add", keys=[key], amount=value)).count or 0)
+
+    def compare_set(
+        self, key: str, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        request = StoreRequest(
+            op="compare_set",
+            keys=[key],
+            expected=_b64(expected_value),
+            desired=_b64(desired_value),
+        )
+        return _raw(self._op(request).value)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._op(StoreRequest(op="delete", keys=[key])).found)
+
+    def num_keys(self) -> int:
+        return int(self._op(StoreRequest(op="num_keys")).count or 0)
