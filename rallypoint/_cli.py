@@ -58,6 +58,18 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    try:
+        from rallypoint.trainer._launch import run
+    except ImportError as exc:
+        print(
+            f"rallypoint run needs the trainer extra: pip install 'rallypoint[trainer]' ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    return run(args.torchrun_args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rallypoint", description="Rendezvous and checkpoint coordinator for elastic training."
@@ -84,10 +96,25 @@ def _parser() -> argparse.ArgumentParser:
         help="log every request [RALLYPOINT_ACCESS_LOG, off]",
     )
     serve.set_defaults(run=_serve)
+
+    run = commands.add_parser(
+        "run",
+        help="torchrun with --rdzv-backend=rallypoint and defaults from the environment",
+        description="torchrun [OPTIONS] SCRIPT [ARGS], with the options left out filled "
+        "from RALLYPOINT_URL, RALLYPOINT_JOB, RALLYPOINT_NNODES, RALLYPOINT_NPROC_PER_NODE, "
+        "RALLYPOINT_MAX_RESTARTS, RALLYPOINT_RDZV_CONF and AzureML's variables; torchrun's "
+        "own PET_* variables (Kubernetes) are left to it.",
+    )
+    run.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun's arguments")
+    run.set_defaults(run=_run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
+        # torchrun's options are its own: argparse must not try to read them.
+        return _run(argparse.Namespace(torchrun_args=argv[1:]))
     args = _parser().parse_args(argv)
     return int(args.run(args))

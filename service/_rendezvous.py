@@ -645,7 +645,19 @@ class Rendezvous:
             quorum_at = sorted(n.joined_at for n in waiting)[spec.min_nodes - 1]
             deadline = quorum_at + _seconds(spec.last_call)
             if now < deadline:
-                return False, deadline - now
+                # last_call gathers newcomers. A restart of survivors only (a member died
+                # or left) has nobody new to wait for: it seals as soon as every member
+                # of the last generation is back, gone, or silent past the timeout.
+                back = {n.node_id for n in waiting}
+                if not previous or not back <= previous.keys():
+                    return False, deadline - now
+                gone = {n.node_id for n in self._nodes(job.job_id, (Cond("state", "eq", "left"),))}
+                pending = [
+                    beats.get(node_id, -math.inf) + timeout
+                    for node_id in previous.keys() - back - gone
+                ]
+                if any(expiry > now for expiry in pending):
+                    return False, min(deadline, *pending) - now
         chosen = ordered[: spec.max_nodes]
         members = tuple(Member(n.node_id, i, n.addr, n.port) for i, n in enumerate(chosen))
         # The checkpoint pointer is snapshotted with the seal, in the same CAS, so every

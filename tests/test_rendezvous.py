@@ -256,3 +256,50 @@ def test_a_node_that_missed_the_seal_registers_again_with_its_key(rdzv: Rendezvo
     rdzv.table.upsert(_node_entity("job", Node("c", "h", 3, 1, 0.0, "waiting", "kc")))
     assert rdzv.assignment(rdzv.get_job("job"), "c", 1) == "missed"
     assert rdzv.join("job", "c", "h", 3, join_id="kc") == 2  # registers for the next
+
+
+def test_a_restart_of_survivors_seals_without_waiting_for_last_call(
+    rdzv: Rendezvous, clock: Clock
+) -> None:
+    s = spec(2, 3, last_call=60, timeout=3)
+    join_all(rdzv, ["a", "b", "c"], s)
+    job, _ = rdzv.tick("job")
+    assert job.world_size == 3
+    rdzv.leave("job", "c", job.generation, "preempted")
+    clock.advance(0.5)
+    round = join_all(rdzv, ["a", "b"])
+    job, _ = rdzv.tick("job")
+    # Nobody new to wait for, and the missing member left: sealed at once.
+    assert (job.generation, job.status, job.world_size) == (round, "sealed", 2)
+    assert ranks(rdzv, job, ["a", "b"], round) == {"a": 0, "b": 1}
+
+
+def test_a_silent_member_holds_the_restart_only_until_its_heartbeat_expires(
+    rdzv: Rendezvous, clock: Clock
+) -> None:
+    s = spec(2, 3, last_call=60, timeout=3)
+    join_all(rdzv, ["a", "b", "c"], s)
+    job, _ = rdzv.tick("job")
+    rdzv.beat("job", ["a", "b", "c"], job.generation)
+    clock.advance(1)
+    round = join_all(rdzv, ["a", "b"])  # c was killed: the survivors restart
+    job, wait = rdzv.tick("job")
+    assert job.status == "open" and wait == pytest.approx(2)  # c's beat is 1 s old
+    clock.advance(2)
+    job, _ = rdzv.tick("job")
+    assert (job.generation, job.status, job.world_size) == (round, "sealed", 2)
+
+
+def test_a_round_with_a_newcomer_still_waits_for_last_call(rdzv: Rendezvous, clock: Clock) -> None:
+    s = spec(2, 4, last_call=10, timeout=30)
+    join_all(rdzv, ["a", "b"], s)
+    clock.advance(10)
+    job, _ = rdzv.tick("job")
+    assert job.world_size == 2
+    rdzv.join("job", "d", "host-d", 1)  # ends generation 1
+    round = join_all(rdzv, ["a", "b"])
+    job, wait = rdzv.tick("job")
+    assert job.status == "open" and 0 < wait <= 10  # more newcomers may come
+    clock.advance(10)
+    job, _ = rdzv.tick("job")
+    assert (job.generation, job.world_size) == (round, 3)

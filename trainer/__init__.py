@@ -17,8 +17,12 @@ Example::
 """
 
 from ._checkpoint import CheckpointManager, Restored, SaveHandle
+from ._launch import torchrun_argv
+from ._preemption import RESTART_EXIT_CODE, Notice, PreemptionWatcher
 from ._progress import Progress
+from ._rendezvous import BACKEND, RallypointRendezvousHandler, RendezvousSettings
 from ._sampler import ElasticSampler
+from ._store import CoordinatorStore
 from ._transfer import download, upload
 from .errors import (
     CheckpointCorrupt,
@@ -30,17 +34,25 @@ from .errors import (
 )
 
 __all__ = [
+    "BACKEND",
+    "RESTART_EXIT_CODE",
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointManager",
+    "CoordinatorStore",
     "ElasticSampler",
+    "Notice",
+    "PreemptionWatcher",
     "Progress",
+    "RallypointRendezvousHandler",
     "RallypointTrainerError",
+    "RendezvousSettings",
     "Restored",
     "SaveHandle",
     "TransferDenied",
     "TransferError",
     "TransferNotFound",
     "download",
+    "torchrun_argv",
     "upload",
 ]

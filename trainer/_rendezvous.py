@@ -317,8 +317,3 @@ class RallypointRendezvousHandler(RendezvousHandler):
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torchrun's handler creator for ``--rdzv-backend=rallypoint``."""
     return RallypointRendezvousHandler(RendezvousSettings.from_parameters(params))
-
-
-def plugin() -> object:
-    """The ``torchrun.handlers`` entry point: torch calls it for the handler creator."""
-    return create_handler

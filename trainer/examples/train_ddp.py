@@ -1,0 +1,159 @@
+"""Elastic DDP training of a small CNN on synthetic CIFAR-shaped data, under torchrun.
+
+Every (re)start asks the coordinator for rank, world size and the checkpoint to resume
+from; checkpoints are saved asynchronously; a preemption notice (Azure Scheduled Events or
+SIGTERM) stops every rank at the same step with an emergency checkpoint, so no step is
+lost. Run it with the rallypoint backend::
+
+    rallypoint serve --storage local:/tmp/rallypoint &
+    torchrun --rdzv-backend=rallypoint --rdzv-endpoint=http://127.0.0.1:8080 \\
+        --rdzv-id=cnn --nnodes=1:4 --max-restarts=100 trainer/examples/train_ddp.py
+
+The data is made here, from a seed (a noisy random pattern per class), so the loss has
+somewhere to go and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from rallypoint.client import ElasticClient
+from rallypoint.trainer import CheckpointManager, ElasticSampler, PreemptionWatcher
+
+
+def synthetic_cifar(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-shaped images and labels a small CNN can learn, the same on every rank:
+    each class has a fixed random pattern, and each image is its class's under noise."""
+    g = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(10, 3, 32, 32, generator=g)
+    labels = torch.randint(0, 10, (samples,), generator=g)
+    images = 0.5 * patterns[labels] + torch.randn(samples, 3, 32, 32, generator=g)
+    return images, labels
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Linear(32 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.head(self.features(x).flatten(1))
+        return logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="train until this step")
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps")
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
+    parser.add_argument("--events", help="append JSON lines of what happened to this file")
+    args = parser.parse_args()
+
+    client = ElasticClient.from_env()
+    assignment = client.join()  # under torchrun: the agent's assignment, no new round
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda" if cuda else "cpu")
+
+    def event(kind: str, **fields: object) -> None:
+        if args.events:
+            line = {"t": time.time(), "event": kind, "generation": assignment.generation}
+            line.update(rank=rank, world_size=world, **fields)
+            with open(args.events, "a") as f:  # one short append per line: atomic
+                f.write(json.dumps(line) + "\n")
+
+    images, labels = synthetic_cifar(args.samples, args.seed)
+    model = SmallCNN().to(device)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    sampler = ElasticSampler(
+        args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=args.batch_size
+    )
+    checkpoints = CheckpointManager(client, progress=False)
+
+    step = 0
+    restored = checkpoints.load_latest()
+    if restored is not None:
+        model.load_state_dict(restored.state["model"])
+        optimizer.load_state_dict(restored.state["optimizer"])
+        sampler.load_state_dict(restored.state["sampler"])
+        step = restored.step + 1  # the checkpoint of step s is taken after step s
+    event(
+        "resumed",
+        version=restored.version if restored else None,
+        step=step,
+        pointer=assignment.checkpoint.version if assignment.checkpoint else None,
+    )
+
+    def state() -> dict[str, object]:
+        return {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "sampler": sampler.state_dict(),
+        }
+
+    saved = -1
+    loss = torch.tensor(float("nan"))
+    with PreemptionWatcher(client) as watcher:
+        batches: Iterator[torch.Tensor] = iter(())
+        while step < args.steps:
+            index = next(batches, None)
+            if index is None:  # a new epoch (or the rest of this one)
+                if sampler.remaining < args.batch_size * world:
+                    sampler.set_epoch(sampler.epoch + 1)
+                batches = iter(torch.split(torch.tensor(list(sampler)), args.batch_size))
+                continue
+            x, y = images[index].to(device), labels[index].to(device)
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            optimizer.zero_grad()
+            torch.autograd.backward(loss)
+            optimizer.step()
+            sampler.advance()
+            if args.step_time:
+                time.sleep(args.step_time)
+            if rank == 0:
+                event("step", step=step, loss=round(loss.item(), 4))
+            if step % args.checkpoint_every == 0:
+                checkpoints.save(state(), step)  # async: blocks only for the copy
+                saved = step
+            if watcher.should_stop():
+                if saved != step:
+                    checkpoints.save(state(), step, blocking=True)
+                info = checkpoints.wait()
+                event("emergency", step=step, version=info.version if info else None)
+                watcher.finish()  # leaves (the notified node) or awaits the restart
+            step += 1
+    checkpoints.wait()
+    event("finished", step=step, loss=round(loss.item(), 4))
+    checkpoints.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
