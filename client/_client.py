@@ -349,12 +349,17 @@ class ElasticClient:
         )
         return StoreReply.model_validate_json(reply.content)
 
-    def heartbeat(self) -> HeartbeatReply:
-        """Tells the coordinator this node lives; the reply says whether to restart."""
+    def heartbeat(self, wait: timedelta = timedelta(0)) -> HeartbeatReply:
+        """Tells the coordinator this node lives; the reply says whether to restart.
+
+        Args:
+            wait: Let the coordinator hold the reply this long while the generation runs:
+                it answers ``restart`` the moment the generation ends (keep it well
+                under the heartbeat timeout: the next beat follows the reply).
+        """
         generation = self.assignment.generation if self.assignment else None
-        reply = self._request(
-            "POST", f"{self._node}/heartbeat", HeartbeatRequest(generation=generation)
-        )
+        body = HeartbeatRequest(generation=generation, wait=wait.total_seconds())
+        reply = self._request("POST", f"{self._node}/heartbeat", body, read_timeout=body.wait)
         return HeartbeatReply.model_validate_json(reply.content)
 
     def heartbeats(
@@ -511,8 +516,10 @@ class Heartbeats:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
-                self.last = self._client.heartbeat()
+                # Held by the coordinator for an interval, or until the generation ends.
+                self.last = self._client.heartbeat(wait=timedelta(seconds=self._interval))
             except RallypointError as exc:
                 log.warning("heartbeat failed: %s", exc)
                 self.error = exc
@@ -522,7 +529,7 @@ class Heartbeats:
                 if self._on_restart is not None:
                     self._on_restart(self.last)
                 return
-            self._stop.wait(self._interval)
+            self._stop.wait(max(0.0, self._interval - (time.monotonic() - started)))
 
     def stop(self) -> None:
         """Stops the thread (waits for a request in flight)."""

@@ -264,6 +264,9 @@ class JoinReply(_Model):
 class HeartbeatRequest(_Model):
     #: The generation the node runs in (None while it waits to join).
     generation: int | None = Field(None, ge=1)
+    #: Seconds the coordinator may hold the reply while the generation runs, answering
+    #: ``restart`` the moment it ends (a watch); 0 answers at once.
+    wait: float = Field(0.0, ge=0, le=30)
 
 
 class HeartbeatReply(_Model):

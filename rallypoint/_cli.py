@@ -70,6 +70,21 @@ def _run(args: argparse.Namespace) -> int:
     return run(args.torchrun_args)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        print(
+            f"rallypoint demo needs everything: pip install 'rallypoint[all]' ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    from rallypoint._demo import main as demo
+
+    return demo(args.demo_args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rallypoint", description="Rendezvous and checkpoint coordinator for elastic training."
@@ -107,6 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun's arguments")
     run.set_defaults(run=_run)
+
+    demo = commands.add_parser(
+        "demo",
+        help="elastic training through a SIGKILL, a rejoin and a preemption, on this machine",
+        add_help=False,
+    )
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    demo.set_defaults(run=_demo)
     return parser
 
 
@@ -116,5 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["run"] and argv[1:2] not in (["-h"], ["--help"]):
         # torchrun's options are its own: argparse must not try to read them.
         return _run(argparse.Namespace(torchrun_args=argv[1:]))
+    if argv[:1] == ["demo"]:
+        return _demo(argparse.Namespace(demo_args=argv[1:]))
     args = _parser().parse_args(argv)
     return int(args.run(args))

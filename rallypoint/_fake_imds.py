@@ -104,7 +104,9 @@ class FakeImds:
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-            def _reply(self, status: int, body: bytes = b"", kind: str = "application/json") -> None:
+            def _reply(
+                self, status: int, body: bytes = b"", kind: str = "application/json"
+            ) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))

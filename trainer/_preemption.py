@@ -99,7 +99,7 @@ class PreemptionWatcher:
         *,
         imds_url: str | None = None,
         vm_name: str | None = None,
-        poll_interval: timedelta = timedelta(seconds=1),
+        poll_interval: timedelta = timedelta(seconds=0.5),
         grace: timedelta = timedelta(seconds=20),
         poll: bool | None = None,
         signals: tuple[signal.Signals, ...] = (signal.SIGTERM,),
@@ -119,6 +119,7 @@ class PreemptionWatcher:
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
         self._old_wakeup_fd = -1
         self.stopping = False
+        self._finishing = False
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -208,6 +209,8 @@ class PreemptionWatcher:
                     self._on_sigterm()
 
     def _on_sigterm(self) -> None:
+        if self._finishing:
+            return  # this process is leaving and exits by itself in a moment
         if self.stopping and self._notice is None:
             os._exit(RESTART_EXIT_CODE)  # a survivor waiting for its restart: this is it
         if self._membership_changed():
@@ -320,6 +323,9 @@ class PreemptionWatcher:
             dist.barrier()
         self.stopping = True
         if self._notice is not None:
+            # Leaving ends the generation, and the agent stops its workers at once: the
+            # SIGTERM it sends must not cut the acknowledgement short.
+            self._finishing = True
             if self.client is not None and os.environ.get("LOCAL_RANK", "0") == "0":
                 try:
                     self.client.leave(f"preempted ({self._notice.kind})", fenced=False)

@@ -23,7 +23,6 @@ from datetime import timedelta
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
-    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousParameters,
@@ -141,13 +140,17 @@ class _Beats:
         self._interval = interval.total_seconds()
         self._stop = threading.Event()
         self.ended: str | None = None
+        self.left = False
         self._thread = threading.Thread(target=self._run, name="rallypoint-beats", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        pause = 0.0
+        while not self._stop.wait(pause):
+            started = time.monotonic()
             try:
-                reply = self._client.heartbeat()
+                # A watch: held an interval, or answered the moment the generation ends.
+                reply = self._client.heartbeat(wait=timedelta(seconds=self._interval))
             except (StaleGeneration, UnknownNode) as exc:
                 self.ended = str(exc)
                 return
@@ -155,10 +158,23 @@ class _Beats:
                 # The coordinator may be restarting: keep trying. It gives members a
                 # full heartbeat timeout from its start before declaring one dead.
                 log.warning("heartbeat failed, retrying: %s", exc)
+                pause = self._interval
                 continue
             if reply.action == "restart":
-                self.ended = f"generation {reply.generation} is the job's latest"
+                if self._has_left():
+                    # A worker here left the job (a preemption): the agent must not
+                    # restart it, and waits at the exit barrier for nobody.
+                    self.left = True
+                    self.ended = f"node {self._client.node_id} left the job"
+                else:
+                    self.ended = f"generation {reply.generation} is the job's latest"
                 return
+            pause = max(0.0, self._interval - (time.monotonic() - started))
+
+    def _has_left(self) -> bool:
+        with contextlib.suppress(RallypointError):
+            return self._client.node_info().state == "left"
+        return False
 
     def stop(self) -> None:
         self._stop.set()
@@ -212,8 +228,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         if self._closed:
             raise RendezvousClosedError(f"the rendezvous of job {self.settings.job_id} is closed")
         self._stop_beats()
-        if self._assignment is not None and self._has_left():
-            raise RendezvousGracefulExitError(
+        if self._assignment is not None and self._client.node_info().state == "left":
+            # Only if the agent restarts its workers for another reason (one failed):
+            # this node left the job and must not join it again.
+            raise RendezvousClosedError(
                 f"node {self.settings.node_id} left job {self.settings.job_id}"
             )
         assignment = self._join()
@@ -258,12 +276,6 @@ class RallypointRendezvousHandler(RendezvousHandler):
             except ServerError as exc:
                 raise RendezvousStateError(f"{exc.code}: {exc}") from exc
 
-    def _has_left(self) -> bool:
-        """Whether a worker of this node left the job (after a preemption notice)."""
-        with contextlib.suppress(RallypointError):
-            return self._client.node_info().state == "left"
-        return False
-
     def _export(self, assignment: Assignment) -> None:
         """The environment workers inherit (the agent starts them after this returns)."""
         os.environ[URL_ENV] = self.settings.url
@@ -291,8 +303,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._closed = True
 
     def num_nodes_waiting(self) -> int:
-        """See base class: 1 once this generation ended (a node joined, died or left)."""
-        return 0 if self._ended() is None else 1
+        """See base class: 1 once this generation ended (a node joined, died or left),
+        unless it ended because this node left: its workers are on their way out."""
+        beats = self._beats
+        return 0 if beats is None or beats.ended is None or beats.left else 1
 
     def get_run_id(self) -> str:
         """See base class."""

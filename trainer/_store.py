@@ -16,7 +16,7 @@ __all__ = ["CoordinatorStore"]
 
 # Each waiting request is held this long by the coordinator before the client asks again
 # (and checks whether it should give up).
-_WAIT_SLICE = 5.0
+_WAIT_SLICE = 1.0
 
 
 def _b64(value: str | bytes) -> str:

@@ -155,8 +155,13 @@ async def _await_seal(
 async def heartbeat(
     job_id: JobId, node_id: NodeId, body: HeartbeatRequest, rdzv: RdzvDep, driver: DriverDep
 ) -> HeartbeatReply:
-    """A member's pulse; the reply says whether its generation still runs."""
-    job, _ = await driver.snapshot(job_id)
+    """A member's pulse; the reply says whether its generation still runs.
+
+    With ``wait``, the reply is held while the generation runs and sent the moment it
+    ends, so members restart within milliseconds of a change rather than at their next
+    heartbeat. The beat itself counts when the request arrives.
+    """
+    job, changed = await driver.snapshot(job_id)
     action = rdzv.heartbeat(job, node_id, body.generation)
     if action == "continue" and body.generation is not None:
         sealed = rdzv.cached(job_id, body.generation)
@@ -166,6 +171,16 @@ async def heartbeat(
             raise UnknownNode(f"node {node_id!r} is not a member of generation {body.generation}")
     if action == "continue":
         driver.beat(job_id, node_id, body.generation or 0)
+    if body.generation is not None:
+        deadline = time.monotonic() + body.wait
+        while action == "continue" and not driver.closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout=left)
+            job, changed = await driver.snapshot(job_id)
+            action = rdzv.heartbeat(job, node_id, body.generation)
     return HeartbeatReply(action=action, generation=job.generation)
 
 

@@ -1,0 +1,419 @@
+"""``rallypoint demo``: elastic training through failures, on this machine.
+
+It starts a coordinator on the embedded local storage and three torchrun agents (CPU,
+gloo) running ``trainer/examples/train_ddp.py``, then SIGKILLs one node mid-training,
+lets it rejoin, sends another an Azure preemption notice (through a stand-in for the
+metadata service), and prints a timeline and whether every rank of every generation
+resumed from the same checkpoint. The same :class:`Cluster` drives the end-to-end
+tests and ``bench/recovery.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = ["Cluster", "Coordinator", "Verdict", "judge", "main", "timeline"]
+
+Event = dict[str, Any]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def example_script() -> Path:
+    """The DDP example, wherever the package is installed."""
+    return Path(str(files("rallypoint.trainer").joinpath("examples/train_ddp.py")))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``): torchrun starts its workers in
+    sessions of their own, so killing the agent's group leaves them running."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+@dataclass
+class Coordinator:
+    """A ``rallypoint serve`` process on loopback."""
+
+    storage: str
+    port: int = field(default_factory=free_port)
+    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, deadline_s: float = 30) -> Coordinator:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "rallypoint", "serve"),
+                    *("--port", str(self.port), "--storage", self.storage),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+            )
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.proc.returncode}: {self.log}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError("the coordinator did not become ready in time")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Agent:
+    node_id: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+class Cluster:
+    """torchrun agents (``--rdzv-backend=rallypoint``) running the example, one per node.
+
+    Args:
+        url: The coordinator.
+        job: The job id.
+        workdir: Logs and the event file go here.
+        nnodes: torchrun's ``--nnodes``.
+        steps: Train until this step.
+        step_time: Extra seconds per step (the example is tiny; this paces it).
+        heartbeat_timeout: Seconds (``--rdzv-conf``).
+        last_call: Seconds (``--rdzv-conf``).
+        imds_url: The metadata service the workers' PreemptionWatcher polls.
+        checkpoint_every: Steps between asynchronous checkpoints.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        workdir: Path,
+        *,
+        nnodes: str = "1:3",
+        steps: int = 200,
+        step_time: float = 0.05,
+        heartbeat_timeout: int = 3,
+        last_call: int = 2,
+        imds_url: str | None = None,
+        checkpoint_every: int = 10,
+        script: Sequence[str] | None = None,
+    ) -> None:
+        self.url, self.job, self.workdir = url, job, workdir
+        self.events_file = workdir / f"{job}.events.jsonl"
+        self.nnodes = nnodes
+        self.conf = f"heartbeat_timeout={heartbeat_timeout},last_call={last_call}"
+        self.imds_url = imds_url
+        self.script = (
+            list(script)
+            if script is not None
+            else [
+                str(example_script()),
+                "--steps",
+                str(steps),
+                "--step-time",
+                str(step_time),
+                "--checkpoint-every",
+                str(checkpoint_every),
+                "--events",
+                str(self.events_file),
+            ]
+        )
+        self.agents: dict[str, Agent] = {}
+
+    def add(self, node_id: str) -> Agent:
+        """Starts a torchrun agent as node ``node_id`` (its VM name too)."""
+        env = {
+            **os.environ,
+            "RALLYPOINT_NODE": node_id,
+            "RALLYPOINT_VM_NAME": node_id,
+            "PYTHONWARNINGS": "ignore",
+        }
+        if self.imds_url:
+            env["RALLYPOINT_IMDS_URL"] = self.imds_url
+        log = self.workdir / f"{self.job}.{node_id}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--rdzv-backend=rallypoint",
+            f"--rdzv-endpoint={self.url}",
+            f"--rdzv-id={self.job}",
+            f"--nnodes={self.nnodes}",
+            "--nproc-per-node=1",
+            "--max-restarts=100",
+            "--monitor-interval=0.1",
+            "--local-addr=127.0.0.1",
+            f"--rdzv-conf={self.conf}",
+            *self.script,
+        ]
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.agents[node_id] = Agent(node_id, proc, log)
+        return self.agents[node_id]
+
+    def kill(self, node_id: str) -> None:
+        """SIGKILL of the whole node: the agent and its workers, as when a VM vanishes."""
+        agent = self.agents[node_id]
+        for pid in [agent.proc.pid, *descendants(agent.proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.proc.wait()
+
+    def terminate(self, node_id: str) -> None:
+        """SIGTERM to the agent, as a platform evicting the node sends it."""
+        self.agents[node_id].proc.send_signal(signal.SIGTERM)
+
+    def events(self) -> list[Event]:
+        try:
+            text = self.events_file.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+    def wait_for(self, predicate: Callable[[Event], bool], timeout: float = 120) -> Event:
+        """The first event meeting ``predicate``, waiting for it."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for event in self.events():
+                if predicate(event):
+                    return event
+            if self.agents and all(a.proc.poll() is not None for a in self.agents.values()):
+                break
+            time.sleep(0.05)
+        raise TimeoutError(f"no such event within {timeout} s; logs in {self.workdir}")
+
+    def wait(self, timeout: float = 180) -> dict[str, int]:
+        """Waits for every agent to exit; their exit statuses."""
+        end = time.monotonic() + timeout
+        out: dict[str, int] = {}
+        for node_id, agent in self.agents.items():
+            try:
+                out[node_id] = agent.proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{node_id} still runs after {timeout} s") from None
+        return out
+
+    def stop(self) -> None:
+        for node_id, agent in self.agents.items():
+            if agent.proc.poll() is None:
+                self.kill(node_id)
+
+
+@dataclass
+class Verdict:
+    """What the events say about consistency and loss."""
+
+    consistent: bool
+    problems: list[str]
+    steps_lost: dict[int, int]
+    final_step: int | None
+    first_loss: float | None
+    last_loss: float | None
+
+
+def judge(events: Sequence[Event], history: Sequence[dict[str, Any]]) -> Verdict:
+    """Checks that every rank of every generation resumed from the checkpoint the
+    coordinator named for it, and counts the steps lost at each restart.
+
+    Args:
+        events: The example's events (``--events``).
+        history: The job's generation history (``GET /v1/jobs/JOB``).
+    """
+    problems: list[str] = []
+    pointers = {g["generation"]: (g["checkpoint"] or {}).get("version") for g in history}
+    resumed: dict[int, list[Event]] = {}
+    for e in events:
+        if e["event"] == "resumed":
+            resumed.setdefault(e["generation"], []).append(e)
+    for generation, group in sorted(resumed.items()):
+        versions = {e["version"] for e in group}
+        ranks = sorted(e["rank"] for e in group)
+        if len(versions) != 1:
+            problems.append(f"generation {generation}: ranks loaded versions {sorted(versions)}")
+        if versions != {pointers.get(generation)}:
+            problems.append(
+                f"generation {generation}: loaded {sorted(versions, key=str)}, "
+                f"the coordinator named {pointers.get(generation)}"
+            )
+        if ranks != list(range(group[0]["world_size"])):
+            problems.append(f"generation {generation}: ranks {ranks} resumed")
+    steps = [e for e in events if e["event"] == "step"]
+    last_step: dict[int, int] = {}
+    for e in steps:
+        last_step[e["generation"]] = max(last_step.get(e["generation"], -1), e["step"])
+    lost: dict[int, int] = {}
+    for generation, group in resumed.items():
+        earlier = [g for g in last_step if g < generation]
+        if earlier:
+            lost[generation] = max(0, last_step[max(earlier)] - (group[0]["step"] - 1))
+    finished = [e["step"] for e in events if e["event"] == "finished"]
+    return Verdict(
+        consistent=not problems and bool(resumed),
+        problems=problems,
+        steps_lost=lost,
+        final_step=max(finished) if finished else None,
+        first_loss=steps[0]["loss"] if steps else None,
+        last_loss=steps[-1]["loss"] if steps else None,
+    )
+
+
+def timeline(
+    events: Sequence[Event], history: Sequence[dict[str, Any]], marks: Sequence[Event] = ()
+) -> Iterator[str]:
+    """Readable lines: generations, world sizes, checkpoints, what happened when."""
+    t0 = min([e["t"] for e in events] + [m["t"] for m in marks], default=time.time())
+    rows: list[tuple[float, str]] = [(m["t"], f"** {m['what']}") for m in marks]
+    ended = {g["generation"]: g for g in history}
+    seen: set[int] = set()
+    for e in events:
+        g = e["generation"]
+        if e["event"] == "resumed" and g not in seen:
+            seen.add(g)
+            source = f"checkpoint v{e['version']}" if e["version"] else "scratch"
+            rows.append(
+                (
+                    e["t"],
+                    f"generation {g}: world size {e['world_size']}, resumed at step "
+                    f"{e['step']} from {source}",
+                )
+            )
+            info = ended.get(g, {})
+            if info.get("ended_at"):
+                rows.append((info["ended_at"], f"generation {g} ended: {info['ended_reason']}"))
+        elif e["event"] == "emergency" and e["rank"] == 0:
+            rows.append((e["t"], f"emergency checkpoint v{e['version']} at step {e['step']}"))
+        elif e["event"] == "step" and e["step"] % 50 == 0:
+            rows.append((e["t"], f"step {e['step']}: loss {e['loss']:.3f}"))
+        elif e["event"] == "finished" and e["rank"] == 0:
+            rows.append((e["t"], f"finished at step {e['step']}: loss {e['loss']:.3f}"))
+    for t, text in sorted(rows):
+        yield f"{t - t0:7.1f} s  {text}"
+
+
+def _history(url: str, job: str) -> list[dict[str, Any]]:
+    reply = httpx.get(f"{url}/v1/jobs/{job}", timeout=10)
+    reply.raise_for_status()
+    history: list[dict[str, Any]] = reply.json()["history"]
+    return history
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rallypoint._fake_imds import FakeImds
+
+    parser = argparse.ArgumentParser(prog="rallypoint demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--workdir", help="keep logs, events and storage here")
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rallypoint-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def say(text: str) -> None:
+        print(f"[demo] {text}", flush=True)
+
+    marks: list[Event] = []
+
+    def mark(what: str) -> None:
+        marks.append({"t": time.time(), "what": what})
+        say(what)
+
+    coordinator = Coordinator(f"local:{workdir / 'storage'}", log=workdir / "coordinator.log")
+    with FakeImds() as imds:
+        coordinator.start()
+        say(f"coordinator on {coordinator.url}, storage in {workdir / 'storage'}")
+        cluster = Cluster(coordinator.url, "demo", workdir, steps=args.steps, imds_url=imds.url)
+        try:
+            for node in ("node-a", "node-b", "node-c"):
+                cluster.add(node)
+            say("3 torchrun agents started (--rdzv-backend=rallypoint, CPU, gloo)")
+            cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 60)
+            mark("SIGKILL node-b (agent and worker), mid-training")
+            cluster.kill("node-b")
+            cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] == 2)
+            mark("node-b comes back")
+            cluster.add("node-b")
+            cluster.wait_for(
+                lambda e: e["event"] == "step" and e["world_size"] == 3 and e["generation"] > 2
+            )
+            cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 200)
+            mark("Azure preemption notice for node-c (Scheduled Events: Preempt)")
+            imds.schedule("node-c")
+            codes = cluster.wait(timeout=300)
+            say(f"agents exited: {codes}; preemption acknowledged: {bool(imds.acknowledged)}")
+            history = _history(coordinator.url, "demo")
+        finally:
+            cluster.stop()
+            coordinator.stop()
+    events = cluster.events()
+    print()
+    for line in timeline(events, history, marks):
+        print(line)
+    verdict = judge(events, history)
+    print()
+    lost = ", ".join(f"generation {g}: {n}" for g, n in sorted(verdict.steps_lost.items()))
+    print(f"steps lost at each restart: {lost or 'none'}")
+    print(f"logs and events: {workdir}")
+    if verdict.consistent:
+        print(
+            f"OK: every rank of every generation ({len(history)}) resumed from the same "
+            "checkpoint, the one the coordinator named"
+        )
+        return 0
+    print("NOT CONSISTENT: " + "; ".join(verdict.problems))
+    return 1
