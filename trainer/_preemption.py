@@ -217,7 +217,7 @@ class PreemptionWatcher:
             # torchrun's agent stops its workers to restart them: the generation is over
             # and any step taken now would be lost. Leave without waiting for the loop.
             log.info("rallypoint: SIGTERM after a membership change; exiting for the restart")
-            os._exit(_SIGTERM_EXIT)
+            os._exit(RESTART_EXIT_CODE)
         self._noticed(Notice("SIGTERM", None, "", time.time()))
 
     def _membership_changed(self) -> bool:

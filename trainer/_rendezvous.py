@@ -43,6 +43,7 @@ from rallypoint.client import (
     JobSpec,
     JoinTimeout,
     RallypointError,
+    RetryPolicy,
     ServerError,
     StaleGeneration,
     TransportError,
@@ -198,8 +199,11 @@ class RallypointRendezvousHandler(RendezvousHandler):
 
     def __init__(self, settings: RendezvousSettings) -> None:
         self.settings = settings
+        # Backoffs no longer than a heartbeat interval: after a coordinator restart the
+        # beats must resume within its grace period (one heartbeat timeout).
+        retry = RetryPolicy(maximum=min(timedelta(seconds=1), settings.heartbeat_interval))
         self._client = ElasticClient(
-            settings.url, settings.job_id, settings.node_id, settings.token
+            settings.url, settings.job_id, settings.node_id, settings.token, retry=retry
         )
         self._assignment: Assignment | None = None
         self._beats: _Beats | None = None
