@@ -642,22 +642,9 @@ class Rendezvous:
             key=lambda n: (previous.get(n.node_id, math.inf), n.joined_at, n.node_id),
         )
         if len(ordered) < spec.max_nodes:
-            quorum_at = sorted(n.joined_at for n in waiting)[spec.min_nodes - 1]
-            deadline = quorum_at + _seconds(spec.last_call)
-            if now < deadline:
-                # last_call gathers newcomers. A restart of survivors only (a member died
-                # or left) has nobody new to wait for: it seals as soon as every member
-                # of the last generation is back, gone, or silent past the timeout.
-                back = {n.node_id for n in waiting}
-                if not previous or not back <= previous.keys():
-                    return False, deadline - now
-                gone = {n.node_id for n in self._nodes(job.job_id, (Cond("state", "eq", "left"),))}
-                pending = [
-                    beats.get(node_id, -math.inf) + timeout
-                    for node_id in previous.keys() - back - gone
-                ]
-                if any(expiry > now for expiry in pending):
-                    return False, min(deadline, *pending) - now
+            waits = self._seal_waits(job, waiting, previous, beats, now)
+            if waits:
+                return False, min(waits) - now
         chosen = ordered[: spec.max_nodes]
         members = tuple(Member(n.node_id, i, n.addr, n.port) for i, n in enumerate(chosen))
         # The checkpoint pointer is snapshotted with the seal, in the same CAS, so every
@@ -676,6 +663,40 @@ class Rendezvous:
         except (Modified, AlreadyExists):
             return False, 0.0  # another coordinator sealed or changed it first
         return True, 0.0
+
+    def _seal_waits(
+        self,
+        job: Job,
+        waiting: list[Node],
+        previous: Mapping[str, int],
+        beats: Mapping[str, float],
+        now: float,
+    ) -> list[float]:
+        """When a round short of ``max_nodes`` may seal: the times it waits for (none:
+        now).
+
+        ``last_call`` gathers newcomers, so a round with one (or the first round) waits
+        for it. A round after a restart also waits for every member of the last
+        generation that is neither back, nor gone, nor silent past the heartbeat timeout:
+        it is restarting, and sealing without it would only end the next generation
+        when it comes back (a process that restarts slower than ``last_call`` would
+        otherwise cost a restart each time). A round of survivors only seals at once.
+        """
+        spec = job.spec
+        back = {n.node_id for n in waiting}
+        waits: list[float] = []
+        if not previous or not back <= previous.keys():
+            quorum_at = sorted(n.joined_at for n in waiting)[spec.min_nodes - 1]
+            deadline = quorum_at + _seconds(spec.last_call)
+            if now < deadline:
+                waits.append(deadline)
+        missing = previous.keys() - back
+        if missing:
+            gone = {n.node_id for n in self._nodes(job.job_id, (Cond("state", "eq", "left"),))}
+            timeout = _seconds(spec.heartbeat_timeout)
+            expiries = (beats.get(node_id, -math.inf) + timeout for node_id in missing - gone)
+            waits.extend(t for t in expiries if t > now)
+        return waits
 
     def _check_members(self, job: Job) -> tuple[bool, float]:
         timeout = _seconds(job.spec.heartbeat_timeout)

@@ -1,0 +1,190 @@
+"""``rallypoint run`` (torchrun with defaults from the environment) and training
+without torchrun (``train_join.py`` under a shell supervisor)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rallypoint._demo import judge
+from rallypoint.client import ElasticClient
+from rallypoint.trainer import torchrun_argv
+
+from .conftest import Start
+
+ENV = {"RALLYPOINT_URL": "http://coord:8080", "RALLYPOINT_JOB": "job1"}
+
+
+def flags(argv: list[str]) -> dict[str, str]:
+    out = {}
+    for arg in argv:
+        if not arg.startswith("--"):
+            break
+        name, _, value = arg[2:].partition("=")
+        out[name] = value
+    return out
+
+
+def test_fills_torchrun_flags_from_the_environment() -> None:
+    argv = torchrun_argv(["train.py", "--lr", "0.1"], {**ENV, "RALLYPOINT_NNODES": "2:8"})
+    assert argv[-3:] == ["train.py", "--lr", "0.1"]
+    assert flags(argv) == {
+        "rdzv-backend": "rallypoint",
+        "rdzv-endpoint": "http://coord:8080",
+        "rdzv-id": "job1",
+        "nnodes": "2:8",
+        "nproc-per-node": "1",
+        "max-restarts": "100",
+    }
+
+
+def test_given_flags_and_torchruns_own_variables_win() -> None:
+    argv = torchrun_argv(
+        ["--nnodes=3", "--max_restarts", "5", "train.py", "--nnodes=9"],
+        {**ENV, "RALLYPOINT_NNODES": "2:8", "PET_NPROC_PER_NODE": "4"},
+    )
+    given = flags(argv)
+    assert given["nnodes"] == "3" and "max-restarts" not in given  # the user's own
+    assert "nproc-per-node" not in given  # torchrun reads PET_NPROC_PER_NODE itself
+    assert argv[-1] == "--nnodes=9"  # the script's argument, untouched
+
+
+def test_azureml_variables_name_the_job_and_its_size() -> None:
+    env = {"RALLYPOINT_URL": "http://c", "AZUREML_RUN_ID": "run_42", "AZUREML_NODE_COUNT": "4"}
+    given = flags(torchrun_argv(["train.py"], env))
+    assert (given["rdzv-id"], given["nnodes"]) == ("run_42", "1:4")
+
+
+def test_without_a_coordinator_it_says_what_to_set() -> None:
+    with pytest.raises(ValueError, match="RALLYPOINT_URL"):
+        torchrun_argv(["train.py"], {"RALLYPOINT_JOB": "j"})
+    result = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "run", "train.py"],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("RALLYPOINT_")},
+    )
+    assert result.returncode == 2 and "set RALLYPOINT_URL" in result.stderr
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    from rallypoint.client import ElasticClient
+    a = ElasticClient.from_env().join()
+    keys = ("RALLYPOINT_GENERATION", "RALLYPOINT_NODE", "RANK", "WORLD_SIZE")
+    print("ASSIGNMENT " + json.dumps({"generation": a.generation, "rank": a.rank,
+          "env": {k: os.environ[k] for k in keys}}), flush=True)
+    """
+)
+
+
+def test_rallypoint_run_starts_torchrun_with_the_plugin(start: Start, tmp_path: Path) -> None:
+    coordinator = start()
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {
+        **os.environ,
+        "RALLYPOINT_URL": coordinator.url,
+        "RALLYPOINT_JOB": "runjob",
+        "RALLYPOINT_NODE": "only",
+        "RALLYPOINT_NNODES": "1:1",
+        "RALLYPOINT_RDZV_CONF": "last_call=0",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "run", "--local-addr=127.0.0.1", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rallypoint run: torchrun --rdzv-backend=rallypoint" in result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("ASSIGNMENT "))
+    seen = json.loads(line.removeprefix("ASSIGNMENT "))
+    assert seen == {
+        "generation": 1,
+        "rank": 0,
+        "env": {
+            "RALLYPOINT_GENERATION": "1",
+            "RALLYPOINT_NODE": "only",
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+        },
+    }
+    # The worker's join() returned the agent's assignment: it started no round of its own.
+    status = ElasticClient(coordinator.url, "runjob").membership()
+    assert [g.generation for g in status.history] == [1]
+
+
+SUPERVISOR = """
+until "$PYTHON" "$SCRIPT" "$@"; do
+    code=$?
+    [ $code -eq 75 ] || exit $code
+done
+"""
+
+
+@pytest.mark.timeout(240)
+def test_without_torchrun_a_shell_loop_restarts_the_script_on_a_membership_change(
+    tmp_path: Path,
+) -> None:
+    from rallypoint._demo import Coordinator, example_script
+
+    coordinator = Coordinator(f"local:{tmp_path / 's'}", log=tmp_path / "c.log").start()
+    events = tmp_path / "events.jsonl"
+    loop = tmp_path / "supervise.sh"
+    loop.write_text(SUPERVISOR)
+    args = ["--nodes", "1:3", "--steps", "120", "--step-time", "0.03", "--addr", "127.0.0.1"]
+    args += ["--heartbeat-timeout", "3", "--events", str(events)]
+
+    def node(name: str) -> subprocess.Popen[bytes]:
+        env = {
+            **os.environ,
+            "PYTHON": sys.executable,
+            # By path, not -m: importing the package would import torch before the join.
+            "SCRIPT": str(example_script().with_name("train_join.py")),
+            "RALLYPOINT_URL": coordinator.url,
+            "RALLYPOINT_JOB": "plain",
+            "RALLYPOINT_NODE": name,
+        }
+        log = (tmp_path / f"{name}.log").open("wb")
+        return subprocess.Popen(["bash", str(loop), *args], env=env, stdout=log, stderr=log)
+
+    def wait_for(pred: object) -> None:
+        import time
+
+        end = time.monotonic() + 120
+        while time.monotonic() < end:
+            if events.exists() and any(
+                pred(json.loads(x))  # type: ignore[operator]
+                for x in events.read_text().splitlines()
+                if x.endswith("}")
+            ):
+                return
+            time.sleep(0.05)
+        raise TimeoutError
+
+    try:
+        nodes = [node("a"), node("b")]
+        wait_for(lambda e: e["event"] == "step" and e["step"] >= 20 and e["world_size"] == 2)
+        nodes.append(node("c"))  # scale up: a and b exit 75 and their loops restart them
+        wait_for(lambda e: e["event"] == "step" and e["world_size"] == 3)
+        assert [p.wait(120) for p in nodes] == [0, 0, 0]
+        history = ElasticClient(coordinator.url, "plain").membership().model_dump()["history"]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+        coordinator.stop()
+    lines = [json.loads(x) for x in events.read_text().splitlines() if x.endswith("}")]
+    verdict = judge(lines, history)
+    assert verdict.consistent, verdict.problems
+    assert verdict.final_step == 120
+    assert [g["world_size"] for g in history][-1] == 3
