@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup test lint typecheck serve bench-storage bench-rendezvous bench-checkpoint clean
+.PHONY: setup test lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery clean
 
 setup: $(VENV)/.installed node_modules/.installed
 
@@ -35,6 +35,9 @@ test: lint typecheck
 serve: setup
 	$(BIN)/rallypoint serve --storage $(STORAGE) --port $(PORT)
 
+demo: setup
+	$(BIN)/rallypoint demo
+
 bench-storage: setup
 	$(BIN)/python bench/storage.py
 
@@ -43,6 +46,9 @@ bench-rendezvous: setup
 
 bench-checkpoint: setup
 	$(BIN)/python bench/checkpoint.py
+
+bench-recovery: setup
+	$(BIN)/python bench/recovery.py
 
 clean:
 	rm -rf $(VENV) node_modules build .rallypoint .pytest_cache .mypy_cache .ruff_cache

@@ -136,6 +136,8 @@ class Cluster:
         last_call: Seconds (``--rdzv-conf``).
         imds_url: The metadata service the workers' PreemptionWatcher polls.
         checkpoint_every: Steps between asynchronous checkpoints.
+        script: The training script and its arguments, instead of the example.
+        rdzv: torchrun's rendezvous flags, instead of the rallypoint backend's.
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class Cluster:
         imds_url: str | None = None,
         checkpoint_every: int = 10,
         script: Sequence[str] | None = None,
+        rdzv: Sequence[str] | None = None,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
         self.events_file = workdir / f"{job}.events.jsonl"
@@ -173,6 +176,16 @@ class Cluster:
                 str(self.events_file),
             ]
         )
+        self.rdzv = (
+            list(rdzv)
+            if rdzv is not None
+            else [
+                "--rdzv-backend=rallypoint",
+                f"--rdzv-endpoint={self.url}",
+                f"--rdzv-id={self.job}",
+                f"--rdzv-conf={self.conf}",
+            ]
+        )
         self.agents: dict[str, Agent] = {}
 
     def add(self, node_id: str) -> Agent:
@@ -190,15 +203,12 @@ class Cluster:
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--rdzv-backend=rallypoint",
-            f"--rdzv-endpoint={self.url}",
-            f"--rdzv-id={self.job}",
+            *self.rdzv,
             f"--nnodes={self.nnodes}",
             "--nproc-per-node=1",
             "--max-restarts=100",
             "--monitor-interval=0.1",
             "--local-addr=127.0.0.1",
-            f"--rdzv-conf={self.conf}",
             *self.script,
         ]
         with log.open("ab") as out:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rallypoint._demo import Cluster, Coordinator, judge
+from rallypoint._demo import Cluster, Coordinator, example_script, judge
 from rallypoint._fake_imds import FakeImds
 
 pytestmark = pytest.mark.timeout(300)
@@ -128,3 +128,31 @@ def test_a_preemption_notice_and_a_sigterm_lose_no_steps(
     emergency = [e for e in cluster.events() if e["event"] == "emergency"]
     assert {e["generation"] for e in emergency} == {1, 2}
     assert verdict.steps_lost == {2: 0, 3: 0}
+
+
+def test_the_lightning_example_resumes_through_a_preemption(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    events = tmp_path / "lit.events.jsonl"
+    script = example_script().with_name("train_lightning.py")
+    with FakeImds() as imds:
+        cluster = Cluster(
+            coordinator.url,
+            "lit",
+            tmp_path,
+            nnodes="1:2",
+            imds_url=imds.url,
+            script=[str(script), "--steps", "80", "--events", str(events)],
+        )
+        cluster.events_file = events
+        try:
+            cluster.add("a")
+            cluster.add("b")
+            step_at(cluster, 20, world_size=2)
+            imds.schedule("b")
+            step_at(cluster, 0, world_size=1)
+            verdict, history = finish(cluster, coordinator, 80)
+        finally:
+            cluster.stop()
+    assert [g["world_size"] for g in history] == [2, 1]
+    assert verdict.steps_lost == {2: 0}

@@ -1,0 +1,208 @@
+"""Recovery after a lost node and after a preemption notice: rallypoint vs stock torchrun.
+
+Four torchrun agents, one CPU worker each (gloo), train the example CNN
+(``trainer/examples/train_ddp.py``; 50 ms of extra work per step). Mid-training one node
+goes, and the clock runs until rank 0 completes a training step at world size 3:
+
+- ``kill``: SIGKILL of a whole node (agent and worker, as when a VM vanishes), rank 2.
+- ``preempt``: for rallypoint an Azure Scheduled Events ``Preempt`` notice (a stand-in
+  for IMDS on loopback); stock torchrun has no notice to act on, so it gets what the
+  platform sends next, SIGTERM to the agent.
+
+Both sides use ``--nnodes=3:4`` and ``--max-restarts=100``. rallypoint runs with
+``heartbeat_timeout=3`` and a 2 s last call; stock c10d keeps its defaults. The anchor's
+workers train the same model on the same data without checkpoints (it has no
+authoritative checkpoint to resume from); "steps lost" is rallypoint's only.
+
+Usage::
+
+    python bench/recovery.py [--limit 100] [--only rallypoint|c10d]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rallypoint._demo import Cluster, Coordinator, free_port, judge
+from rallypoint._fake_imds import FakeImds
+
+STEP_TIME = 0.05
+AGENTS = ("n0", "n1", "n2", "n3")
+
+# The anchor's worker: the example's model and data, plain DDP, events like the example's.
+ANCHOR = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from rallypoint.trainer.examples.train_ddp import SmallCNN, synthetic_cifar
+    events, step_time = sys.argv[1], float(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    images, labels = synthetic_cifar(4096, 0)
+    model = DistributedDataParallel(SmallCNN())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(10**9):
+        i = torch.randint(0, 4096, (32,), generator=g)
+        loss = nn.functional.cross_entropy(model(images[i]), labels[i])
+        opt.zero_grad(); loss.backward(); opt.step()
+        time.sleep(step_time)
+        if rank == 0:
+            with open(events, "a") as f:
+                f.write(json.dumps({"t": time.time(), "event": "step", "step": step,
+                                    "generation": 0, "rank": 0, "world_size": world}) + "\\n")
+    """
+)
+
+
+def step_with(world: int, after: float = 0.0) -> Callable[[dict[str, Any]], bool]:
+    return lambda e: e["event"] == "step" and e["world_size"] == world and e["t"] > after
+
+
+def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
+    coordinator = Coordinator(f"local:{workdir / 'storage'}", log=workdir / "coordinator.log")
+    with FakeImds() as imds:
+        coordinator.start()
+        cluster = Cluster(
+            coordinator.url,
+            f"rp-{kind}",
+            workdir,
+            nnodes="3:4",
+            steps=10**6,
+            step_time=STEP_TIME,
+            heartbeat_timeout=3,
+            last_call=2,
+            imds_url=imds.url,
+        )
+        try:
+            for node in AGENTS:
+                cluster.add(node)
+            cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
+            victim = _member_of_rank(coordinator.url, cluster.job, 2)
+            started = time.time()
+            if kind == "kill":
+                cluster.kill(victim)
+            else:
+                imds.schedule(victim)
+            try:
+                recovered = cluster.wait_for(step_with(3, started), timeout=limit)["t"] - started
+            except TimeoutError:
+                recovered = None
+            history = _history(coordinator.url, cluster.job)
+        finally:
+            cluster.stop()
+            coordinator.stop()
+    verdict = judge(cluster.events(), history)
+    lost = max(verdict.steps_lost.values(), default=None)
+    return {"seconds": recovered, "steps_lost": lost, "consistent": verdict.consistent}
+
+
+def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
+    script = workdir / "anchor.py"
+    script.write_text(ANCHOR)
+    events = workdir / f"c10d-{kind}.events.jsonl"
+    port = free_port()
+    cluster = Cluster(
+        "",
+        f"c10d-{kind}",
+        workdir,
+        nnodes="3:4",
+        script=[str(script), str(events), str(STEP_TIME)],
+        rdzv=[
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=c10d-{kind}",
+        ],
+    )
+    cluster.events_file = events
+    try:
+        for node in AGENTS:
+            cluster.add(node)
+        cluster.wait_for(step_with(4), timeout=120)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
+        victim = AGENTS[-1]  # not the store's host: that one takes the job down with it
+        started = time.time()
+        if kind == "kill":
+            cluster.kill(victim)
+        else:
+            cluster.terminate(victim)
+        try:
+            recovered = cluster.wait_for(step_with(3, started), timeout=limit)["t"] - started
+        except TimeoutError:
+            recovered = None
+    finally:
+        cluster.stop()
+    return {"seconds": recovered, "steps_lost": None, "consistent": None}
+
+
+def _member_of_rank(url: str, job: str, rank: int) -> str:
+    import httpx
+
+    members = httpx.get(f"{url}/v1/jobs/{job}", timeout=10).json()["members"]
+    return str(next(m["node_id"] for m in members if m["rank"] == rank))
+
+
+def _history(url: str, job: str) -> list[dict[str, Any]]:
+    import httpx
+
+    history: list[dict[str, Any]] = httpx.get(f"{url}/v1/jobs/{job}", timeout=10).json()["history"]
+    return history
+
+
+def _fmt(seconds: float | None, limit: float) -> str:
+    return f"> {limit:.0f} s (no step)" if seconds is None else f"{seconds:.1f} s"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--limit", type=float, default=100, help="give up after this many s")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--only", choices=["rallypoint", "c10d"])
+    args = parser.parse_args()
+    runners = {"rallypoint": rallypoint, "c10d": c10d}
+    if args.only:
+        runners = {args.only: runners[args.only]}
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for _ in range(args.repeat):
+        for kind in ("kill", "preempt"):
+            for name, run in runners.items():
+                with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+                    result = run(kind, Path(tmp), args.limit)
+                results.setdefault((kind, name), []).append(result)
+                print(f"{kind:8} {name:10} {result}", file=sys.stderr, flush=True)
+
+    print(f"\n{'event':34} {'rallypoint':>16} {'stock c10d':>18} {'steps lost':>11}")
+    labels = {
+        "kill": "SIGKILL of a node (rank 2)",
+        "preempt": "preemption notice / SIGTERM",
+    }
+    for kind, label in labels.items():
+        ours = results.get((kind, "rallypoint"), [])
+        theirs = results.get((kind, "c10d"), [])
+        our_s = [r["seconds"] for r in ours]
+        their_s = [r["seconds"] for r in theirs]
+        mid = lambda xs: None if not xs or None in xs else statistics.median(xs)  # noqa: E731
+        lost = [r["steps_lost"] for r in ours if r["steps_lost"] is not None]
+        print(
+            f"{label:34} {_fmt(mid(our_s), args.limit) if ours else '-':>16} "
+            f"{_fmt(mid(their_s), args.limit) if theirs else '-':>18} "
+            f"{max(lost) if lost else '-':>11}"
+        )
+        if ours and not all(r["consistent"] for r in ours):
+            print(f"  rallypoint ranks resumed from different checkpoints after {kind}!")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
