@@ -103,9 +103,22 @@ def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
         finally:
             cluster.stop()
             coordinator.stop()
-    verdict = judge(cluster.events(), history)
+    events = cluster.events()
+    verdict = judge(events, history)
     lost = max(verdict.steps_lost.values(), default=None)
-    return {"seconds": recovered, "steps_lost": lost, "consistent": verdict.consistent}
+    # When the new workers' processes started: the rest of the time is their start-up
+    # (importing torch, three at once on this machine's CPUs) and the first step.
+    spawned = [
+        e["started"] - started
+        for e in events
+        if e["event"] == "resumed" and e["world_size"] == 3 and e.get("started")
+    ]
+    return {
+        "seconds": recovered,
+        "workers_started": min(spawned) if spawned else None,
+        "steps_lost": lost,
+        "consistent": verdict.consistent,
+    }
 
 
 def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
@@ -143,7 +156,7 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
             recovered = None
     finally:
         cluster.stop()
-    return {"seconds": recovered, "steps_lost": None, "consistent": None}
+    return {"seconds": recovered, "workers_started": None, "steps_lost": None, "consistent": None}
 
 
 def _member_of_rank(url: str, job: str, rank: int) -> str:
@@ -194,11 +207,14 @@ def main() -> int:
         their_s = [r["seconds"] for r in theirs]
         mid = lambda xs: None if not xs or None in xs else statistics.median(xs)  # noqa: E731
         lost = [r["steps_lost"] for r in ours if r["steps_lost"] is not None]
+        spawned = [r["workers_started"] for r in ours if r["workers_started"] is not None]
         print(
             f"{label:34} {_fmt(mid(our_s), args.limit) if ours else '-':>16} "
             f"{_fmt(mid(their_s), args.limit) if theirs else '-':>18} "
             f"{max(lost) if lost else '-':>11}"
         )
+        if spawned:
+            print(f"  rallypoint: new worker processes started after {min(spawned):.2f} s")
         if ours and not all(r["consistent"] for r in ours):
             print(f"  rallypoint ranks resumed from different checkpoints after {kind}!")
     return 0

@@ -30,6 +30,18 @@ from rallypoint.client import ElasticClient
 from rallypoint.trainer import CheckpointManager, ElasticSampler, PreemptionWatcher
 
 
+def process_started() -> float | None:
+    """When this process started (Linux), to tell process start-up from the rest."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def synthetic_cifar(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """CIFAR-shaped images and labels a small CNN can learn, the same on every rank:
     each class has a fixed random pattern, and each image is its class's under noise."""
@@ -109,6 +121,7 @@ def main() -> None:
         version=restored.version if restored else None,
         step=step,
         pointer=assignment.checkpoint.version if assignment.checkpoint else None,
+        started=process_started(),
     )
 
     def state() -> dict[str, object]:
