@@ -41,6 +41,7 @@ class _JobLoop:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     beats: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, float] = field(default_factory=dict)
     waiters: Counter[str] = field(default_factory=Counter)
     tick_now: bool = True
     last_used: float = field(default_factory=time.monotonic)
@@ -56,6 +57,7 @@ class Driver:
         interval: Seconds between passes: the age of a snapshot, the delay of a beat.
         max_tick: Seconds between ticks at most, which bounds failure detection.
         idle: Seconds without requests after which a job's task stops.
+        reconnect: Seconds a member whose heartbeat watch was cut has to beat again.
     """
 
     def __init__(
@@ -65,11 +67,14 @@ class Driver:
         interval: float = 0.1,
         max_tick: float = 0.5,
         idle: float = 30.0,
+        reconnect: float = 1.0,
     ) -> None:
         self.rdzv = rdzv
         self.interval = interval
         self.max_tick = max_tick
         self.idle = idle
+        self.reconnect = reconnect
+        self._checks: set[asyncio.Task[None]] = set()
         self._loops: dict[str, _JobLoop] = {}
         self._closing = False
 
@@ -123,7 +128,32 @@ class Driver:
 
     def beat(self, job_id: str, node_id: str, generation: int) -> None:
         """Queues a heartbeat; it is written within one interval."""
-        self._loop(job_id).beats[node_id] = generation
+        loop = self._loop(job_id)
+        loop.beats[node_id] = generation
+        loop.dropped.pop(node_id, None)
+
+    def dropped(self, job_id: str, node_id: str) -> None:
+        """A member's heartbeat watch was cut: its process exited (the kernel closes its
+        sockets when a process dies, even by SIGKILL). A live client reconnects at once;
+        if no beat of the node arrives here within ``reconnect`` seconds, nor reaches
+        storage through another replica, it counts as silent now rather than at the end
+        of its heartbeat timeout."""
+        loop = self._loop(job_id)
+        at = time.time()
+        loop.dropped[node_id] = at
+
+        async def check() -> None:
+            await asyncio.sleep(self.reconnect)
+            if loop.dropped.get(node_id) != at:
+                return  # it beat again here
+            del loop.dropped[node_id]
+            if await anyio.to_thread.run_sync(self.rdzv.expire, job_id, node_id, at):
+                log.info("job %s: node %s dropped its heartbeat watch", job_id, node_id)
+                self.poke(job_id)
+
+        task = asyncio.create_task(check(), name=f"dropped-{job_id}-{node_id}")
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
 
     @contextlib.contextmanager
     def waiting(self, job_id: str, node_id: str) -> Iterator[None]:

@@ -539,11 +539,36 @@ class Rendezvous:
         for start in range(0, len(ops), 100):
             self.table.batch(ops[start : start + 100])
 
-    def _beats(self, job_id: str) -> dict[str, float]:
-        return {
-            e.row_key[len(BEAT) :]: _float(e.data, "at")
-            for e in self.table.query(job_id, [Cond("kind", "eq", "beat")])
-        }
+    def expire(self, job_id: str, node_id: str, since: float) -> bool:
+        """Marks a node silent, unless it beat after ``since`` (through any replica).
+
+        Returns:
+            Whether it was marked (by ETag condition: a beat written meanwhile wins).
+        """
+        try:
+            e = self.table.get(job_id, BEAT + node_id)
+        except NotFound:
+            return False
+        if _float(e.data, "at") > since:
+            return False
+        data = {**e.data, "at": 0.0, "dropped": since}
+        try:
+            self.table.replace(Entity(job_id, BEAT + node_id, data), if_match=e.etag or "")
+        except Modified:
+            return False
+        return True
+
+    def _beats(self, job_id: str, dropped: set[str] | None = None) -> dict[str, float]:
+        """Each node's last heartbeat; adds to ``dropped`` the nodes whose heartbeat
+        watch was cut since (see :meth:`expire`)."""
+        out: dict[str, float] = {}
+        for e in self.table.query(job_id, [Cond("kind", "eq", "beat")]):
+            node_id, at = e.row_key[len(BEAT) :], _float(e.data, "at")
+            out[node_id] = at
+            cut = _opt_float(e.data, "dropped")
+            if dropped is not None and cut is not None and cut >= at:
+                dropped.add(node_id)
+        return out
 
     def _nodes(self, job_id: str, where: tuple[Cond, ...] = ()) -> list[Node]:
         return [_node(e) for e in self.table.query(job_id, (Cond("kind", "eq", "node"), *where))]
@@ -701,8 +726,12 @@ class Rendezvous:
     def _check_members(self, job: Job) -> tuple[bool, float]:
         timeout = _seconds(job.spec.heartbeat_timeout)
         members = self.sealed(job.job_id, job.generation).members
-        beats = self._beats(job.job_id)
+        dropped: set[str] = set()
+        beats = self._beats(job.job_id, dropped)
         now = self.clock()
+        cut = [m.node_id for m in members if m.node_id in dropped]
+        if cut:
+            return self._end(job, f"node {cut[0]} dropped its heartbeat connection"), 0.0
         # A member's clock starts at the seal at the latest (it was alive to be chosen),
         # or at this coordinator's start: a restarted coordinator does not kill a job for
         # the heartbeats nobody could deliver while it was down.

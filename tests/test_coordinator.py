@@ -193,3 +193,47 @@ def test_client_errors_carry_the_code(start: Start) -> None:
     join_all([a])
     with pytest.raises(JobFull):
         ElasticClient(url, "job", "b").join("127.0.0.1", timeout=timedelta(seconds=5))
+
+
+WATCHER = """
+import sys
+from datetime import timedelta
+from rallypoint.client import ElasticClient
+c = ElasticClient(sys.argv[1], "cut", sys.argv[2])
+c.join("127.0.0.1", 30000)
+print("joined", flush=True)
+while True:
+    c.heartbeat(wait=timedelta(seconds=5))
+"""
+
+
+def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(start: Start) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    coordinator = start()
+    ElasticClient(coordinator.url, "cut", "x").create_job(2, 2, heartbeat_timeout=timedelta(seconds=60))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WATCHER, coordinator.url, node],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for node in ("a", "b")
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "joined"
+        time.sleep(0.5)  # both are inside a held heartbeat now
+        killed = time.monotonic()
+        procs[1].send_signal(signal.SIGKILL)
+        client = ElasticClient(coordinator.url, "cut", "x")
+        while client.membership().status == "sealed":
+            assert time.monotonic() - killed < 30, "not detected before half the timeout"
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert client.membership().history[-1].ended_reason == "node b dropped its heartbeat connection"

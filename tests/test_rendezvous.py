@@ -303,3 +303,23 @@ def test_a_round_with_a_newcomer_still_waits_for_last_call(rdzv: Rendezvous, clo
     clock.advance(10)
     job, _ = rdzv.tick("job")
     assert (job.generation, job.world_size) == (round, 3)
+
+
+def test_a_dropped_watch_ends_the_generation_unless_the_node_beat_again(
+    rdzv: Rendezvous, clock: Clock
+) -> None:
+    join_all(rdzv, ["a", "b", "c"], spec(3, 3, timeout=30))
+    job, _ = rdzv.tick("job")
+    rdzv.beat("job", ["a", "b", "c"], job.generation)
+    cut_at = clock.now
+    clock.advance(1)
+    rdzv.beat("job", ["a"], job.generation)  # a reconnected (through any replica)
+    assert not rdzv.expire("job", "a", cut_at)
+    assert rdzv.expire("job", "b", cut_at)  # b did not
+    job, _ = rdzv.tick("job")  # long before the 30 s timeout
+    assert job.status == "open"
+    info = rdzv.status("job").history[-1]
+    assert info.ended_reason == "node b dropped its heartbeat connection"
+    # A fresh beat clears it: b is a live waiting node again for the next round.
+    rdzv.beat("job", ["b"])
+    assert rdzv._beats("job", dropped := set()) and dropped == set()

@@ -178,8 +178,9 @@ class _Beats:
         return False
 
     def stop(self) -> None:
+        # Not joined: the thread may be inside a held heartbeat for up to an interval,
+        # and a rendezvous must not wait for it. Its answer goes nowhere.
         self._stop.set()
-        self._thread.join()
 
 
 class RallypointRendezvousHandler(RendezvousHandler):

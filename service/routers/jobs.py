@@ -32,6 +32,9 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Auth])
 
+#: How often a held heartbeat checks whether its member's connection is still open.
+_WATCH_POLL = 0.25
+
 
 @router.get("")
 async def list_jobs(rdzv: RdzvDep) -> list[JobSummary]:
@@ -153,7 +156,12 @@ async def _await_seal(
 
 @router.post("/{job_id}/nodes/{node_id}/heartbeat")
 async def heartbeat(
-    job_id: JobId, node_id: NodeId, body: HeartbeatRequest, rdzv: RdzvDep, driver: DriverDep
+    job_id: JobId,
+    node_id: NodeId,
+    body: HeartbeatRequest,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    request: Request,
 ) -> HeartbeatReply:
     """A member's pulse; the reply says whether its generation still runs.
 
@@ -178,7 +186,11 @@ async def heartbeat(
             if left <= 0:
                 break
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), timeout=left)
+                await asyncio.wait_for(changed.wait(), timeout=min(left, _WATCH_POLL))
+            if await request.is_disconnected():
+                # The member's process is gone (or will reconnect at once: see dropped).
+                driver.dropped(job_id, node_id)
+                break
             job, changed = await driver.snapshot(job_id)
             action = rdzv.heartbeat(job, node_id, body.generation)
     return HeartbeatReply(action=action, generation=job.generation)
