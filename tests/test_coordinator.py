@@ -213,7 +213,9 @@ def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(start:
     import sys
 
     coordinator = start()
-    ElasticClient(coordinator.url, "cut", "x").create_job(2, 2, heartbeat_timeout=timedelta(seconds=60))
+    ElasticClient(coordinator.url, "cut", "x").create_job(
+        2, 2, heartbeat_timeout=timedelta(seconds=60)
+    )
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", WATCHER, coordinator.url, node],

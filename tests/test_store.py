@@ -119,6 +119,16 @@ def test_abort_ends_a_wait_at_once(start: Start) -> None:
     assert time.monotonic() - started < 60  # not the 120 s timeout
 
 
+def test_release_ends_a_wait_without_an_error_but_not_a_get(start: Start) -> None:
+    store = CoordinatorStore(
+        client(start().url), 1, timeout=timedelta(seconds=120), release=lambda: True
+    )
+    store.wait(["never"])  # an exit barrier of a node that left: nobody to wait for
+    store.set_timeout(timedelta(seconds=0.2))
+    with pytest.raises(dist.DistStoreError, match="missing"):
+        store.get("never")  # a value nobody stored cannot be made up
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code"),
     [

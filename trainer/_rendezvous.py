@@ -251,7 +251,11 @@ class RallypointRendezvousHandler(RendezvousHandler):
             assignment.checkpoint.version if assignment.checkpoint else None,
         )
         store = CoordinatorStore(
-            self._client, assignment.generation, self.settings.store_timeout, self._ended
+            self._client,
+            assignment.generation,
+            self.settings.store_timeout,
+            abort=self._ended,
+            release=self._has_left,
         )
         return RendezvousInfo(
             store,
@@ -289,6 +293,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         os.environ[GENERATION_ENV] = str(assignment.generation)
         if self.settings.token:
             os.environ[TOKEN_ENV] = self.settings.token
+
+    def _has_left(self) -> bool:
+        beats = self._beats
+        return beats is not None and beats.left
 
     def _ended(self) -> str | None:
         beats = self._beats

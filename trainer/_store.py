@@ -41,6 +41,9 @@ class CoordinatorStore(Store):
         timeout: How long :meth:`get` and :meth:`wait` wait for missing keys.
         abort: Called between waits; a returned reason ends the wait with an error at once
             (the plugin's: "the generation ended"), rather than at the timeout.
+        release: Called between waits of :meth:`wait`; True ends the wait without an
+            error (the plugin's: "this node left the job", so its exit barrier has
+            nobody to wait for; torch logs a failed barrier at length).
     """
 
     def __init__(
@@ -49,12 +52,14 @@ class CoordinatorStore(Store):
         generation: int,
         timeout: timedelta = timedelta(seconds=300),
         abort: Callable[[], str | None] | None = None,
+        release: Callable[[], bool] | None = None,
     ) -> None:
         super().__init__()
         self._client = client
         self.generation = generation
         self._timeout = timeout
         self._abort = abort
+        self._release = release
 
     @property
     def timeout(self) -> timedelta:
@@ -86,7 +91,7 @@ class CoordinatorStore(Store):
     def get(self, key: str) -> bytes:
         return self._get([key], self._timeout)[0]
 
-    def _get(self, keys: list[str], timeout: timedelta) -> list[bytes]:
+    def _get(self, keys: list[str], timeout: timedelta, *, waiting: bool = False) -> list[bytes]:
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             left = deadline - time.monotonic()
@@ -96,6 +101,8 @@ class CoordinatorStore(Store):
             values = reply.values or []
             if all(v is not None for v in values):
                 return [_raw(v) for v in values]
+            if waiting and self._release is not None and self._release():
+                return []
             reason = self._abort() if self._abort is not None else None
             if reason is not None:
                 raise DistStoreError(f"rallypoint store: {reason}")
@@ -107,7 +114,7 @@ class CoordinatorStore(Store):
                 )
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._get(list(keys), timeout or self._timeout)
+        self._get(list(keys), timeout or self._timeout, waiting=True)
 
     def check(self, keys: list[str]) -> bool:
         return bool(self._op(StoreRequest(op="check", keys=list(keys))).found)

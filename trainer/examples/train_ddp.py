@@ -35,11 +35,11 @@ def process_started() -> float | None:
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
         return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def synthetic_cifar(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
