@@ -22,7 +22,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import textwrap
@@ -173,8 +172,15 @@ def _history(url: str, job: str) -> list[dict[str, Any]]:
     return history
 
 
-def _fmt(seconds: float | None, limit: float) -> str:
-    return f"> {limit:.0f} s (no step)" if seconds is None else f"{seconds:.1f} s"
+def _runs(results: list[dict[str, Any]], limit: float) -> str:
+    if not results:
+        return "-"
+    return (
+        ", ".join(
+            f"> {limit:.0f}" if r["seconds"] is None else f"{r['seconds']:.1f}" for r in results
+        )
+        + " s"
+    )
 
 
 def main() -> int:
@@ -203,14 +209,11 @@ def main() -> int:
     for kind, label in labels.items():
         ours = results.get((kind, "rallypoint"), [])
         theirs = results.get((kind, "c10d"), [])
-        our_s = [r["seconds"] for r in ours]
-        their_s = [r["seconds"] for r in theirs]
-        mid = lambda xs: None if not xs or None in xs else statistics.median(xs)  # noqa: E731
         lost = [r["steps_lost"] for r in ours if r["steps_lost"] is not None]
         spawned = [r["workers_started"] for r in ours if r["workers_started"] is not None]
+        # Every run, not a median: a run of the anchor may not recover at all.
         print(
-            f"{label:34} {_fmt(mid(our_s), args.limit) if ours else '-':>16} "
-            f"{_fmt(mid(their_s), args.limit) if theirs else '-':>18} "
+            f"{label:34} {_runs(ours, args.limit):>16} {_runs(theirs, args.limit):>18} "
             f"{max(lost) if lost else '-':>11}"
         )
         if spawned:
