@@ -70,7 +70,8 @@ def step_with(world: int, after: float = 0.0) -> Callable[[dict[str, Any]], bool
 
 
 def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
-    coordinator = Coordinator(f"local:{workdir / 'storage'}", log=workdir / "coordinator.log")
+    storage = ["--storage", f"local:{workdir / 'storage'}"]
+    coordinator = Coordinator(storage, log=workdir / "coordinator.log")
     with FakeImds() as imds:
         coordinator.start()
         cluster = Cluster(

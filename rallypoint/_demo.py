@@ -67,25 +67,32 @@ def descendants(pid: int) -> list[int]:
 
 @dataclass
 class Coordinator:
-    """A ``rallypoint serve`` process on loopback."""
+    """A ``rallypoint serve`` process on loopback; ``start`` again after ``kill`` brings it
+    back on the same port.
 
-    storage: str
-    port: int = field(default_factory=free_port)
-    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
+    Args:
+        args: ``rallypoint serve`` flags, e.g. ``["--storage", "local:/tmp/s"]``.
+        env: Variables added to this process's environment.
+    """
+
+    args: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    # A file, not a pipe: nobody reads a pipe, and a full one would block the server.
+    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
     proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
     def start(self, deadline_s: float = 30) -> Coordinator:
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "rallypoint", "serve"),
-                    *("--port", str(self.port), "--storage", self.storage),
-                ],
+                [sys.executable, "-m", "rallypoint", "serve", "--port", str(self.port), *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env},
@@ -93,16 +100,19 @@ class Coordinator:
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"coordinator exited with {self.proc.returncode}: {self.log}")
+                raise RuntimeError(
+                    f"coordinator exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
                     return self
             time.sleep(0.05)
-        raise RuntimeError("the coordinator did not become ready in time")
+        raise RuntimeError("the coordinator did not answer /healthz in time")
 
     def kill(self) -> None:
+        """SIGKILL: no shutdown hook runs, nothing is flushed."""
         assert self.proc is not None
-        self.proc.kill()
+        self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
     def stop(self) -> None:
@@ -383,7 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         marks.append({"t": time.time(), "what": what})
         say(what)
 
-    coordinator = Coordinator(f"local:{workdir / 'storage'}", log=workdir / "coordinator.log")
+    storage = ["--storage", f"local:{workdir / 'storage'}"]
+    coordinator = Coordinator(storage, log=workdir / "coordinator.log")
     with FakeImds() as imds:
         coordinator.start()
         say(f"coordinator on {coordinator.url}, storage in {workdir / 'storage'}")

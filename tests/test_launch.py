@@ -137,7 +137,8 @@ def test_without_torchrun_a_shell_loop_restarts_the_script_on_a_membership_chang
 ) -> None:
     from rallypoint._demo import Coordinator, example_script
 
-    coordinator = Coordinator(f"local:{tmp_path / 's'}", log=tmp_path / "c.log").start()
+    storage = ["--storage", f"local:{tmp_path / 's'}"]
+    coordinator = Coordinator(storage, log=tmp_path / "c.log").start()
     events = tmp_path / "events.jsonl"
     loop = tmp_path / "supervise.sh"
     loop.write_text(SUPERVISOR)

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
-    c = Coordinator(f"local:{tmp_path / 'storage'}", log=tmp_path / "coordinator.log").start()
+    storage = ["--storage", f"local:{tmp_path / 'storage'}"]
+    c = Coordinator(storage, log=tmp_path / "coordinator.log").start()
     yield c
     c.stop()
 
