@@ -8,11 +8,21 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["DEFAULT_MAX_RESTARTS", "torchrun_argv"]
+__all__ = ["DEFAULT_MAX_RESTARTS", "RUN_ENV", "torchrun_argv"]
 
 #: Workers that fail in a collective when a peer dies count as restarts in torchrun;
 #: membership changes the plugin reports do not. Room for many of the former.
 DEFAULT_MAX_RESTARTS = 100
+#: The variables ``rallypoint run`` reads (besides AzureML's and torchrun's ``PET_*``).
+RUN_ENV = (
+    "RALLYPOINT_URL",
+    "RALLYPOINT_JOB",
+    "RALLYPOINT_NNODES",
+    "RALLYPOINT_MIN_NODES",
+    "RALLYPOINT_NPROC_PER_NODE",
+    "RALLYPOINT_MAX_RESTARTS",
+    "RALLYPOINT_RDZV_CONF",
+)
 
 
 def _given(args: Sequence[str]) -> set[str]:

@@ -1,0 +1,118 @@
+"""The container and compose files: parsed and checked against what the code reads (no
+Docker engine runs here), and the compose file's commands run outside containers."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from rallypoint.client import GENERATION_ENV, JOB_ENV, NODE_ENV, TOKEN_ENV, URL_ENV
+from rallypoint.service.settings import Settings
+from rallypoint.trainer._launch import RUN_ENV
+
+from ._coordinator import Coordinator
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
+COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+KNOWN_ENV = (
+    {f"RALLYPOINT_{name.upper()}" for name in Settings.model_fields}
+    | {URL_ENV, JOB_ENV, TOKEN_ENV, NODE_ENV, GENERATION_ENV, *RUN_ENV}
+    | {"AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT"}
+)
+
+
+def stage(name: str) -> str:
+    """The instructions of one build stage."""
+    match = re.search(rf"^FROM \S+ AS {name}\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.M | re.S)
+    assert match, f"no stage {name}"
+    return match.group(1)
+
+
+def test_the_coordinator_image_is_slim_unprivileged_and_health_checked() -> None:
+    coordinator = stage("coordinator")
+    assert 'pip install ".[service]"' in coordinator and "torch" not in coordinator
+    assert re.search(r"^USER rallypoint$", coordinator, re.M)
+    assert "/healthz" in coordinator and "HEALTHCHECK" in coordinator
+    assert 'CMD ["rallypoint", "serve"]' in coordinator
+    assert "EXPOSE 8080" in coordinator
+    env = dict(re.findall(r"(RALLYPOINT_\w+)=(\S+)", coordinator))
+    assert set(env) <= KNOWN_ENV and env["RALLYPOINT_PORT"] == "8080"
+    assert re.search(r"^USER rallypoint$", stage("trainer"), re.M)
+    assert "download.pytorch.org/whl/cpu" in stage("trainer")  # not the CUDA wheels
+
+
+def test_compose_is_consistent_with_the_images_and_the_code() -> None:
+    services = COMPOSE["services"]
+    assert set(services) == {"azurite", "coordinator", "trainer-1", "trainer-2"}
+    assert services["azurite"]["image"] == "mcr.microsoft.com/azure-storage/azurite"
+    assert "--inMemoryPersistence" in services["azurite"]["command"]
+    coordinator = services["coordinator"]
+    assert coordinator["build"]["target"] == "coordinator"
+    assert "8080:8080" in coordinator["ports"]
+    conn = coordinator["environment"]["AZURE_STORAGE_CONNECTION_STRING"]
+    assert "http://azurite:10000/" in conn and "http://azurite:10002/" in conn
+    for name in ("trainer-1", "trainer-2"):
+        trainer = services[name]
+        assert trainer["build"]["target"] == "trainer"
+        assert trainer["depends_on"]["coordinator"]["condition"] == "service_healthy"
+        env = trainer["environment"]
+        assert env["RALLYPOINT_URL"] == "http://coordinator:8080"
+        assert env["RALLYPOINT_NODE"] == name and env["RALLYPOINT_JOB"] == "compose"
+        assert env["RALLYPOINT_TOKEN"] == coordinator["environment"]["RALLYPOINT_TOKEN"]
+        assert trainer["command"][:2] == ["rallypoint", "run"]
+        assert f"--local-addr={name}" in trainer["command"]
+    for service in services.values():
+        assert set(service.get("environment") or {}) <= KNOWN_ENV
+
+
+def _endpoint(conn: str, kind: str) -> str:
+    return re.search(rf"{kind}Endpoint=(http://[^/;]+)", conn).group(1)  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(300)
+def test_the_compose_commands_train_against_azurite_outside_containers(
+    azurite: str, tmp_path: Path
+) -> None:
+    services = COMPOSE["services"]
+    env = dict(services["coordinator"]["environment"])
+    conn = env["AZURE_STORAGE_CONNECTION_STRING"]
+    for kind in ("Blob", "Table"):  # the compose network's azurite is this test's
+        conn = conn.replace(_endpoint(conn, kind), _endpoint(azurite, kind))
+    env["AZURE_STORAGE_CONNECTION_STRING"] = conn
+    env["RALLYPOINT_STORAGE_PREFIX"] = "compose" + os.urandom(3).hex()
+    coordinator = Coordinator([], env, log=tmp_path / "coordinator.log").start()
+    try:
+        procs = []
+        for name in ("trainer-1", "trainer-2"):
+            trainer = services[name]
+            command = [
+                "--local-addr=127.0.0.1" if arg.startswith("--local-addr=") else arg
+                for arg in trainer["command"]
+            ]
+            assert command[0] == "rallypoint"
+            tenv = {**os.environ, **trainer["environment"], "RALLYPOINT_URL": coordinator.url}
+            with (tmp_path / f"{name}.log").open("wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", *command], env=tenv, stdout=log, stderr=log
+                    )
+                )
+        codes = [p.wait(240) for p in procs]
+        headers = {"Authorization": f"Bearer {env['RALLYPOINT_TOKEN']}"}
+        job = httpx.get(f"{coordinator.url}/v1/jobs/compose", headers=headers).json()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        coordinator.stop()
+    assert codes == [0, 0], (tmp_path / "trainer-1.log").read_text()[-3000:]
+    assert job["checkpoint"]["step"] == 190  # the example saves every 10 of 200 steps
