@@ -116,3 +116,59 @@ def test_the_compose_commands_train_against_azurite_outside_containers(
         coordinator.stop()
     assert codes == [0, 0], (tmp_path / "trainer-1.log").read_text()[-3000:]
     assert job["checkpoint"]["step"] == 190  # the example saves every 10 of 200 steps
+
+
+def _documents(name: str) -> dict[str, dict[str, Any]]:
+    text = (ROOT / "deploy" / "kubernetes" / name).read_text()
+    return {d["kind"]: d for d in yaml.safe_load_all(text) if d}
+
+
+def _env_names(container: dict[str, Any]) -> set[str]:
+    return {e["name"] for e in container.get("env", [])}
+
+
+def test_the_kubernetes_manifests_fit_the_coordinator_and_each_other() -> None:
+    from rallypoint.service.app import create_app
+
+    routes = set(create_app(Settings()).openapi()["paths"])
+    docs = _documents("coordinator.yaml")
+    assert set(docs) == {"Secret", "Deployment", "Service"}
+    secret_keys = set(docs["Secret"]["stringData"])
+    spec = docs["Deployment"]["spec"]
+    pod = spec["template"]["spec"]
+    assert spec["selector"]["matchLabels"] == spec["template"]["metadata"]["labels"]
+    assert docs["Service"]["spec"]["selector"] == spec["template"]["metadata"]["labels"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz" and "/readyz" in routes
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz" and "/healthz" in routes
+    assert _env_names(container) <= KNOWN_ENV
+    for env in container["env"]:
+        ref = env.get("valueFrom", {}).get("secretKeyRef")
+        if ref:
+            assert ref["name"] == docs["Secret"]["metadata"]["name"] and ref["key"] in secret_keys
+    port = container["ports"][0]
+    values = {e["name"]: e.get("value") for e in container["env"]}
+    assert port["containerPort"] == 8080 and values["RALLYPOINT_PORT"] == "8080"
+    assert docs["Service"]["spec"]["ports"][0]["targetPort"] == port["name"]
+    assert "requests" in container["resources"] and "limits" in container["resources"]
+
+    job = _documents("pytorchjob.yaml")["PyTorchJob"]["spec"]
+    elastic = job["elasticPolicy"]
+    assert elastic["rdzvBackend"] == "rallypoint"
+    assert elastic["rdzvHost"] == docs["Service"]["metadata"]["name"]
+    assert elastic["rdzvPort"] == docs["Service"]["spec"]["ports"][0]["port"]
+    assert elastic["minReplicas"] <= elastic["maxReplicas"]
+    (trainer,) = job["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert trainer["command"][:2] == ["rallypoint", "run"]
+    assert _env_names(trainer) <= KNOWN_ENV
+    conf = {c["key"] for c in elastic["rdzvConf"]}
+    assert conf <= {
+        "token",
+        "node_id",
+        "heartbeat_timeout",
+        "heartbeat_interval",
+        "last_call",
+        "join_timeout",
+        "store_timeout",
+    }
