@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import quote
 
 from .errors import AlreadyExists, Modified, NotFound
@@ -69,24 +69,8 @@ class KeyValue:
 
     def add(self, job_id: str, generation: int, key: str, amount: int) -> int:
         """Adds to a counter (a missing key counts from 0); returns the new value."""
-        self._collect(job_id, generation)
-        partition, row = job_id + SUFFIX, _row(generation, key)
-        while True:
-            try:
-                current = self.table.get(partition, row)
-            except NotFound:
-                try:
-                    self.table.insert(self._entity(job_id, generation, key, b"%d" % amount))
-                except AlreadyExists:
-                    continue
-                return amount
-            total = int(_value(current) or b"0") + amount
-            try:
-                counter = self._entity(job_id, generation, key, b"%d" % total)
-                self.table.replace(counter, if_match=current.etag or "")
-            except Modified:
-                continue
-            return total
+        total = self._swap(job_id, generation, key, lambda now: b"%d" % (int(now or b"0") + amount))
+        return int(total or b"0")
 
     def compare_set(
         self, job_id: str, generation: int, key: str, expected: bytes, desired: bytes
@@ -94,28 +78,43 @@ class KeyValue:
         """Sets ``desired`` if the value is ``expected`` (``b""``: absent), as torch's
         stores do; returns the value stored afterwards (``expected`` if it was absent and
         ``expected`` was not empty)."""
+
+        def change(now: bytes | None) -> bytes | None:
+            return desired if (now if now is not None else b"") == expected else None
+
+        stored = self._swap(job_id, generation, key, change)
+        return expected if stored is None else stored
+
+    def _swap(
+        self,
+        job_id: str,
+        generation: int,
+        key: str,
+        change: Callable[[bytes | None], bytes | None],
+    ) -> bytes | None:
+        """Writes ``change(value)`` (None: absent) by compare-and-swap, retrying lost
+        races; ``change`` returning None writes nothing. Returns the value stored
+        afterwards (None: still absent)."""
         self._collect(job_id, generation)
         partition, row = job_id + SUFFIX, _row(generation, key)
         while True:
             try:
-                current = self.table.get(partition, row)
+                current: Entity | None = self.table.get(partition, row)
             except NotFound:
-                if expected:
-                    return expected
-                try:
-                    self.table.insert(self._entity(job_id, generation, key, desired))
-                except AlreadyExists:
-                    continue
-                return desired
-            if _value(current) != expected:
-                return _value(current)
+                current = None
+            now = None if current is None else _value(current)
+            new = change(now)
+            if new is None:
+                return now
+            entity = self._entity(job_id, generation, key, new)
             try:
-                self.table.replace(
-                    self._entity(job_id, generation, key, desired), if_match=current.etag or ""
-                )
-            except Modified:
+                if current is None:
+                    self.table.insert(entity)
+                else:
+                    self.table.replace(entity, if_match=current.etag or "")
+            except (AlreadyExists, Modified):
                 continue
-            return desired
+            return new
 
     def delete(self, job_id: str, generation: int, key: str) -> bool:
         """Deletes a key; whether it existed."""

@@ -133,6 +133,14 @@ class RendezvousSettings:
         )
 
 
+def _left_job(client: ElasticClient) -> bool:
+    """Whether this node left the job (a worker of it did, after a preemption notice);
+    False if the coordinator cannot say, so a rendezvous goes on to report why."""
+    with contextlib.suppress(RallypointError):
+        return client.node_info().state == "left"
+    return False
+
+
 class _Beats:
     """Heartbeats for one generation from a thread; notes when it must restart."""
 
@@ -162,7 +170,7 @@ class _Beats:
                 pause = self._interval
                 continue
             if reply.action == "restart":
-                if self._has_left():
+                if _left_job(self._client):
                     # A worker here left the job (a preemption): the agent must not
                     # restart it, and waits at the exit barrier for nobody.
                     self.left = True
@@ -171,11 +179,6 @@ class _Beats:
                     self.ended = f"generation {reply.generation} is the job's latest"
                 return
             pause = max(0.0, self._interval - (time.monotonic() - started))
-
-    def _has_left(self) -> bool:
-        with contextlib.suppress(RallypointError):
-            return self._client.node_info().state == "left"
-        return False
 
     def stop(self) -> None:
         # Not joined: the thread may be inside a held heartbeat for up to an interval,
@@ -233,7 +236,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
         if self._closed:
             raise RendezvousClosedError(f"the rendezvous of job {self.settings.job_id} is closed")
         self._stop_beats()
-        if self._assignment is not None and self._client.node_info().state == "left":
+        if self._assignment is not None and _left_job(self._client):
             # Only if the agent restarts its workers for another reason (one failed):
             # this node left the job and must not join it again.
             raise RendezvousClosedError(
@@ -255,7 +258,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
             assignment.generation,
             self.settings.store_timeout,
             abort=self._ended,
-            release=self._has_left,
+            release=self._departed,
         )
         return RendezvousInfo(
             store,
@@ -294,7 +297,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
         if self.settings.token:
             os.environ[TOKEN_ENV] = self.settings.token
 
-    def _has_left(self) -> bool:
+    def _departed(self) -> bool:
         beats = self._beats
         return beats is not None and beats.left
 
