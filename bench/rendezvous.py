@@ -72,7 +72,7 @@ def _node_process(
     # One transport for the process's nodes (each still gets its own connection): an
     # httpx client per node would load the CA certificates once per node.
     shared = httpx.HTTPTransport(limits=httpx.Limits(max_connections=None))
-    clients = [ElasticClient(url, job, name, transport=shared) for name in names]
+    clients = [ElasticClient(url, job, name, http_transport=shared) for name in names]
     done: list[float] = []
     errors: list[str] = []
 

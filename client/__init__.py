@@ -11,10 +11,12 @@ Example::
 """
 
 from ._client import (
+    ENDPOINT_KEY_ENV,
     GENERATION_ENV,
     JOB_ENV,
     NODE_ENV,
     TOKEN_ENV,
+    TRANSPORT_ENV,
     URL_ENV,
     ElasticClient,
     Heartbeats,
@@ -60,10 +62,12 @@ from .errors import (
 )
 
 __all__ = [
+    "ENDPOINT_KEY_ENV",
     "GENERATION_ENV",
     "JOB_ENV",
     "NODE_ENV",
     "TOKEN_ENV",
+    "TRANSPORT_ENV",
     "URL_ENV",
     "Assignment",
     "CheckpointBegun",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -20,6 +21,7 @@ import httpx
 from pydantic import BaseModel
 
 from ._models import (
+    ENVELOPE_PATH,
     Assignment,
     BeginCheckpoint,
     CheckpointBegun,
@@ -43,10 +45,12 @@ from ._models import (
 from .errors import JoinTimeout, RallypointError, TransportError, error_for
 
 __all__ = [
+    "ENDPOINT_KEY_ENV",
     "GENERATION_ENV",
     "JOB_ENV",
     "NODE_ENV",
     "TOKEN_ENV",
+    "TRANSPORT_ENV",
     "URL_ENV",
     "ElasticClient",
     "Heartbeats",
@@ -66,6 +70,10 @@ NODE_ENV = "RALLYPOINT_NODE"
 #: The generation a torchrun agent joined, set for its workers: their ``join()`` returns
 #: the agent's assignment instead of starting a round of their own.
 GENERATION_ENV = "RALLYPOINT_GENERATION"
+#: ``rest`` (the default) or ``envelope`` (every call through one route; see ElasticClient).
+TRANSPORT_ENV = "RALLYPOINT_TRANSPORT"
+#: A gateway's key (an AzureML endpoint's), when the gateway takes ``Authorization``.
+ENDPOINT_KEY_ENV = "RALLYPOINT_ENDPOINT_KEY"
 
 # Each long-poll is held this long by the coordinator: far below proxies' 180 s limits.
 _POLL = 30.0
@@ -118,12 +126,21 @@ class ElasticClient:
         token: The coordinator's bearer token, if it has one.
         retry: How transport errors and 429/5xx answers are retried.
         timeout: Connect and read timeout of requests other than long-polls.
-        transport: An httpx transport (tests, proxies).
+        transport: ``"rest"`` calls each operation at its own path; ``"envelope"`` posts
+            every one to a single route, for gateways that forward one path (an AzureML
+            managed online endpoint: pass its scoring URI as ``url``). Defaults to
+            ``RALLYPOINT_TRANSPORT``, else ``"rest"``. With ``"envelope"``, a ``url``
+            without a path gets ``/v1/envelope`` appended.
+        endpoint_key: A gateway's own key (an AzureML endpoint key), sent as
+            ``Authorization: Bearer``; the coordinator's ``token`` then travels in
+            ``X-Rallypoint-Token``.
+        http_transport: An httpx transport (tests, proxies).
         generation: A generation this node already joined (its torchrun agent did):
             :meth:`join` returns that assignment rather than joining again.
 
     Raises:
-        ValueError: ``job_id`` or ``node_id`` is not a valid id.
+        ValueError: ``job_id`` or ``node_id`` is not a valid id, or ``transport`` is
+            neither ``"rest"`` nor ``"envelope"``.
     """
 
     def __init__(
@@ -135,17 +152,31 @@ class ElasticClient:
         *,
         retry: RetryPolicy | None = None,
         timeout: timedelta = timedelta(seconds=30),
-        transport: httpx.BaseTransport | None = None,
+        transport: str | None = None,
+        endpoint_key: str | None = None,
+        http_transport: httpx.BaseTransport | None = None,
         generation: int | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.job_id = check_id(job_id)
         self.node_id = check_id(node_id or os.environ.get(NODE_ENV) or _default_node_id())
         self.retry = retry or RetryPolicy()
+        self.transport = transport or os.environ.get(TRANSPORT_ENV) or "rest"
+        if self.transport not in ("rest", "envelope"):
+            raise ValueError(f"transport must be 'rest' or 'envelope', not {self.transport!r}")
+        self._envelope_url = self.url
+        if not httpx.URL(self.url).path.strip("/"):
+            self._envelope_url += ENVELOPE_PATH
         self._timeout = timeout.total_seconds()
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers: dict[str, str] = {}
+        if endpoint_key:
+            headers["Authorization"] = f"Bearer {endpoint_key}"
+            if token:
+                headers["X-Rallypoint-Token"] = token
+        elif token:
+            headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=self._timeout, transport=transport
+            base_url=self.url, headers=headers, timeout=self._timeout, transport=http_transport
         )
         self.assignment: Assignment | None = None
         self._joined = generation
@@ -153,8 +184,9 @@ class ElasticClient:
     @classmethod
     def from_env(cls, **kwargs: Any) -> ElasticClient:
         """A client from ``RALLYPOINT_URL``, ``RALLYPOINT_JOB``, ``RALLYPOINT_TOKEN``,
-        ``RALLYPOINT_NODE`` and ``RALLYPOINT_GENERATION`` (set by the torchrun plugin for
-        its workers); keyword arguments win over the environment.
+        ``RALLYPOINT_ENDPOINT_KEY``, ``RALLYPOINT_TRANSPORT``, ``RALLYPOINT_NODE`` and
+        ``RALLYPOINT_GENERATION`` (set by the torchrun plugin for its workers); keyword
+        arguments win over the environment.
 
         Raises:
             ValueError: ``RALLYPOINT_URL`` or ``RALLYPOINT_JOB`` is not set.
@@ -164,6 +196,7 @@ class ElasticClient:
         if not url or not job_id:
             raise ValueError(f"set {URL_ENV} and {JOB_ENV} (or pass url= and job_id=)")
         kwargs.setdefault("token", os.environ.get(TOKEN_ENV) or None)
+        kwargs.setdefault("endpoint_key", os.environ.get(ENDPOINT_KEY_ENV) or None)
         generation = os.environ.get(GENERATION_ENV)
         if generation:
             kwargs.setdefault("generation", int(generation))
@@ -176,13 +209,18 @@ class ElasticClient:
     ) -> httpx.Response:
         """Sends a request, retrying transport errors and 429/5xx; raises error replies."""
         content = body.model_dump_json(exclude_none=True) if body is not None else None
+        url = path
+        if self.transport == "envelope":
+            operation = json.dumps({"method": method, "path": path})
+            content = f'{operation[:-1]}, "body": {content or "null"}}}'
+            method, url = "POST", self._envelope_url
         timeout = httpx.Timeout(self._timeout, read=self._timeout + read_timeout)
         delays = self.retry.delays()
         while True:
             try:
                 response = self._http.request(
                     method,
-                    path,
+                    url,
                     content=content,
                     headers={"Content-Type": "application/json"} if content else None,
                     timeout=timeout,

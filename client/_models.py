@@ -8,10 +8,12 @@ from __future__ import annotations
 import re
 from datetime import timedelta
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "ENVELOPE_PATH",
     "ID_PATTERN",
     "MAX_METADATA_BYTES",
     "MAX_SHARD_FILES",
@@ -22,6 +24,7 @@ __all__ = [
     "CheckpointBegun",
     "CheckpointInfo",
     "CheckpointPointer",
+    "Envelope",
     "ErrorBody",
     "GenerationInfo",
     "HeartbeatReply",
@@ -280,6 +283,35 @@ class HeartbeatReply(_Model):
 class LeaveRequest(_Model):
     generation: int | None = Field(None, ge=1)
     reason: str = Field("left", max_length=200)
+
+
+#: The one route that carries every other ``/v1`` operation (see :class:`Envelope`).
+ENVELOPE_PATH = "/v1/envelope"
+# Printable ASCII without spaces or fragments; what a route makes of it is the route's.
+_ENVELOPED = re.compile(r"/v1/[!-~]+")
+
+
+def _check_enveloped(path: str) -> str:
+    route = unquote(path.partition("?")[0])
+    if not _ENVELOPED.fullmatch(path) or "#" in path or route.rstrip("/") == ENVELOPE_PATH:
+        raise ValueError(f"{path!r} is not a /v1 operation's path")
+    if any(part in (".", "..") for part in route.split("/")):
+        raise ValueError(f"{path!r} has a '.' or '..' segment")
+    return path
+
+
+class Envelope(_Model):
+    """One ``/v1`` operation, posted to :data:`ENVELOPE_PATH`.
+
+    For gateways that route a single path to the coordinator (an AzureML managed online
+    endpoint routes only its scoring path): the coordinator runs the named operation as
+    if it had been called directly (same auth, limits and answers) and returns its reply,
+    status code included.
+    """
+
+    method: Literal["GET", "PUT", "POST", "DELETE"]
+    path: Annotated[str, AfterValidator(_check_enveloped)] = Field(max_length=1024)
+    body: Any = None
 
 
 class ErrorBody(_Model):

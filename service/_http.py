@@ -13,9 +13,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rallypoint.client._models import ENVELOPE_PATH
+
 from .errors import RallypointServiceError
 
-__all__ = ["MAX_BODY_BYTES", "BodyLimit", "check_token", "error_response", "install_handlers"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "TOKEN_HEADER",
+    "BodyLimit",
+    "check_token",
+    "error_response",
+    "install_handlers",
+]
 
 log = logging.getLogger("rallypoint.http")
 
@@ -73,10 +82,17 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(500, "internal_error", "the coordinator failed; see its log")
 
 
-def check_token(expected: str | None, header: str | None) -> bool:
-    """Whether an ``Authorization`` header carries the expected bearer token."""
+#: Carries the token where a gateway takes ``Authorization`` for its own key (AzureML).
+TOKEN_HEADER = "x-rallypoint-token"
+
+
+def check_token(expected: str | None, header: str | None, alternate: str | None = None) -> bool:
+    """Whether an ``Authorization`` header carries the expected bearer token, or the
+    ``X-Rallypoint-Token`` header (``alternate``) carries it bare."""
     if expected is None:
         return True
+    if alternate is not None:
+        return hmac.compare_digest(alternate.encode(), expected.encode())
     scheme, _, given = (header or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), expected.encode())
 
@@ -97,7 +113,8 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        large = path.endswith("/shards") or "/store/" in path
+        # An envelope may carry either; the operation inside meets its own limit.
+        large = path.endswith("/shards") or "/store/" in path or path == ENVELOPE_PATH
         limit = self.report_limit if large else self.limit
         message = f"request bodies are limited to {limit} bytes"
         declared = dict(scope.get("headers", [])).get(b"content-length")

@@ -64,5 +64,6 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(routers.jobs)
     app.include_router(routers.checkpoints)
     app.include_router(routers.store)
+    app.include_router(routers.envelope)
     app.add_middleware(BodyLimit)
     return app

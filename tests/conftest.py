@@ -35,7 +35,25 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]
     store.close()
 
 
-@pytest.fixture(params=["local", "azure"])
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Coordinators run on both backends; tests that also take ``transport`` add the
+    envelope on the local one (the envelope does not touch storage)."""
+    if "backend" not in metafunc.fixturenames:
+        return
+    chosen = any("backend" in m.args[0] for m in metafunc.definition.iter_markers("parametrize"))
+    if chosen:  # the test names its backend itself
+        if "transport" in metafunc.fixturenames:
+            metafunc.parametrize("transport", ["rest", "envelope"], indirect=True)
+    elif "transport" in metafunc.fixturenames:
+        combos = [("local", "rest"), ("azure", "rest"), ("local", "envelope")]
+        metafunc.parametrize(
+            ["backend", "transport"], combos, indirect=True, ids=["-".join(c) for c in combos]
+        )
+    else:
+        metafunc.parametrize("backend", ["local", "azure"], indirect=True)
+
+
+@pytest.fixture
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
     """Arguments and environment for coordinators sharing one storage."""
     if request.param == "local":
@@ -59,6 +77,14 @@ def start(backend: tuple[list[str], dict[str, str]]) -> Iterator[Start]:
     yield run
     for coordinator in started:
         coordinator.stop()
+
+
+@pytest.fixture
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a module's client tests both ways: each operation at its own path, and every
+    one through the single envelope route an AzureML endpoint forwards."""
+    monkeypatch.setenv("RALLYPOINT_TRANSPORT", request.param)
+    return str(request.param)
 
 
 class Clock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ def snapshot(url: str) -> Any:
 
 JOIN = {"node_id": "b", "addr": "h", "port": 1}
 CKPT = "/v1/jobs/job/checkpoints"
+ENVELOPE = "/v1/envelope"
+INVALID = "invalid_request"
+TOO_LARGE = "body_too_large"
 BEGIN = {"node_id": "a", "generation": 1, "step": 2}
 REPORT = {
     "node_id": "a",
@@ -70,7 +74,7 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
         "invalid_request",
     ),
     ("huge-wait", "POST", "/v1/jobs/job/join", {**JOIN, "wait": 3600}, 422, "invalid_request"),
-    ("oversized", "POST", "/v1/jobs/job/join", b"{" + b" " * 70_000 + b"}", 413, "body_too_large"),
+    ("oversized", "POST", "/v1/jobs/job/join", {**JOIN, "addr": "h" * 70_000}, 413, TOO_LARGE),
     ("bad-job-id", "GET", "/v1/jobs/bad$id", None, 400, "invalid_id"),
     ("dotdot-job-id", "GET", "/v1/jobs/..", None, 404, "not_found"),
     (
@@ -165,20 +169,52 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
         "body_too_large",
     ),
     ("wrong-method", "DELETE", "/v1/jobs/job", None, 405, "method_not_allowed"),
+    ("envelope-in-envelope", "POST", ENVELOPE, {"method": "GET", "path": ENVELOPE}, 422, INVALID),
+    ("envelope-outside-v1", "POST", ENVELOPE, {"method": "GET", "path": "/healthz"}, 422, INVALID),
+    ("envelope-bad-method", "POST", ENVELOPE, {"method": "PATCH", "path": "/v1/x"}, 422, INVALID),
+    (
+        "envelope-dotdot",
+        "POST",
+        ENVELOPE,
+        {"method": "GET", "path": "/v1/jobs/%2e%2e/%2e%2e/healthz"},
+        422,
+        INVALID,
+    ),
+    ("envelope-no-path", "POST", ENVELOPE, {"method": "GET"}, 422, INVALID),
 ]
+# Where the envelope answers for itself: it refuses a '.' or '..' segment before routing.
+THROUGH_ENVELOPE = {
+    "dotdot-job-id": (422, INVALID),
+    "encoded-slash-node": (422, INVALID),
+}
 
 
+def enveloped(method: str, path: str, body: Any) -> bytes:
+    """The envelope the client's ``transport="envelope"`` would send (raw bodies spliced
+    in as they are, so a malformed one makes a malformed envelope)."""
+    inner = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return b'{"method": %b, "path": %b, "body": %b}' % (
+        json.dumps(method).encode(),
+        json.dumps(path).encode(),
+        inner,
+    )
+
+
+@pytest.mark.parametrize("via", ["direct", "envelope"])
 @pytest.mark.parametrize(
-    ("method", "path", "body", "status", "code"),
-    [c[1:] for c in CASES],
-    ids=[c[0] for c in CASES],
+    ("case", "method", "path", "body", "status", "code"), CASES, ids=[c[0] for c in CASES]
 )
 def test_bad_requests_are_refused_and_change_nothing(
-    url: str, method: str, path: str, body: Any, status: int, code: str
+    url: str, via: str, case: str, method: str, path: str, body: Any, status: int, code: str
 ) -> None:
     before = snapshot(url)
     kwargs: dict[str, Any] = {"timeout": 30}
-    if isinstance(body, bytes):
+    if via == "envelope":
+        kwargs["content"] = enveloped(method, path, body)
+        kwargs["headers"] = {"Content-Type": "application/json"}
+        method, path = "POST", ENVELOPE
+        status, code = THROUGH_ENVELOPE.get(case, (status, code))
+    elif isinstance(body, bytes):
         kwargs["content"] = body
         kwargs["headers"] = {"Content-Type": "application/json"}
     elif body is not None:

@@ -22,6 +22,9 @@ from rallypoint.trainer import CheckpointCorrupt, CheckpointManager, ElasticSamp
 from .conftest import Start
 from .test_coordinator import clients, join_all, spec
 
+# Every test here runs with the client calling each route, and through the envelope.
+pytestmark = pytest.mark.usefixtures("transport")
+
 
 def make_state(seed: int = 0) -> dict[str, Any]:
     """A small but realistic state: model, Adam (int-keyed state), scheduler, sampler,

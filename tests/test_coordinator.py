@@ -24,6 +24,9 @@ from rallypoint.client import (
 
 from .conftest import Start
 
+# Every test here runs with the client calling each route, and through the envelope.
+pytestmark = pytest.mark.usefixtures("transport")
+
 
 def spec(min_nodes: int, max_nodes: int, last_call: float = 0.5, timeout: float = 10) -> JobSpec:
     """A job spec; nodes in these tests heartbeat only where detection is tested, so the
@@ -175,8 +178,16 @@ def test_the_token_guards_v1_but_not_the_probes(start: Start) -> None:
         assert reply.status_code == 401
         assert reply.json()["code"] == "unauthorized"
         assert reply.headers["www-authenticate"] == "Bearer"
+    envelope = {"method": "GET", "path": "/v1/jobs"}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-Rallypoint-Token": "wrong"}):
+        reply = httpx.post(f"{url}/v1/envelope", json=envelope, headers=headers)
+        assert (reply.status_code, reply.json()["code"]) == (401, "unauthorized")
     with pytest.raises(Unauthorized):
         ElasticClient(url, "job", "a").jobs()
+    # A gateway (AzureML) takes Authorization for its key: the token rides beside it.
+    with pytest.raises(Unauthorized):
+        ElasticClient(url, "job", "a", "wrong", endpoint_key="s3cret").jobs()
+    assert ElasticClient(url, "job", "a", "s3cret", endpoint_key="gateway-key").jobs() == []
     (node,) = clients(url, ["a"], token="s3cret")
     assert join_all([node], spec(1, 1))[0].rank == 0
 

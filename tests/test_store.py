@@ -16,6 +16,9 @@ from rallypoint.trainer import CoordinatorStore
 
 from .conftest import Start
 
+# Every test here runs with the client calling each route, and through the envelope.
+pytestmark = pytest.mark.usefixtures("transport")
+
 
 def client(url: str, node: str = "n1") -> ElasticClient:
     c = ElasticClient(url, "kv", node)

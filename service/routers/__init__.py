@@ -1,8 +1,9 @@
 """One APIRouter per resource."""
 
 from .checkpoints import router as checkpoints
+from .envelope import router as envelope
 from .health import router as health
 from .jobs import router as jobs
 from .store import router as store
 
-__all__ = ["checkpoints", "health", "jobs", "store"]
+__all__ = ["checkpoints", "envelope", "health", "jobs", "store"]
