@@ -130,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(run=_demo)
+
+    from rallypoint._inspect import add_commands
+
+    add_commands(commands)
     return parser
 
 

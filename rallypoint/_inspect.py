@@ -1,0 +1,239 @@
+"""``rallypoint jobs``, ``rallypoint status`` and ``rallypoint checkpoints``: a job's
+membership and checkpoints from a running coordinator, as tables or JSON.
+
+They need only the client (httpx and pydantic), so they run from any laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta, timezone
+from typing import Any, TextIO
+
+from pydantic import BaseModel
+
+from rallypoint.client import (
+    TOKEN_ENV,
+    URL_ENV,
+    CheckpointInfo,
+    ElasticClient,
+    JobStatus,
+    JobSummary,
+    RallypointError,
+    RetryPolicy,
+)
+
+__all__ = ["add_commands"]
+
+# A person is waiting: fail within seconds when the coordinator is down.
+_RETRY = RetryPolicy(deadline=timedelta(seconds=5))
+# ElasticClient wants a node id; these commands never act as a node.
+_NODE = "rallypoint-cli"
+
+
+def _when(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO) -> None:
+    cells = [list(header), *(["-" if c is None else str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for row in cells:
+        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
+
+
+def _client(args: argparse.Namespace, job: str = "-") -> ElasticClient:
+    if not args.url:
+        print(f"rallypoint {args.command}: give --url or set {URL_ENV}", file=sys.stderr)
+        raise SystemExit(2)
+    return ElasticClient(
+        args.url,
+        job,
+        _NODE,
+        args.token,
+        retry=_RETRY,
+        timeout=timedelta(seconds=10),
+        transport=args.transport,
+        endpoint_key=args.endpoint_key,
+    )
+
+
+def print_jobs(jobs: Sequence[JobSummary], out: TextIO) -> None:
+    rows = [
+        (
+            j.job_id,
+            f"{j.spec.min_nodes}:{j.spec.max_nodes}",
+            j.generation,
+            j.status,
+            j.world_size,
+            "-" if j.checkpoint is None else f"v{j.checkpoint.version} step {j.checkpoint.step}",
+            _when(j.created_at),
+        )
+        for j in jobs
+    ]
+    _table(["JOB", "NODES", "GENERATION", "STATUS", "WORLD", "CHECKPOINT", "CREATED"], rows, out)
+
+
+def print_status(status: JobStatus, out: TextIO) -> None:
+    spec = status.spec
+    latest = status.checkpoint
+    out.write(
+        f"job {status.job_id}: generation {status.generation} {status.status}, "
+        f"world size {status.world_size} (nodes {spec.min_nodes}:{spec.max_nodes}, "
+        f"heartbeat timeout {spec.heartbeat_timeout.total_seconds():g}s)\n"
+        f"latest checkpoint: "
+        + (
+            "none"
+            if latest is None
+            else f"v{latest.version} (step {latest.step}, generation {latest.generation})"
+        )
+        + "\n\nmembers\n"
+    )
+    members = sorted(status.members, key=lambda m: m.rank)
+    _table(
+        ["RANK", "NODE", "ADDRESS", "HEARTBEAT", "STATE"],
+        [(m.rank, m.node_id, m.addr, _age(m.heartbeat_age), m.state) for m in members],
+        out,
+    )
+    if status.waiting:
+        out.write("\nwaiting\n")
+        _table(
+            ["NODE", "ADDRESS", "ROUND", "WAITING", "HEARTBEAT"],
+            [
+                (w.node_id, w.addr, w.round, _age(w.waiting_for), _age(w.heartbeat_age))
+                for w in status.waiting
+            ],
+            out,
+        )
+    out.write("\ngenerations\n")
+    _table(
+        ["GEN", "WORLD", "SEALED", "ENDED", "WHY"],
+        [
+            (g.generation, g.world_size, _when(g.sealed_at), _when(g.ended_at), g.ended_reason)
+            for g in sorted(status.history, key=lambda g: g.generation, reverse=True)
+        ],
+        out,
+    )
+
+
+def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
+    rows = [
+        (
+            v.version,
+            v.step,
+            v.generation,
+            f"{v.state}{' (latest)' if v.latest else ''}",
+            f"{v.reported}/{v.world_size}",
+            _when(v.created_at),
+            _when(v.committed_at),
+        )
+        for v in versions
+    ]
+    _table(["VERSION", "STEP", "GEN", "STATE", "RANKS", "CREATED", "COMMITTED"], rows, out)
+
+
+def _show(args: argparse.Namespace, fetch: Callable[[], str]) -> int:
+    """Prints once, or with ``--watch`` again whenever the answer changes."""
+    shown = None
+    while True:
+        try:
+            text = fetch()
+        except RallypointError as exc:
+            print(f"rallypoint {args.command}: {exc}", file=sys.stderr)
+            if not args.watch:
+                return 1
+            text = f"(coordinator unreachable: {exc})\n"
+        if text != shown:
+            if args.watch and not args.json and sys.stdout.isatty():
+                sys.stdout.write("\x1b[H\x1b[2J")  # redraw in place
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            shown = text
+        if not args.watch:
+            return 0
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def _render(
+    args: argparse.Namespace, value: BaseModel | list[Any], printer: Callable[..., None]
+) -> str:
+    if args.json:
+        if isinstance(value, list):
+            return json.dumps([v.model_dump(mode="json") for v in value]) + "\n"
+        return value.model_dump_json() + "\n"
+    out = io.StringIO()
+    printer(value, out)
+    if args.watch:
+        out.write(f"\n({_when(time.time())} UTC; every {args.interval:g}s, Ctrl-C stops)\n")
+    return out.getvalue()
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        return _show(args, lambda: _render(args, client.jobs(), print_jobs))
+
+
+def _status(args: argparse.Namespace) -> int:
+    with _client(args, args.job) as client:
+        return _show(args, lambda: _render(args, client.membership(), print_status))
+
+
+def _checkpoints(args: argparse.Namespace) -> int:
+    with _client(args, args.job) as client:
+        return _show(args, lambda: _render(args, client.checkpoints(), print_checkpoints))
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``jobs``, ``status`` and ``checkpoints`` to the ``rallypoint`` command."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url", default=os.environ.get(URL_ENV), help=f"the coordinator [{URL_ENV}]"
+    )
+    common.add_argument(
+        "--token", default=os.environ.get(TOKEN_ENV) or None, help=f"its token [{TOKEN_ENV}]"
+    )
+    common.add_argument(
+        "--transport",
+        choices=["rest", "envelope"],
+        default=None,
+        help="envelope for an AzureML endpoint's scoring URI [RALLYPOINT_TRANSPORT, rest]",
+    )
+    common.add_argument(
+        "--endpoint-key",
+        default=os.environ.get("RALLYPOINT_ENDPOINT_KEY") or None,
+        help="the AzureML endpoint's key [RALLYPOINT_ENDPOINT_KEY]",
+    )
+    common.add_argument("--json", action="store_true", help="JSON instead of a table")
+    common.add_argument("--watch", action="store_true", help="print again whenever it changes")
+    common.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between --watch polls [1]"
+    )
+    jobs = commands.add_parser("jobs", parents=[common], help="the coordinator's jobs")
+    jobs.set_defaults(run=_jobs)
+    status = commands.add_parser(
+        "status",
+        parents=[common],
+        help="a job's members, waiting nodes, generations and latest checkpoint",
+    )
+    status.add_argument("job", help="the job id")
+    status.set_defaults(run=_status)
+    checkpoints = commands.add_parser(
+        "checkpoints", parents=[common], help="a job's checkpoint versions"
+    )
+    checkpoints.add_argument("job", help="the job id")
+    checkpoints.set_defaults(run=_checkpoints)
