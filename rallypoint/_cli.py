@@ -17,9 +17,9 @@ __all__ = ["main"]
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
-        from rallypoint.service.app import create_app
+        from rallypoint.service.app import serve
         from rallypoint.service.settings import Settings
     except ImportError as exc:
         print(
@@ -38,6 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
             "token": args.token,
             "insecure": args.insecure or None,
             "access_log": args.access_log or None,
+            "log_format": args.log_format,
         }.items()
         if v is not None
     }
@@ -47,14 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
         for error in exc.errors():
             print(f"rallypoint serve: {error['msg']}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level="info",
-        access_log=settings.access_log,
-        timeout_graceful_shutdown=10,
-    )
+    serve(settings)
     return 0
 
 
@@ -109,6 +103,11 @@ def _parser() -> argparse.ArgumentParser:
         "--access-log",
         action="store_true",
         help="log every request [RALLYPOINT_ACCESS_LOG, off]",
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        help="json: one object per line, for log collectors [RALLYPOINT_LOG_FORMAT, text]",
     )
     serve.set_defaults(run=_serve)
 

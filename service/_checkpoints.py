@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal
@@ -163,6 +163,8 @@ class Checkpoints:
         timeout: How long a version may stay unfinished before it is collected; its
             upload URLs expire with it.
         read_ttl: How long read URLs are valid.
+        on_commit: Called with the job and the version's total bytes when this process
+            commits a version (metrics).
     """
 
     def __init__(
@@ -173,6 +175,7 @@ class Checkpoints:
         keep: int = 3,
         timeout: timedelta = timedelta(hours=1),
         read_ttl: timedelta = timedelta(hours=1),
+        on_commit: Callable[[str, int], None] | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep}")
@@ -182,6 +185,7 @@ class Checkpoints:
         self.keep = keep
         self.timeout = timeout.total_seconds()
         self.read_ttl = read_ttl
+        self.on_commit = on_commit
 
     # --- writing ------------------------------------------------------------------------
 
@@ -373,6 +377,9 @@ class Checkpoints:
                 continue  # the job entity changed: judge the pointer again
             entity = stored[0]
             committed = replace(committed, etag=entity.etag if entity and entity.etag else "")
+            if self.on_commit is not None:
+                size = sum(f.size for r in reports.values() for f in r.files)
+                self.on_commit(version.job_id, size)
             self.collect(version.job_id)
             return committed
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -9,17 +11,20 @@ from datetime import timedelta
 from fastapi import FastAPI
 
 import rallypoint
+from rallypoint.client._models import JobStatus
 
 from . import routers
 from ._checkpoints import Checkpoints
 from ._driver import Driver
 from ._http import BodyLimit, install_handlers
+from ._metrics import Metrics
 from ._rendezvous import Rendezvous
 from ._store import KeyValue
+from .errors import UnknownJob
 from .settings import Settings
 from .storage import Storage, open_storage
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "serve"]
 
 # The tables and containers the coordinator opens at start-up.
 TABLES = ("jobs",)
@@ -51,19 +56,65 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
             store.blobs("checkpoints"),
             keep=settings.checkpoint_keep,
             timeout=timedelta(seconds=settings.checkpoint_timeout),
+            on_commit=metrics.committed,
         )
         yield
         await app.state.driver.close()
         if storage is None:
             store.close()
 
+    def job_states() -> list[JobStatus]:
+        rdzv: Rendezvous = app.state.rdzv
+        states = []
+        for job in rdzv.list_jobs():
+            with contextlib.suppress(UnknownJob):  # deleted since it was listed
+                states.append(rdzv.status(job.job_id))
+        return states
+
+    metrics = Metrics(job_states)
     app = FastAPI(title="Rallypoint coordinator", version=rallypoint.__version__, lifespan=lifespan)
     app.state.settings = settings
+    app.state.metrics = metrics
     install_handlers(app)
     app.include_router(routers.health)
     app.include_router(routers.jobs)
     app.include_router(routers.checkpoints)
     app.include_router(routers.store)
     app.include_router(routers.envelope)
+    app.include_router(routers.metrics)
     app.add_middleware(BodyLimit)
+    app.add_middleware(metrics.middleware)
     return app
+
+
+def serve(settings: Settings) -> None:
+    """Runs the coordinator under uvicorn until SIGTERM or SIGINT.
+
+    On the signal it stops accepting connections and answers every held long-poll at
+    once (heartbeat watches, joins, store waits), so callers move to another replica or
+    retry, rather than waiting out their hold or losing the connection.
+    """
+    import uvicorn
+
+    from ._logs import log_config
+
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # uvicorn drains in-flight requests before the lifespan's shutdown: without
+            # this, a held heartbeat would keep it waiting for its whole hold.
+            driver: Driver | None = getattr(app.state, "driver", None)
+            if driver is not None:
+                await driver.close()
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=log_config(settings.log_format),
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=10,
+    )
+    Server(config).run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -37,6 +38,8 @@ class Settings(BaseSettings):
     insecure: bool = False
     #: One log line per request; off by default, as every node heartbeats every second.
     access_log: bool = False
+    #: ``text`` lines, or ``json``: one object per line, for log collectors.
+    log_format: Literal["text", "json"] = "text"
     #: Committed checkpoint versions kept per job (the latest is kept regardless).
     checkpoint_keep: int = Field(3, ge=1)
     #: Seconds a checkpoint version may stay unfinished (its upload URLs live as long)

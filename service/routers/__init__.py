@@ -4,6 +4,7 @@ from .checkpoints import router as checkpoints
 from .envelope import router as envelope
 from .health import router as health
 from .jobs import router as jobs
+from .metrics import router as metrics
 from .store import router as store
 
-__all__ = ["checkpoints", "envelope", "health", "jobs", "store"]
+__all__ = ["checkpoints", "envelope", "health", "jobs", "metrics", "store"]

@@ -169,6 +169,7 @@ async def heartbeat(
     ends, so members restart within milliseconds of a change rather than at their next
     heartbeat. The beat itself counts when the request arrives.
     """
+    request.app.state.metrics.heartbeats.labels(job_id).inc()
     job, changed = await driver.snapshot(job_id)
     action = rdzv.heartbeat(job, node_id, body.generation)
     if action == "continue" and body.generation is not None:

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 
 from rallypoint.client._models import MAX_STORE_VALUE_BYTES, StoreReply, StoreRequest
 
-from ..deps import Auth, GenerationNumber, JobId, KeyValueDep, RdzvDep
+from ..deps import Auth, DriverDep, GenerationNumber, JobId, KeyValueDep, RdzvDep
 from ..errors import InvalidRequest
 
 __all__ = ["router"]
@@ -48,6 +48,7 @@ async def store(
     body: StoreRequest,
     rdzv: RdzvDep,
     kv: KeyValueDep,
+    driver: DriverDep,
     request: Request,
 ) -> StoreReply:
     """One operation on the generation's keys; ``get`` and ``check`` wait up to ``wait``
@@ -79,7 +80,8 @@ async def store(
     while True:
         values = await anyio.to_thread.run_sync(kv.get, job_id, generation, keys)
         done = all(v is not None for v in values)
-        if done or time.monotonic() >= deadline or await request.is_disconnected():
+        over = time.monotonic() >= deadline or driver.closing
+        if done or over or await request.is_disconnected():
             if body.op == "check":
                 return StoreReply(found=done)
             return StoreReply(values=[_encode(v) for v in values])

@@ -1,0 +1,155 @@
+"""Prometheus metrics: request counts and latency, heartbeats, checkpoint commits, and
+each job's generation and membership read at scrape time.
+
+Every series is bounded: routes are labelled by their template (``/v1/jobs/{job_id}``),
+never by the path a caller sent, and jobs by id (a coordinator serves a handful).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rallypoint.client._models import JobStatus
+
+__all__ = ["Metrics"]
+
+# Held requests (a heartbeat watch, a join, a store wait) last up to their hold time.
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _Jobs(Collector):
+    """Each job's state, read when Prometheus scrapes (no per-request bookkeeping)."""
+
+    def __init__(self, read: Callable[[], Iterable[JobStatus]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[Metric]:
+        generation = GaugeMetricFamily(
+            "rallypoint_job_generation", "The job's current generation number", labels=["job"]
+        )
+        world = GaugeMetricFamily(
+            "rallypoint_job_world_size", "Members of the running generation", labels=["job"]
+        )
+        members = GaugeMetricFamily(
+            "rallypoint_job_members", "Members by heartbeat state", labels=["job", "state"]
+        )
+        waiting = GaugeMetricFamily(
+            "rallypoint_job_waiting_nodes", "Nodes waiting for the next generation", labels=["job"]
+        )
+        ended = GaugeMetricFamily(
+            "rallypoint_job_generations_ended",
+            "Generations that ended (in the kept history), by reason",
+            labels=["job", "reason"],
+        )
+        step = GaugeMetricFamily(
+            "rallypoint_job_checkpoint_step",
+            "Step of the latest committed checkpoint",
+            labels=["job"],
+        )
+        for job in self.read():
+            generation.add_metric([job.job_id], job.generation)
+            world.add_metric([job.job_id], job.world_size)
+            for state in ("alive", "late", "dead", "left"):
+                count = sum(m.state == state for m in job.members)
+                members.add_metric([job.job_id, state], count)
+            waiting.add_metric([job.job_id], len(job.waiting))
+            reasons: dict[str, int] = {}
+            for g in job.history:
+                if g.ended_reason:
+                    kind = _reason_kind(g.ended_reason)
+                    reasons[kind] = reasons.get(kind, 0) + 1
+            for kind, count in sorted(reasons.items()):
+                ended.add_metric([job.job_id, kind], count)
+            if job.checkpoint is not None:
+                step.add_metric([job.job_id], job.checkpoint.step)
+        yield from (generation, world, members, waiting, ended, step)
+
+
+# "node b left: preempted" -> "left": the kind of ending, not the node (bounded labels).
+_REASON = re.compile(r"(?:node|member) \S+ (joined|re-joined|dropped|missed|left)")
+
+
+def _reason_kind(reason: str) -> str:
+    match = _REASON.match(reason)
+    return match.group(1).replace("-", "") if match else "other"
+
+
+class Metrics:
+    """The coordinator's metrics, on a registry of its own (one per app).
+
+    Args:
+        jobs: Returns every job's status; called at each scrape, from a worker thread.
+    """
+
+    def __init__(self, jobs: Callable[[], Iterable[JobStatus]]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "rallypoint_http_requests",
+            "HTTP requests by route template and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "rallypoint_http_request_duration_seconds",
+            "Time to answer, by route (held requests include their hold)",
+            ["method", "route"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.heartbeats = Counter(
+            "rallypoint_heartbeats", "Heartbeats received", ["job"], registry=self.registry
+        )
+        self.commits = Counter(
+            "rallypoint_checkpoint_commits",
+            "Checkpoint versions committed through this process",
+            ["job"],
+            registry=self.registry,
+        )
+        self.committed_bytes = Counter(
+            "rallypoint_checkpoint_committed_bytes",
+            "Bytes of the checkpoint versions committed through this process",
+            ["job"],
+            registry=self.registry,
+        )
+        self.registry.register(_Jobs(jobs))
+
+    def committed(self, job_id: str, size: int) -> None:
+        """Counts a version this process committed, of ``size`` bytes in all."""
+        self.commits.labels(job_id).inc()
+        self.committed_bytes.labels(job_id).inc(size)
+
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        """Wraps ``app`` to count and time every HTTP request."""
+        metrics = self
+
+        async def timed(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            started = time.perf_counter()
+            status = 500
+
+            async def sending(message: Message) -> None:
+                nonlocal status
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                await send(message)
+
+            try:
+                await app(scope, receive, sending)
+            finally:
+                route = scope.get("route")
+                # Unmatched paths share one label: a scanner must not mint series.
+                name = getattr(route, "path", "unmatched")
+                method = scope["method"]
+                metrics.requests.labels(method, name, str(status)).inc()
+                metrics.latency.labels(method, name).observe(time.perf_counter() - started)
+
+        return timed
