@@ -1,5 +1,5 @@
 # Every target sets up what it needs: a venv in .venv (with the CPU build of torch, so
-# no CUDA wheels are pulled) and Azurite in node_modules.
+# no CUDA wheels are pulled), Azurite in node_modules, and Debian's chromium.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,9 +7,16 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup test lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery clean
+.PHONY: setup browser test lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery clean
 
-setup: $(VENV)/.installed node_modules/.installed
+setup: $(VENV)/.installed node_modules/.installed browser
+
+# Debian's Chromium and ChromeDriver, for the status page's test (apt, as root or sudo).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

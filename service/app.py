@@ -82,6 +82,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(routers.store)
     app.include_router(routers.envelope)
     app.include_router(routers.metrics)
+    app.include_router(routers.pages)
     app.add_middleware(BodyLimit)
     app.add_middleware(metrics.middleware)
     return app

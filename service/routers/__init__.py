@@ -5,6 +5,7 @@ from .envelope import router as envelope
 from .health import router as health
 from .jobs import router as jobs
 from .metrics import router as metrics
+from .pages import router as pages
 from .store import router as store
 
-__all__ = ["checkpoints", "envelope", "health", "jobs", "metrics", "store"]
+__all__ = ["checkpoints", "envelope", "health", "jobs", "metrics", "pages", "store"]

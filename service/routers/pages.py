@@ -1,0 +1,262 @@
+"""The status page: ``GET /`` lists jobs, ``GET /jobs/{job_id}`` shows one.
+
+Server-rendered HTML with inline CSS and a dozen lines of inline script that re-fetch the
+page every two seconds (a ``<meta refresh>`` does it where scripts are off): nothing is
+fetched from elsewhere, so it works on a cluster without internet access.
+
+When the coordinator has a token, a browser signs in once through the form at ``/login``,
+which keeps the token in an HttpOnly cookie; ``Authorization: Bearer`` works as well.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from html import escape
+from typing import Annotated
+from urllib.parse import parse_qs
+
+import anyio.to_thread
+from fastapi import APIRouter, Cookie, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from rallypoint.client._models import CheckpointInfo, JobStatus, JobSummary
+
+from .._http import check_token
+from ..deps import CheckpointsDep, JobId, RdzvDep, SettingsDep
+from ..errors import RequestError
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["status page"], include_in_schema=False)
+
+COOKIE = "rallypoint_token"
+REFRESH_S = 2
+
+_STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:2em;color:#222}
+h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.6em}
+table{border-collapse:collapse}td,th{padding:.2em .9em;text-align:left;border-bottom:1px solid #ddd}
+th{font-weight:600}.alive{color:#080}.late{color:#b60}.dead,.error{color:#c00}.left{color:#888}
+.muted{color:#777}code{font-size:.95em}
+"""
+# Re-fetches the page and swaps <main>: no flicker, scroll position kept.
+_SCRIPT = f"""
+setInterval(async () => {{
+  try {{
+    const r = await fetch(location.href, {{cache: "no-store"}});
+    if (!r.ok) return;
+    const next = new DOMParser().parseFromString(await r.text(), "text/html");
+    document.querySelector("main").replaceWith(next.querySelector("main"));
+  }} catch (e) {{}}
+}}, {REFRESH_S * 1000});
+"""
+
+
+def _page(title: str, main: str, status: int = 200, refresh: bool = True) -> HTMLResponse:
+    head = (
+        f"<noscript><meta http-equiv='refresh' content='{REFRESH_S}'></noscript>" if refresh else ""
+    )
+    script = f"<script>{_SCRIPT}</script>" if refresh else ""
+    body = (
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{escape(title)}</title>{head}<style>{_STYLE}</style></head>"
+        f"<body><main>{main}</main>{script}</body></html>"
+    )
+    return HTMLResponse(body, status_code=status, headers={"Cache-Control": "no-store"})
+
+
+def _when(epoch: float | None) -> str:
+    if epoch is None:
+        return "-"
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f} s ago"
+
+
+def _table(
+    name: str, header: Sequence[str], rows: Iterable[Sequence[object]], classes: Iterable[str] = ()
+) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    classes = list(classes)
+    body = "".join(
+        f"<tr class='{escape(classes[i]) if i < len(classes) else ''}'>"
+        + "".join(f"<td>{escape(str(c))}</td>" for c in row)
+        + "</tr>"
+        for i, row in enumerate(rows)
+    )
+    if not body:
+        body = f"<tr><td colspan='{len(header)}' class='muted'>none</td></tr>"
+    return f"<table id='{name}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _signed_in(settings: SettingsDep, request: Request, cookie: str | None) -> bool:
+    token = settings.token
+    if token is None:
+        return True
+    if check_token(token, request.headers.get("authorization")):
+        return True
+    return cookie is not None and hmac.compare_digest(cookie.encode(), token.encode())
+
+
+def _login_form(message: str = "", status: int = 401) -> HTMLResponse:
+    note = f"<p class='error'>{escape(message)}</p>" if message else ""
+    form = (
+        "<h1>Rallypoint</h1><p>This coordinator needs its token.</p>"
+        f"{note}<form method='post' action='/login'>"
+        "<input type='password' name='token' id='token' autocomplete='current-password' "
+        "placeholder='token' required> <button type='submit'>Sign in</button></form>"
+    )
+    return _page("Rallypoint: sign in", form, status, refresh=False)
+
+
+def _job_row(job: JobSummary) -> tuple[object, ...]:
+    latest = job.checkpoint
+    return (
+        f"{job.spec.min_nodes}:{job.spec.max_nodes}",
+        job.generation,
+        job.status,
+        job.world_size,
+        "-" if latest is None else f"v{latest.version} step {latest.step}",
+    )
+
+
+Token = Annotated[str | None, Cookie(alias=COOKIE)]
+
+
+@router.post("/login")
+async def login(settings: SettingsDep, request: Request) -> Response:
+    """Checks the form's token and keeps it in an HttpOnly, SameSite=Strict cookie."""
+    # The one form field, parsed here: no multipart parser dependency for one login.
+    form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=4)
+    token = (form.get("token") or [""])[0]
+    if settings.token is not None and not hmac.compare_digest(
+        token.encode(), settings.token.encode()
+    ):
+        return _login_form("That is not this coordinator's token.")
+    reply = RedirectResponse("/", status_code=303)
+    reply.set_cookie(
+        COOKIE,
+        token,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return reply
+
+
+@router.get("/", response_class=HTMLResponse)
+async def jobs_page(
+    rdzv: RdzvDep, settings: SettingsDep, request: Request, cookie: Token = None
+) -> HTMLResponse:
+    """Every job, linking to its page."""
+    if not _signed_in(settings, request, cookie):
+        return _login_form()
+    jobs: list[JobSummary] = [
+        rdzv.summary(j) for j in await anyio.to_thread.run_sync(rdzv.list_jobs)
+    ]
+    rows = "".join(
+        f"<tr><td><a href='/jobs/{escape(j.job_id)}'>{escape(j.job_id)}</a></td>"
+        + "".join(f"<td>{escape(str(c))}</td>" for c in _job_row(j))
+        + "</tr>"
+        for j in jobs
+    )
+    rows = rows or "<tr><td colspan='6' class='muted'>no jobs yet</td></tr>"
+    main = (
+        "<h1>Rallypoint: jobs</h1><table id='jobs'><thead><tr><th>job</th><th>nodes</th>"
+        "<th>generation</th><th>status</th><th>world size</th><th>latest checkpoint</th>"
+        f"</tr></thead><tbody>{rows}</tbody></table>"
+        f"<p class='muted'>updated {_when(rdzv.clock())}</p>"
+    )
+    return _page("Rallypoint: jobs", main)
+
+
+@router.get("/jobs/{job_id}", response_class=HTMLResponse)
+async def job_page(
+    job_id: JobId,
+    rdzv: RdzvDep,
+    checkpoints: CheckpointsDep,
+    settings: SettingsDep,
+    request: Request,
+    cookie: Token = None,
+) -> HTMLResponse:
+    """A job's members, waiting nodes, generations and checkpoint versions."""
+    if not _signed_in(settings, request, cookie):
+        return _login_form()
+    try:
+        status: JobStatus = await anyio.to_thread.run_sync(rdzv.status, job_id)
+        versions: list[CheckpointInfo] = await anyio.to_thread.run_sync(
+            checkpoints.versions, job_id
+        )
+    except RequestError as exc:
+        main = f"<h1>Job {escape(job_id)}</h1><p class='error'>{escape(exc.message)}</p>"
+        return _page(f"Rallypoint: {job_id}", main, exc.status)
+    spec = status.spec
+    latest = status.checkpoint
+    members = sorted(status.members, key=lambda m: m.rank)
+    summary = (
+        f"<p id='summary'>generation <b>{status.generation}</b> {escape(status.status)}, "
+        f"world size <b>{status.world_size}</b> (nodes {spec.min_nodes}:{spec.max_nodes}, "
+        f"heartbeat timeout {spec.heartbeat_timeout.total_seconds():g} s); latest checkpoint: "
+        + (
+            "none"
+            if latest is None
+            else f"v{latest.version} (step {latest.step}, generation {latest.generation})"
+        )
+        + "</p>"
+    )
+    main = (
+        f"<p><a href='/'>all jobs</a></p><h1>Job {escape(job_id)}</h1>{summary}"
+        "<h2>Members</h2>"
+        + _table(
+            "members",
+            ["rank", "node", "address", "heartbeat", "state"],
+            [(m.rank, m.node_id, m.addr, _age(m.heartbeat_age), m.state) for m in members],
+            [m.state for m in members],
+        )
+        + "<h2>Waiting</h2>"
+        + _table(
+            "waiting",
+            ["node", "address", "round", "waiting", "heartbeat"],
+            [
+                (w.node_id, w.addr, w.round, f"{w.waiting_for:.1f} s", _age(w.heartbeat_age))
+                for w in status.waiting
+            ],
+        )
+        + "<h2>Generations</h2>"
+        + _table(
+            "generations",
+            ["generation", "world size", "sealed", "ended", "why it ended"],
+            [
+                (
+                    g.generation,
+                    g.world_size,
+                    _when(g.sealed_at),
+                    _when(g.ended_at),
+                    g.ended_reason or ("running" if g.ended_at is None else "-"),
+                )
+                for g in sorted(status.history, key=lambda g: g.generation, reverse=True)
+            ],
+        )
+        + "<h2>Checkpoints</h2>"
+        + _table(
+            "checkpoints",
+            ["version", "step", "generation", "state", "ranks reported", "committed"],
+            [
+                (
+                    v.version,
+                    v.step,
+                    v.generation,
+                    v.state + (" (latest)" if v.latest else ""),
+                    f"{v.reported}/{v.world_size}",
+                    _when(v.committed_at),
+                )
+                for v in reversed(versions)
+            ],
+        )
+        + f"<p class='muted'>updated {_when(rdzv.clock())}</p>"
+    )
+    return _page(f"Rallypoint: {job_id}", main)
