@@ -1,5 +1,6 @@
-"""The container and compose files: parsed and checked against what the code reads (no
-Docker engine runs here), and the compose file's commands run outside containers."""
+"""The container, compose, Kubernetes and AzureML files: parsed and checked against what
+the code reads (no Docker engine, cluster or Azure here), and their commands run outside
+containers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +17,15 @@ import httpx
 import pytest
 import yaml
 
-from rallypoint.client import GENERATION_ENV, JOB_ENV, NODE_ENV, TOKEN_ENV, URL_ENV
+from rallypoint.client import (
+    ENDPOINT_KEY_ENV,
+    GENERATION_ENV,
+    JOB_ENV,
+    NODE_ENV,
+    TOKEN_ENV,
+    TRANSPORT_ENV,
+    URL_ENV,
+)
 from rallypoint.service.settings import Settings
 from rallypoint.trainer._launch import RUN_ENV
 
@@ -25,7 +36,8 @@ DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 KNOWN_ENV = (
     {f"RALLYPOINT_{name.upper()}" for name in Settings.model_fields}
-    | {URL_ENV, JOB_ENV, TOKEN_ENV, NODE_ENV, GENERATION_ENV, *RUN_ENV}
+    | {URL_ENV, JOB_ENV, TOKEN_ENV, NODE_ENV, GENERATION_ENV, TRANSPORT_ENV, ENDPOINT_KEY_ENV}
+    | set(RUN_ENV)
     | {"AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT"}
 )
 
@@ -172,3 +184,157 @@ def test_the_kubernetes_manifests_fit_the_coordinator_and_each_other() -> None:
         "join_timeout",
         "store_timeout",
     }
+
+
+AZUREML = ROOT / "deploy" / "azureml"
+
+
+def _azureml(name: str) -> dict[str, Any]:
+    loaded: dict[str, Any] = yaml.safe_load((AZUREML / name).read_text())
+    return loaded
+
+
+def test_the_azureml_endpoint_fits_the_coordinator() -> None:
+    from rallypoint.client._client import _POLL
+    from rallypoint.service.app import create_app
+
+    paths = create_app(Settings()).openapi()["paths"]
+    endpoint, deployment = _azureml("endpoint.yml"), _azureml("deployment.yml")
+    assert endpoint["auth_mode"] == "key"
+    assert deployment["endpoint_name"] == endpoint["name"]
+    routes = deployment["environment"]["inference_config"]
+    assert "get" in paths[routes["liveness_route"]["path"]]
+    assert routes["liveness_route"]["path"] == "/healthz"
+    assert routes["readiness_route"]["path"] == "/readyz"
+    assert "post" in paths[routes["scoring_route"]["path"]]
+    assert routes["scoring_route"]["path"] == "/v1/envelope"
+    env = deployment["environment_variables"]
+    assert {r["port"] for r in routes.values()} == {int(env["RALLYPOINT_PORT"])}
+    assert "EXPOSE 8080" in stage("coordinator")
+    assert set(env) <= KNOWN_ENV
+    # The settings the container starts with are valid (the endpoint key guards it).
+    names = {k for k in env if k.startswith("RALLYPOINT_")}
+    settings = Settings(**{k.removeprefix("RALLYPOINT_").lower(): env[k] for k in names})
+    assert (settings.host, settings.storage, settings.log_format) == ("0.0.0.0", "azure", "json")
+    requests = deployment["request_settings"]
+    # The gateway must outwait the longest long-poll, and hold one per node and more.
+    assert requests["request_timeout_ms"] > 2 * _POLL * 1000
+    assert requests["max_concurrent_requests_per_instance"] >= 256
+
+
+def test_the_azureml_job_runs_rallypoint_elastically() -> None:
+    job = _azureml("job.yml")
+    assert job["type"] == "command" and job["distribution"]["type"] == "pytorch"
+    assert job["distribution"]["process_count_per_instance"] == 1  # torchrun starts workers
+    assert job["command"].startswith("rallypoint run ")
+    env = job["environment_variables"]
+    assert set(env) | {ENDPOINT_KEY_ENV} <= KNOWN_ENV
+    assert env[TRANSPORT_ENV] == "envelope" and env[URL_ENV].endswith("/score")
+    low, high = (int(n) for n in env["RALLYPOINT_NNODES"].split(":"))
+    resources = job["resources"]
+    assert low <= resources["instance_count"] <= resources["max_instance_count"] == high
+    assert (AZUREML / job["code"] / "pyproject.toml").exists()
+
+
+class _Gateway(ThreadingHTTPServer):
+    """What a managed online endpoint does in front of the container: checks its key and
+    forwards the scoring path, and only that, to the scoring route."""
+
+    daemon_threads = True
+
+    def __init__(self, key: str, scoring_url: str) -> None:
+        self.key, self.scoring_url = key, scoring_url
+        self.seen: list[str] = []
+        super().__init__(("127.0.0.1", 0), _Forward)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/score"
+
+
+class _Forward(BaseHTTPRequestHandler):
+    server: _Gateway
+
+    def do_POST(self) -> None:
+        self.server.seen.append(self.path)
+        if self.path != "/score":
+            return self._reply(404, b"{}")
+        if self.headers.get("Authorization") != f"Bearer {self.server.key}":
+            return self._reply(401, b"{}")
+        body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        headers = {"Content-Type": "application/json"}
+        reply = httpx.post(self.server.scoring_url, content=body, headers=headers, timeout=90)
+        self._reply(reply.status_code, reply.content)
+
+    def do_GET(self) -> None:
+        self.server.seen.append(self.path)
+        self._reply(404, b"{}")
+
+    def _reply(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.timeout(300)
+def test_the_azureml_job_command_trains_through_a_scoring_only_gateway(
+    azurite: str, tmp_path: Path
+) -> None:
+    deployment, job = _azureml("deployment.yml"), _azureml("job.yml")
+    # The deployment's environment, with Azurite's connection string for the managed
+    # identity (which only Azure has) and a loopback address.
+    env = {k: str(v) for k, v in deployment["environment_variables"].items()}
+    del env["AZURE_STORAGE_ACCOUNT"]
+    env |= {
+        "AZURE_STORAGE_CONNECTION_STRING": azurite,
+        "RALLYPOINT_STORAGE_PREFIX": "aml" + os.urandom(3).hex(),
+        "RALLYPOINT_HOST": "127.0.0.1",
+    }
+    coordinator = Coordinator([], env, log=tmp_path / "coordinator.log").start()
+    scoring = deployment["environment"]["inference_config"]["scoring_route"]["path"]
+    gateway = _Gateway("endpoint-key", coordinator.url + scoring)
+    threading.Thread(target=gateway.serve_forever, daemon=True).start()
+    # The job's command, shortened to 30 steps, on 2 nodes as AzureML would start it.
+    command = job["command"].replace("--steps 20000", "--steps 30")
+    command = command.replace("--checkpoint-every 100", "--checkpoint-every 10")
+    assert command.split()[:2] == ["rallypoint", "run"]
+    nodes = []
+    try:
+        for rank in range(2):
+            node_env = {
+                **os.environ,
+                **{k: str(v) for k, v in job["environment_variables"].items()},
+                URL_ENV: gateway.url,
+                ENDPOINT_KEY_ENV: "endpoint-key",
+                "AZUREML_RUN_ID": "aml-run-1",
+                "AZUREML_NODE_COUNT": "2",
+                "RALLYPOINT_NNODES": "2:2",  # both nodes are here: no last call to wait
+                NODE_ENV: f"aml-node-{rank}",
+            }
+            with (tmp_path / f"node-{rank}.log").open("wb") as log:
+                nodes.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", *command.split()],
+                        env=node_env,
+                        stdout=log,
+                        stderr=log,
+                    )
+                )
+        codes = [p.wait(240) for p in nodes]
+        status = httpx.get(f"{coordinator.url}/v1/jobs/aml-run-1").json()
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+        gateway.shutdown()
+        coordinator.stop()
+    assert codes == [0, 0], (tmp_path / "node-0.log").read_text()[-3000:]
+    assert status["checkpoint"]["step"] == 20
+    assert [g["world_size"] for g in status["history"]] == [2]  # one generation of both
+    # Every call went through the one path the endpoint forwards.
+    assert gateway.seen and set(gateway.seen) == {"/score"}

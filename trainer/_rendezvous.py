@@ -32,6 +32,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rallypoint.client import (
+    ENDPOINT_KEY_ENV,
     GENERATION_ENV,
     JOB_ENV,
     NODE_ENV,
@@ -207,7 +208,13 @@ class RallypointRendezvousHandler(RendezvousHandler):
         # beats must resume within its grace period (one heartbeat timeout).
         retry = RetryPolicy(maximum=min(timedelta(seconds=1), settings.heartbeat_interval))
         self._client = ElasticClient(
-            settings.url, settings.job_id, settings.node_id, settings.token, retry=retry
+            settings.url,
+            settings.job_id,
+            settings.node_id,
+            settings.token,
+            retry=retry,
+            # Behind an AzureML endpoint (RALLYPOINT_TRANSPORT=envelope): its key.
+            endpoint_key=os.environ.get(ENDPOINT_KEY_ENV) or None,
         )
         self._assignment: Assignment | None = None
         self._beats: _Beats | None = None
