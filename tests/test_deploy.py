@@ -168,6 +168,7 @@ def test_the_kubernetes_manifests_fit_the_coordinator_and_each_other() -> None:
     job = _documents("pytorchjob.yaml")["PyTorchJob"]["spec"]
     elastic = job["elasticPolicy"]
     assert elastic["rdzvBackend"] == "rallypoint"
+    assert elastic["rdzvId"] == _documents("pytorchjob.yaml")["PyTorchJob"]["metadata"]["name"]
     assert elastic["rdzvHost"] == docs["Service"]["metadata"]["name"]
     assert elastic["rdzvPort"] == docs["Service"]["spec"]["ports"][0]["port"]
     assert elastic["minReplicas"] <= elastic["maxReplicas"]
