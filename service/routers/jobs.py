@@ -26,7 +26,7 @@ from rallypoint.client._models import (
 
 from .._rendezvous import Generation, Node
 from ..deps import Auth, DriverDep, GenerationNumber, JobId, NodeId, RdzvDep
-from ..errors import JoinTimeout, UnknownNode
+from ..errors import JoinTimeout, StaleGeneration, UnknownNode
 
 __all__ = ["router"]
 
@@ -202,7 +202,13 @@ async def leave(
     job_id: JobId, node_id: NodeId, body: LeaveRequest, rdzv: RdzvDep, driver: DriverDep
 ) -> dict[str, str]:
     """Takes a node out; if it was a member, its generation ends and the others restart."""
-    await anyio.to_thread.run_sync(rdzv.leave, job_id, node_id, body.generation, body.reason)
+    try:
+        await anyio.to_thread.run_sync(rdzv.leave, job_id, node_id, body.generation, body.reason)
+    except StaleGeneration:
+        # Storage showed the generation over: this replica's heartbeats must not answer
+        # "continue" from an older snapshot after saying so.
+        await driver.refresh(job_id)
+        raise
     await driver.refresh(job_id)
     return {"status": "left"}
 
