@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel
@@ -152,7 +152,7 @@ class ElasticClient:
         *,
         retry: RetryPolicy | None = None,
         timeout: timedelta = timedelta(seconds=30),
-        transport: str | None = None,
+        transport: Literal["rest", "envelope"] | None = None,
         endpoint_key: str | None = None,
         http_transport: httpx.BaseTransport | None = None,
         generation: int | None = None,
@@ -161,9 +161,10 @@ class ElasticClient:
         self.job_id = check_id(job_id)
         self.node_id = check_id(node_id or os.environ.get(NODE_ENV) or _default_node_id())
         self.retry = retry or RetryPolicy()
-        self.transport = transport or os.environ.get(TRANSPORT_ENV) or "rest"
-        if self.transport not in ("rest", "envelope"):
-            raise ValueError(f"transport must be 'rest' or 'envelope', not {self.transport!r}")
+        chosen = transport or os.environ.get(TRANSPORT_ENV) or "rest"
+        if chosen not in ("rest", "envelope"):
+            raise ValueError(f"transport must be 'rest' or 'envelope', not {chosen!r}")
+        self.transport = chosen
         self._envelope_url = self.url
         if not httpx.URL(self.url).path.strip("/"):
             self._envelope_url += ENVELOPE_PATH
