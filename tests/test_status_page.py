@@ -69,8 +69,21 @@ def browser(tmp_path: Path) -> Iterator[WebDriver]:
 
 
 def member_rows(driver: WebDriver) -> list[list[str]]:
-    rows = driver.find_elements(By.CSS_SELECTOR, "#members tbody tr")
-    return [[td.text for td in row.find_elements(By.TAG_NAME, "td")] for row in rows]
+    """The members table, read in one script: the page swaps its content every 2 s, so
+    elements found one call earlier may be gone by the next."""
+    rows: list[list[str]] = driver.execute_script(
+        "return [...document.querySelectorAll('#members tbody tr')]"
+        ".map(tr => [...tr.querySelectorAll('td')].map(td => td.innerText))"
+    )
+    return [r for r in rows if len(r) == 5]  # not the "none" placeholder
+
+
+def text_of(driver: WebDriver, element_id: str) -> str:
+    text: str = driver.execute_script(
+        "const e = document.getElementById(arguments[0]); return e ? e.innerText : ''",
+        element_id,
+    )
+    return text
 
 
 def test_the_page_shows_members_and_follows_a_node_dying(
@@ -96,7 +109,9 @@ def test_the_page_shows_members_and_follows_a_node_dying(
         browser.get(f"{url}/")
         browser.find_element(By.ID, "token").send_keys("wrong")
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        assert "not this coordinator's token" in browser.find_element(By.TAG_NAME, "main").text
+        WebDriverWait(browser, 10, poll_frequency=0.1).until(
+            lambda d: "not this coordinator's token" in text_of(d, "token-error")
+        )
         browser.find_element(By.ID, "token").send_keys(TOKEN)
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
         WebDriverWait(browser, 10).until(lambda d: d.find_elements(By.LINK_TEXT, "live"))
@@ -107,7 +122,7 @@ def test_the_page_shows_members_and_follows_a_node_dying(
         assert sorted(r[0] for r in rows) == ["0", "1", "2"]
         assert {r[1] for r in rows} == set(nodes)
         assert {r[4] for r in rows} == {"alive"}
-        assert "generation 1 sealed, world size 3" in browser.find_element(By.ID, "summary").text
+        assert "generation 1 sealed, world size 3" in text_of(browser, "summary")
 
         # SIGKILL one node; the page, never reloaded by the test, shows the survivors'
         # new generation and why the first one ended.
@@ -116,9 +131,11 @@ def test_the_page_shows_members_and_follows_a_node_dying(
         WebDriverWait(browser, 30, poll_frequency=0.2).until(
             lambda d: {r[1] for r in member_rows(d)} == {"node-a", "node-b"}
         )
-        summary = browser.find_element(By.ID, "summary").text
-        assert "generation 2 sealed, world size 2" in summary
-        generations = browser.find_element(By.ID, "generations").text
+        # Read once more: the members above and these two came from one refresh or two.
+        WebDriverWait(browser, 10, poll_frequency=0.2).until(
+            lambda d: "generation 2 sealed, world size 2" in text_of(d, "summary")
+        )
+        generations = text_of(browser, "generations")
         assert "node node-c dropped its heartbeat connection" in generations
 
         # Everything the page loaded came from the coordinator itself.

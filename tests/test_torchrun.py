@@ -80,7 +80,9 @@ def test_sigkill_of_rank_0_then_a_late_node_scales_back_up(
     assert "joined" in history[1]["ended_reason"]
     # Survivors kept their order: the old rank 1 is rank 0 now.
     assert rank0 not in {m["node_id"] for m in status(coordinator, "kill0")["members"]}
-    assert all(lost <= 10 for lost in verdict.steps_lost.values())  # checkpoint every 10
+    # A checkpoint every 10 steps, saved asynchronously: one still uploading when the
+    # generation ends never commits, so a restart loses fewer than two intervals.
+    assert all(lost < 20 for lost in verdict.steps_lost.values()), verdict.steps_lost
 
 
 def test_survives_a_coordinator_restart_and_the_sigkill_of_a_nonzero_rank(

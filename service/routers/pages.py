@@ -103,7 +103,7 @@ def _signed_in(settings: SettingsDep, request: Request, cookie: str | None) -> b
 
 
 def _login_form(message: str = "", status: int = 401) -> HTMLResponse:
-    note = f"<p class='error'>{escape(message)}</p>" if message else ""
+    note = f"<p class='error' id='token-error'>{escape(message)}</p>" if message else ""
     form = (
         "<h1>Rallypoint</h1><p>This coordinator needs its token.</p>"
         f"{note}<form method='post' action='/login'>"
