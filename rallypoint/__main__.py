@@ -1,3 +1,5 @@
 from rallypoint._cli import main
 
-raise SystemExit(main())
+# Guarded: multiprocessing may import this module in helper processes.
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -186,6 +186,7 @@ class Cluster:
                 str(self.events_file),
             ]
         )
+        self.rallypoint = rdzv is None
         self.rdzv = (
             list(rdzv)
             if rdzv is not None
@@ -209,10 +210,13 @@ class Cluster:
         if self.imds_url:
             env["RALLYPOINT_IMDS_URL"] = self.imds_url
         log = self.workdir / f"{self.job}.{node_id}.log"
+        # The rallypoint backend through `rallypoint run` (workers start warm); any
+        # other rendezvous through stock torchrun.
+        launcher = ["rallypoint", "run"] if self.rallypoint else ["torch.distributed.run"]
         command = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            *launcher,
             *self.rdzv,
             f"--nnodes={self.nnodes}",
             "--nproc-per-node=1",

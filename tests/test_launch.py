@@ -75,17 +75,23 @@ def test_without_a_coordinator_it_says_what_to_set() -> None:
 
 WORKER = textwrap.dedent(
     """
-    import json, os, sys
+    import sys
+    warm = "torch._dynamo" in sys.modules  # before this script imported anything
+    import json, os
     from rallypoint.client import ElasticClient
     a = ElasticClient.from_env().join()
     keys = ("RALLYPOINT_GENERATION", "RALLYPOINT_NODE", "RANK", "WORLD_SIZE")
     print("ASSIGNMENT " + json.dumps({"generation": a.generation, "rank": a.rank,
-          "env": {k: os.environ[k] for k in keys}}), flush=True)
+          "warm": warm, "env": {k: os.environ[k] for k in keys}}), flush=True)
+    os._exit(0)  # as PreemptionWatcher.finish ends one; the agent must see it finish
     """
 )
 
 
-def test_rallypoint_run_starts_torchrun_with_the_plugin(start: Start, tmp_path: Path) -> None:
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_rallypoint_run_starts_torchrun_with_the_plugin(
+    start: Start, tmp_path: Path, warm: bool
+) -> None:
     coordinator = start()
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -96,6 +102,7 @@ def test_rallypoint_run_starts_torchrun_with_the_plugin(start: Start, tmp_path: 
         "RALLYPOINT_NODE": "only",
         "RALLYPOINT_NNODES": "1:1",
         "RALLYPOINT_RDZV_CONF": "last_call=0",
+        "RALLYPOINT_WARM_START": "1" if warm else "0",
     }
     result = subprocess.run(
         [sys.executable, "-m", "rallypoint", "run", "--local-addr=127.0.0.1", str(script)],
@@ -111,6 +118,8 @@ def test_rallypoint_run_starts_torchrun_with_the_plugin(start: Start, tmp_path: 
     assert seen == {
         "generation": 1,
         "rank": 0,
+        # Warm: forked from a server that imported torch and DDP's imports once.
+        "warm": warm,
         "env": {
             "RALLYPOINT_GENERATION": "1",
             "RALLYPOINT_NODE": "only",

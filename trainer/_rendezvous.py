@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -51,6 +52,7 @@ from rallypoint.client import (
     UnknownNode,
 )
 
+from ._launch import WORKER_ENV_FILE
 from ._store import CoordinatorStore
 
 __all__ = ["BACKEND", "RallypointRendezvousHandler", "RendezvousSettings", "create_handler"]
@@ -303,6 +305,16 @@ class RallypointRendezvousHandler(RendezvousHandler):
         os.environ[GENERATION_ENV] = str(assignment.generation)
         if self.settings.token:
             os.environ[TOKEN_ENV] = self.settings.token
+        # Warm workers fork from a server started before this generation: they read
+        # the variables from this file rather than from an environment that is stale.
+        target = os.environ.get(WORKER_ENV_FILE)
+        if target:
+            exported = (URL_ENV, JOB_ENV, NODE_ENV, GENERATION_ENV, TOKEN_ENV)
+            values = {k: os.environ[k] for k in exported if k in os.environ}
+            partial = f"{target}.{os.getpid()}.tmp"
+            with open(partial, "w") as f:
+                json.dump(values, f)
+            os.replace(partial, target)
 
     def _departed(self) -> bool:
         beats = self._beats
