@@ -16,6 +16,7 @@ from rallypoint.client._models import JobStatus
 from . import routers
 from ._checkpoints import Checkpoints
 from ._driver import Driver
+from ._fastpath import HeartbeatFastPath
 from ._http import BodyLimit, install_handlers
 from ._metrics import Metrics
 from ._rendezvous import Rendezvous
@@ -83,6 +84,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(routers.envelope)
     app.include_router(routers.metrics)
     app.include_router(routers.pages)
+    app.add_middleware(HeartbeatFastPath)
     app.add_middleware(BodyLimit)
     app.add_middleware(metrics.middleware)
     return app

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 import anyio.to_thread
 from fastapi import APIRouter, Request, Response
+from starlette.datastructures import State
 
 from rallypoint.client._models import (
     Assignment,
@@ -24,11 +26,12 @@ from rallypoint.client._models import (
     WaitRequest,
 )
 
-from .._rendezvous import Generation, Node
+from .._driver import Driver
+from .._rendezvous import Generation, Node, Rendezvous
 from ..deps import Auth, DriverDep, GenerationNumber, JobId, NodeId, RdzvDep
 from ..errors import JoinTimeout, StaleGeneration, UnknownNode
 
-__all__ = ["router"]
+__all__ = ["heartbeat", "pulse", "router"]
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Auth])
 
@@ -168,8 +171,32 @@ async def heartbeat(
     With ``wait``, the reply is held while the generation runs and sent the moment it
     ends, so members restart within milliseconds of a change rather than at their next
     heartbeat. The beat itself counts when the request arrives.
+
+    (Well-formed, authorized beats are answered by :class:`HeartbeatFastPath` before
+    routing; this route answers the rest, with the same :func:`pulse`.)
     """
-    request.app.state.metrics.heartbeats.labels(job_id).inc()
+    return await pulse(job_id, node_id, body, request.app.state, request.is_disconnected)
+
+
+async def pulse(
+    job_id: str,
+    node_id: str,
+    body: HeartbeatRequest,
+    state: State,
+    disconnected: Callable[[], Awaitable[bool]],
+) -> HeartbeatReply:
+    """A heartbeat of valid ids and body, for the route and the fast path alike.
+
+    Args:
+        state: The app's state (``rdzv``, ``driver``, ``metrics``).
+        disconnected: Whether the caller hung up (ends a held reply).
+
+    Raises:
+        RallypointServiceError: Unknown job or node, storage failures.
+    """
+    rdzv: Rendezvous = state.rdzv
+    driver: Driver = state.driver
+    state.metrics.heartbeats.labels(job_id).inc()
     job, changed = await driver.snapshot(job_id)
     action = rdzv.heartbeat(job, node_id, body.generation)
     if action == "continue" and body.generation is not None:
@@ -188,7 +215,7 @@ async def heartbeat(
                 break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(changed.wait(), timeout=min(left, _WATCH_POLL))
-            if await request.is_disconnected():
+            if await disconnected():
                 # The member's process is gone (or will reconnect at once: see dropped).
                 driver.dropped(job_id, node_id)
                 break

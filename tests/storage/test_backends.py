@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
 from azure.data.tables import TableClient
 
 from rallypoint.service.errors import BadRequest, InvalidName, LimitExceeded, StorageUnavailable
-from rallypoint.service.storage import AzureStorage, Entity, LocalStorage, open_storage
+from rallypoint.service.storage import AzureStorage, BatchOp, Entity, LocalStorage, open_storage
 from rallypoint.service.storage._azure_table import AzureTable
 
 from .._azurite import connection_string, free_port
@@ -28,6 +29,23 @@ def test_azure_spec_uses_the_connection_string(azurite: str) -> None:
     assert store.describe() == "azure:devstoreaccount1"
     store.table("jobs").upsert(Entity("p", "r", {"v": 1}))
     store.ping()
+
+
+def test_a_batch_starts_no_threads(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # azure-core would start a thread pool per transaction (and one per changeset): at
+    # a rendezvous of a thousand joins, starting those threads cost more than the writes.
+    table = open_storage("azure", connection_string=azurite, prefix="threads").table("jobs")
+    started: list[threading.Thread] = []
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    table.batch([BatchOp("upsert", Entity("p", f"r{i}", {"v": i})) for i in range(100)])
+    assert started == []
+    assert sorted(e.data["v"] for e in table.query("p")) == list(range(100))
 
 
 def test_prefixes_keep_deployments_apart(azurite: str, tmp_path: Path) -> None:

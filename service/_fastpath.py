@@ -1,0 +1,102 @@
+"""Heartbeats answered before routing.
+
+A thousand members beating once a second each is the coordinator's heaviest load, and
+FastAPI's routing and dependency solving cost more than the beat itself (two thirds of
+the process's CPU in a profile at 1,024 beats/s). This middleware answers a well-formed,
+authorized heartbeat with the route's own :func:`~.routers.jobs.pulse`, and hands
+anything else (bad ids or JSON, no token, chunked bodies) to the application unchanged,
+so errors keep their usual codes and bodies.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rallypoint.client._models import HeartbeatRequest, check_id
+
+from ._http import TOKEN_HEADER, check_token, error_response
+from .errors import RallypointServiceError
+from .routers.jobs import heartbeat, pulse, router
+
+__all__ = ["HeartbeatFastPath"]
+
+log = logging.getLogger("rallypoint.http")
+
+_PATH = re.compile(r"/v1/jobs/([^/]+)/nodes/([^/]+)/heartbeat")
+_ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is heartbeat)
+
+
+class HeartbeatFastPath:
+    """ASGI middleware; see the module docstring. Sits inside the metrics and the body
+    limit, so beats are counted and timed, and bodies are bounded, as any request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        match = (
+            _PATH.fullmatch(scope["path"])
+            if scope["type"] == "http" and scope["method"] == "POST"
+            else None
+        )
+        headers = dict(scope["headers"]) if match else {}
+        if (
+            match is None
+            or b"content-length" not in headers  # BodyLimit checked the length
+            or not headers.get(b"content-type", b"").startswith(b"application/json")
+        ):
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        token = headers.get(TOKEN_HEADER.encode())
+        authorization = headers.get(b"authorization")
+        messages: list[Message] = []
+        body = b""
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        try:
+            if not check_token(
+                state.settings.token,
+                authorization.decode("latin-1") if authorization is not None else None,
+                token.decode("latin-1") if token is not None else None,
+            ):
+                raise ValueError("unauthorized")
+            job_id, node_id = check_id(match[1]), check_id(match[2])
+            request = HeartbeatRequest.model_validate_json(body)
+        except (ValueError, ValidationError):  # the route says what is wrong
+            await self.app(scope, _replaying(messages, receive), send)
+            return
+
+        scope["route"] = _ROUTE  # the metrics' label, as routing would set it
+        response: Response
+        try:
+            reply = await pulse(
+                job_id, node_id, request, state, Request(scope, receive).is_disconnected
+            )
+            response = Response(reply.model_dump_json(), media_type="application/json")
+        except RallypointServiceError as exc:
+            if exc.status >= 500:
+                log.warning("POST %s: %s", scope["path"], exc.message)
+            response = error_response(exc.status, exc.code, exc.message)
+        await response(scope, receive, send)
+
+
+def _replaying(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
