@@ -16,6 +16,7 @@ from rallypoint._demo import judge
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import torchrun_argv
 
+from ._azurite import free_port
 from .conftest import Start
 
 ENV = {"RALLYPOINT_URL": "http://coord:8080", "RALLYPOINT_JOB": "job1"}
@@ -130,6 +131,33 @@ def test_rallypoint_run_starts_torchrun_with_the_plugin(
     # The worker's join() returned the agent's assignment: it started no round of its own.
     status = ElasticClient(coordinator.url, "runjob").membership()
     assert [g.generation for g in status.history] == [1]
+
+
+def test_rallypoint_run_starts_warm_workers_under_another_backend_too(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import sys\nprint('WARM', 'torch._dynamo' in sys.modules, flush=True)\nsys.exit(0)\n"
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rallypoint",
+            "run",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            "--rdzv-id=plain",
+            "--nnodes=1",
+            "--local-addr=127.0.0.1",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("RALLYPOINT_")},
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WARM True" in result.stdout
 
 
 SUPERVISOR = """

@@ -130,7 +130,9 @@ def _worker(module: bool, target: str, *args: str) -> None:
     source = os.environ.get(WORKER_ENV_FILE)
     if source:
         with open(source) as f:
-            os.environ.update(json.load(f))
+            exported = f.read()
+        if exported:  # empty under another rendezvous backend: nothing to take
+            os.environ.update(json.loads(exported))
     sys.argv = [target, *args]
     # torch counts a function worker done only when it returns a value: a worker that
     # ends with exit status 0 any other way leaves the agent waiting forever. So
@@ -204,9 +206,11 @@ def _launch_warm(argv: Sequence[str]) -> None:
     (a function, as torchrun's own ``--run-path`` uses) and a warm ``forkserver``."""
     import multiprocessing
 
+    import torch.multiprocessing
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
+    torch.multiprocessing._set_thread_name("pt_elastic")  # as torchrun names its agent
     parsed = get_args_parser().parse_args(list(argv))
     parsed.start_method = "forkserver"
     if parsed.master_port is None:
