@@ -14,13 +14,14 @@ import logging
 import re
 
 from pydantic import ValidationError
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rallypoint.client._models import HeartbeatRequest, check_id
 
-from ._http import TOKEN_HEADER, check_token, error_response
+from ._http import authorized, error_response
 from .errors import RallypointServiceError
 from .routers.jobs import heartbeat, pulse, router
 
@@ -45,17 +46,15 @@ class HeartbeatFastPath:
             if scope["type"] == "http" and scope["method"] == "POST"
             else None
         )
-        headers = dict(scope["headers"]) if match else {}
+        headers = Headers(scope=scope) if match else Headers()
         if (
             match is None
-            or b"content-length" not in headers  # BodyLimit checked the length
-            or not headers.get(b"content-type", b"").startswith(b"application/json")
+            or "content-length" not in headers  # BodyLimit checked the length
+            or not headers.get("content-type", "").startswith("application/json")
         ):
             await self.app(scope, receive, send)
             return
         state = scope["app"].state
-        token = headers.get(TOKEN_HEADER.encode())
-        authorization = headers.get(b"authorization")
         messages: list[Message] = []
         body = b""
         while True:
@@ -67,11 +66,7 @@ class HeartbeatFastPath:
             if not message.get("more_body"):
                 break
         try:
-            if not check_token(
-                state.settings.token,
-                authorization.decode("latin-1") if authorization is not None else None,
-                token.decode("latin-1") if token is not None else None,
-            ):
+            if not authorized(state.settings.token, headers):
                 raise ValueError("unauthorized")
             job_id, node_id = check_id(match[1]), check_id(match[2])
             request = HeartbeatRequest.model_validate_json(body)

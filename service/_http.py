@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "TOKEN_HEADER",
     "BodyLimit",
+    "authorized",
     "check_token",
     "error_response",
     "install_handlers",
@@ -95,6 +97,12 @@ def check_token(expected: str | None, header: str | None, alternate: str | None 
         return hmac.compare_digest(alternate.encode(), expected.encode())
     scheme, _, given = (header or "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def authorized(expected: str | None, headers: Mapping[str, str]) -> bool:
+    """Whether a request's headers (case-insensitive) carry the coordinator's token, in
+    ``Authorization: Bearer`` or ``X-Rallypoint-Token``."""
+    return check_token(expected, headers.get("authorization"), headers.get(TOKEN_HEADER))
 
 
 class BodyLimit:

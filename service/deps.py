@@ -14,7 +14,7 @@ from rallypoint.client._models import check_id
 
 from ._checkpoints import Checkpoints
 from ._driver import Driver
-from ._http import TOKEN_HEADER, check_token
+from ._http import authorized
 from ._rendezvous import Rendezvous
 from ._store import KeyValue
 from .errors import InvalidId, Unauthorized
@@ -59,9 +59,7 @@ async def _settings(request: Request) -> Settings:
 
 
 async def _authorized(request: Request) -> None:
-    headers = request.headers
-    token = request.app.state.settings.token
-    if not check_token(token, headers.get("authorization"), headers.get(TOKEN_HEADER)):
+    if not authorized(request.app.state.settings.token, request.headers):
         raise Unauthorized("this coordinator needs 'Authorization: Bearer <token>'")
 
 

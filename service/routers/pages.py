@@ -10,7 +10,6 @@ which keeps the token in an HttpOnly cookie; ``Authorization: Bearer`` works as 
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from html import escape
@@ -99,7 +98,7 @@ def _signed_in(settings: SettingsDep, request: Request, cookie: str | None) -> b
         return True
     if check_token(token, request.headers.get("authorization")):
         return True
-    return cookie is not None and hmac.compare_digest(cookie.encode(), token.encode())
+    return cookie is not None and check_token(token, None, cookie)
 
 
 def _login_form(message: str = "", status: int = 401) -> HTMLResponse:
@@ -133,9 +132,7 @@ async def login(settings: SettingsDep, request: Request) -> Response:
     # The one form field, parsed here: no multipart parser dependency for one login.
     form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=4)
     token = (form.get("token") or [""])[0]
-    if settings.token is not None and not hmac.compare_digest(
-        token.encode(), settings.token.encode()
-    ):
+    if not check_token(settings.token, None, token):
         return _login_form("That is not this coordinator's token.")
     reply = RedirectResponse("/", status_code=303)
     reply.set_cookie(
