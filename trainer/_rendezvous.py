@@ -299,18 +299,19 @@ class RallypointRendezvousHandler(RendezvousHandler):
 
     def _export(self, assignment: Assignment) -> None:
         """The environment workers inherit (the agent starts them after this returns)."""
-        os.environ[URL_ENV] = self.settings.url
-        os.environ[JOB_ENV] = self.settings.job_id
-        os.environ[NODE_ENV] = self.settings.node_id
-        os.environ[GENERATION_ENV] = str(assignment.generation)
+        values = {
+            URL_ENV: self.settings.url,
+            JOB_ENV: self.settings.job_id,
+            NODE_ENV: self.settings.node_id,
+            GENERATION_ENV: str(assignment.generation),
+        }
         if self.settings.token:
-            os.environ[TOKEN_ENV] = self.settings.token
+            values[TOKEN_ENV] = self.settings.token
+        os.environ.update(values)
         # Warm workers fork from a server started before this generation: they read
         # the variables from this file rather than from an environment that is stale.
         target = os.environ.get(WORKER_ENV_FILE)
         if target:
-            exported = (URL_ENV, JOB_ENV, NODE_ENV, GENERATION_ENV, TOKEN_ENV)
-            values = {k: os.environ[k] for k in exported if k in os.environ}
             partial = f"{target}.{os.getpid()}.tmp"
             with open(partial, "w") as f:
                 json.dump(values, f)
