@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import BinaryIO, cast
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
+from ._recycle import claim
 from .errors import SignedUrlError
 
 __all__ = [
@@ -158,13 +159,22 @@ def write_atomically(
     tmp_dir = store / "tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir / f"{os.getpid()}-{secrets.token_hex(8)}"
+    parts: Sequence[bytes | bytearray | memoryview] | None = None
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        parts = [source]
+    elif isinstance(source, (list, tuple)):
+        parts = source
+    # A large object of known size goes over a collected object's blocks (see _recycle).
+    fd = None if parts is None else claim(store, sum(memoryview(p).nbytes for p in parts), tmp)
+    recycled = fd is not None
+    if fd is None:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with open(tmp, "xb", buffering=0) as f:
-            if isinstance(source, (bytes, bytearray, memoryview)):
-                f.write(source)
-            elif isinstance(source, (list, tuple)):
-                for part in source:
-                    view = memoryview(part)
+        with open(fd, "wb", buffering=0) as f:
+            if parts is not None:
+                for part in parts:
+                    # One write may take at most 2 GiB on Linux, and may take less.
+                    view = memoryview(part).cast("B")
                     while view:
                         n = f.write(view[:_COPY_CHUNK]) or 0
                         view = view[n:]
@@ -172,6 +182,8 @@ def write_atomically(
                             on_write(n)
             else:
                 _copy(cast(BinaryIO, source), f)
+            if recycled:
+                f.truncate()  # at the position: a longer old file's tail goes
             os.fsync(f.fileno())
         path.parent.mkdir(parents=True, exist_ok=True)
         if if_absent:

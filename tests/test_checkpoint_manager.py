@@ -197,6 +197,29 @@ def test_the_named_version_wins_over_newer_looking_files(start: Start, tmp_path:
     assert torch.equal(restored.state["w"], torch.ones(4))
 
 
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_restored_tensors_outlive_their_version(start: Start, tmp_path: Path) -> None:
+    """Retention collects the loaded version and later saves reuse collected files
+    (local storage), yet what load() mapped never changes."""
+    url = start().url
+    (m,) = managers(url, ["a"], 1, 1)
+    m.save({"w": torch.full((1024, 1024), 1.0)}, 1, blocking=True)
+    (m2,) = managers(url, ["a"], 1, 1)
+    restored = m2.load_latest()
+    assert restored is not None
+    inodes = {}
+    for step in range(2, 8):  # version = step; keep=3: v1 goes at step 4, v2 at 5, ...
+        m2.save({"w": torch.full((1024, 1024), float(step))}, step, blocking=True)
+        (shard,) = tmp_path.glob(f"store/**/v{step:010d}/**/shard.safetensors")
+        inodes[step] = shard.stat().st_ino
+    assert not list(tmp_path.glob("store/**/v0000000001"))
+    assert torch.equal(restored.state["w"], torch.full((1024, 1024), 1.0))
+    # Step 6 got the file of version 2 (collected at step 5), step 7 that of version 3.
+    assert (inodes[6], inodes[7]) == (inodes[2], inodes[3])
+    for step in (5, 6, 7):
+        assert torch.equal(m2.load(step).state["w"], torch.full((1024, 1024), float(step)))
+
+
 def test_a_zombie_manager_cannot_save(start: Start) -> None:
     url = start().url
     (old,) = managers(url, ["a"], 1, 1)

@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, cast
 import torch
 
 from rallypoint.client._fileurl import SourceError, verify_file_url, write_atomically
+from rallypoint.client._recycle import pin
 from rallypoint.client.errors import SignedUrlError
 
 from ._progress import Progress
@@ -205,6 +206,7 @@ def read_object(url: str, size: int, progress: Progress | None = None) -> torch.
         with _reading(url):
             _, path = verify_file_url(url, "r")
             with open(path, "rb") as f:
+                pin(f.fileno())  # the mapping keeps the lock: the store never reuses the file
                 if os.fstat(f.fileno()).st_size == 0:
                     return torch.empty(0, dtype=torch.uint8)
                 mapped = mmap.mmap(

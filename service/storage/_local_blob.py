@@ -2,7 +2,8 @@
 
 Objects keep their names as paths (``blobs/CONTAINER/jobs/j1/...``) so a person can look
 at a checkpoint with ``ls``. Writes go through a temporary file and a rename, so a crash
-never leaves half an object visible.
+never leaves half an object visible; deleted large objects are recycled (see
+``rallypoint.client._recycle``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rallypoint.client._fileurl import SourceError, load_key, sign_file_url, write_atomically
+from rallypoint.client._recycle import retire
 
 from ..errors import AlreadyExists, BadRequest, NotFound, StorageUnavailable
 from ._blob import Access, BlobInfo, BlobStore, Data
@@ -42,7 +44,8 @@ class LocalBlobStore(BlobStore):
             raise StorageUnavailable(f"blob {name!r}: {exc}") from exc
         if not os.path.isfile(self._path(name)):
             raise NotFound(f"blob {name!r} does not exist")
-        # Every put renames a fresh file into place, so the inode changes with the content.
+        # Every put renames another file into place (a new one, or a collected object's,
+        # which no name refers to any more), and writing it set a new mtime.
         etag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
         return BlobInfo(name, st.st_size, etag, st.st_mtime)
 
@@ -128,7 +131,7 @@ class LocalBlobStore(BlobStore):
         try:
             if not path.is_file():
                 raise NotFound(f"blob {name!r} does not exist")
-            path.unlink()
+            retire(self._store, path)  # a large file is kept for the next large write
         except FileNotFoundError as exc:
             raise NotFound(f"blob {name!r} does not exist") from exc
         except OSError as exc:
