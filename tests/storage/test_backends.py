@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from azure.data.tables import TableClient
 
 from rallypoint.service.errors import BadRequest, InvalidName, LimitExceeded, StorageUnavailable
-from rallypoint.service.storage import AzureStorage, BatchOp, Entity, LocalStorage, open_storage
+from rallypoint.service.storage import (
+    AzureStorage,
+    BatchOp,
+    Entity,
+    LocalStorage,
+    _azure_batch,
+    open_storage,
+)
 from rallypoint.service.storage._azure_table import AzureTable
 
 from .._azurite import connection_string, free_port
@@ -46,6 +54,93 @@ def test_a_batch_starts_no_threads(azurite: str, monkeypatch: pytest.MonkeyPatch
     table.batch([BatchOp("upsert", Entity("p", f"r{i}", {"v": i})) for i in range(100)])
     assert started == []
     assert sorted(e.data["v"] for e in table.query("p")) == list(range(100))
+
+
+def _batch_request() -> Any:
+    """A transaction shaped as azure-data-tables builds one: a batch around a changeset
+    of entity requests (a PUT, a MERGE with If-Match, a DELETE)."""
+    from azure.core.rest import HttpRequest
+
+    url = "http://127.0.0.1:10002/devstoreaccount1"
+    subs = [
+        HttpRequest("PUT", f"{url}/jobs(PartitionKey='p',RowKey='a')", json={"v": 1}),
+        HttpRequest(
+            "MERGE",
+            f"{url}/jobs(PartitionKey='p',RowKey='b')",
+            json={"v": "é"},
+            headers={"If-Match": "W/\"datetime'2026'\""},
+        ),
+        HttpRequest("DELETE", f"{url}/jobs(PartitionKey='p',RowKey='c')"),
+    ]
+    changeset = HttpRequest("POST", None)  # type: ignore[arg-type]
+    changeset.set_multipart_mixed(*subs, boundary="changeset_1234")
+    batch = HttpRequest("POST", f"{url}/$batch")
+    batch.set_multipart_mixed(changeset, boundary="batch_5678")
+    return batch
+
+
+def test_batch_bodies_are_the_bytes_azure_core_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import azure.core.rest._helpers as helpers
+    from azure.core.utils import _pipeline_transport_rest_shared as shared
+
+    _azure_batch.install()  # as every AzureTable does
+    ours = _batch_request()
+    ours.prepare_multipart_body()
+    assert helpers._prepare_multipart_body_helper is not shared._prepare_multipart_body_helper
+    monkeypatch.setattr(
+        helpers, "_prepare_multipart_body_helper", shared._prepare_multipart_body_helper
+    )
+    theirs = _batch_request()
+    theirs.prepare_multipart_body()
+    assert ours.content == theirs.content
+    assert ours.headers["Content-Type"] == theirs.headers["Content-Type"]
+
+
+@pytest.mark.parametrize("eol", ["\r\n", "\n"])
+def test_batch_replies_split_as_azure_core_splits_them(eol: str) -> None:
+    from azure.core.utils._pipeline_transport_rest_shared import message_parser
+
+    from rallypoint.service.storage._azure_batch import _Part
+
+    reply = eol.join(
+        [
+            "--batchresponse_1",
+            "Content-Type: multipart/mixed; boundary=changesetresponse_2",
+            "",
+            "--changesetresponse_2",
+            "Content-Type: application/http",
+            "Content-Transfer-Encoding: binary",
+            "",
+            "HTTP/1.1 204 No Content",
+            'ETag: W/"1"',
+            "",
+            "",
+            "--changesetresponse_2",
+            "Content-Type: application/http",
+            "Content-Transfer-Encoding: binary",
+            "",
+            "HTTP/1.1 412 Precondition Failed",
+            "Content-Type: application/json",
+            "",
+            '{"odata.error":{"code":"UpdateConditionNotSatisfied"}}',
+            "--changesetresponse_2--",
+            "",
+            "--batchresponse_1--",
+            "",
+        ]
+    ).encode()
+    content_type = "multipart/mixed; boundary=batchresponse_1"
+    theirs = message_parser(b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + reply)
+    ours = _Part(content_type, reply)
+
+    def shape(message: Any) -> Any:
+        payload = message.get_payload(decode=message.get_content_type() != "multipart/mixed")
+        if isinstance(payload, list):
+            return [shape(part) for part in payload]
+        return (message.get_content_type(), payload.replace(b"\r\n", b"\n"))
+
+    assert shape(ours) == shape(theirs)
+    assert len(shape(ours)[0]) == 2
 
 
 def test_prefixes_keep_deployments_apart(azurite: str, tmp_path: Path) -> None:
