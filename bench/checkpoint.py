@@ -14,7 +14,9 @@ a real coordinator (uvicorn) on local storage and on Azurite:
 4. peak memory: in a fresh process, the peak RSS over three saves, less the RSS before
    the state was made, as a multiple of the state's size.
 
-Each figure is the median of ``--repeat`` rounds after one warm-up; pairs alternate.
+Each figure is the median of ``--repeat`` rounds after one warm-up (for our saves,
+after four: from then on retention collects a version per save, as in a long job);
+pairs alternate. The first saves' rates are printed too.
 
 Usage: python bench/checkpoint.py [--mib 1024] [--tensors 64] [--repeat 3]
        [--only local|azurite]
