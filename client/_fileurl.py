@@ -136,8 +136,9 @@ def write_atomically(
 ) -> bool:
     """Writes an object of the local store so that no reader ever sees half of it.
 
-    The bytes go to a temporary file in ``store/tmp`` (same file system), are fsynced,
-    and the file is renamed into place (``os.link`` for create-if-absent, which fails if
+    The bytes go to a temporary file in ``store/tmp`` (same file system; for 1 MiB or
+    more of known size, a collected object's file, see ``_recycle``), are fsynced, and
+    the file is renamed into place (``os.link`` for create-if-absent, which fails if
     the name exists); the folder is fsynced so the rename survives a crash.
 
     Args:
