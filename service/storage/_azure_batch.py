@@ -153,16 +153,14 @@ def install() -> None:
     current = Pipeline.__dict__.get("_prepare_multipart_mixed_request")
     if isinstance(current, staticmethod) and current.__func__ is not _prepare_in_order:
         Pipeline._prepare_multipart_mixed_request = staticmethod(_prepare_in_order)  # type: ignore[method-assign]
-    for name in _PARTS_USERS:
-        module = importlib.import_module(name)
-        helper = getattr(module, "_parts_helper", None)
-        if helper is not None and helper.__name__ == "_parts_helper":
-            module._parts_helper = _parts_in_order  # type: ignore[attr-defined]
-        helper = getattr(module, "_get_raw_parts_helper", None)
-        if helper is not None and helper.__name__ == "_get_raw_parts_helper":
-            module._get_raw_parts_helper = _raw_parts  # type: ignore[attr-defined]
-    for name in _BODY_USERS:
-        module = importlib.import_module(name)
-        helper = getattr(module, "_prepare_multipart_body_helper", None)
-        if helper is not None and helper.__name__ == "_prepare_multipart_body_helper":
-            module._prepare_multipart_body_helper = _multipart_body  # type: ignore[attr-defined]
+    swaps = (
+        (_PARTS_USERS, "_parts_helper", _parts_in_order),
+        (_PARTS_USERS, "_get_raw_parts_helper", _raw_parts),
+        (_BODY_USERS, "_prepare_multipart_body_helper", _multipart_body),
+    )
+    for modules, name, replacement in swaps:
+        for module_name in modules:
+            module = importlib.import_module(module_name)
+            helper = getattr(module, name, None)
+            if helper is not None and helper.__name__ == name:  # azure-core's own, once
+                setattr(module, name, replacement)
