@@ -23,6 +23,7 @@ from ._client import (
     RetryPolicy,
 )
 from ._models import (
+    MAX_METADATA_BYTES,
     Assignment,
     CheckpointBegun,
     CheckpointInfo,
@@ -65,6 +66,7 @@ __all__ = [
     "ENDPOINT_KEY_ENV",
     "GENERATION_ENV",
     "JOB_ENV",
+    "MAX_METADATA_BYTES",
     "NODE_ENV",
     "TOKEN_ENV",
     "TRANSPORT_ENV",

@@ -447,19 +447,32 @@ class ElasticClient:
         files: Sequence[str] = ("shard.safetensors",),
         *,
         generation: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> CheckpointBegun:
         """The version of ``step`` in this node's generation (every rank gets the same one)
         and write URLs for this rank's ``files``.
 
+        Args:
+            step: The training step.
+            files: The names of the files this rank will write.
+            generation: Defaults to this node's.
+            rank: This process's global rank (torchrun's ``RANK``); with ``world_size``.
+                None: the node's rank, for one process per node.
+            world_size: The job's number of processes, the same for every rank.
+
         Raises:
             StaleGeneration: The generation ended; re-join before saving.
-            CheckpointConflict: The version expired and is being collected.
+            CheckpointConflict: The version expired and is being collected, it was begun
+                with another world size, or another node holds this rank.
         """
         body = BeginCheckpoint(
             node_id=self.node_id,
             generation=self._generation(generation),
             step=step,
             files=list(files),
+            rank=rank,
+            world_size=world_size,
         )
         reply = self._request("POST", f"{self._job}/checkpoints", body)
         return CheckpointBegun.model_validate_json(reply.content)
@@ -472,6 +485,7 @@ class ElasticClient:
         metadata: dict[str, Any] | None = None,
         rank_metadata: dict[str, Any] | None = None,
         generation: int | None = None,
+        rank: int | None = None,
     ) -> CheckpointInfo:
         """Reports this rank's uploaded files of ``version``; the last rank's report
         commits it. Safe to retry.
@@ -482,6 +496,7 @@ class ElasticClient:
             metadata: Rank 0's becomes the version's (replicated non-tensor state).
             rank_metadata: This rank's own non-tensor state.
             generation: Defaults to this node's.
+            rank: The global rank given to :meth:`begin_checkpoint`, if any.
 
         Raises:
             StaleGeneration: The generation ended: this version will never commit.
@@ -494,6 +509,7 @@ class ElasticClient:
             files=list(files),
             metadata=metadata,
             rank_metadata=rank_metadata,
+            rank=rank,
         )
         reply = self._request("POST", f"{self._job}/checkpoints/{version}/shards", body)
         return CheckpointInfo.model_validate_json(reply.content)

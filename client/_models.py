@@ -16,6 +16,7 @@ __all__ = [
     "ENVELOPE_PATH",
     "ID_PATTERN",
     "MAX_METADATA_BYTES",
+    "MAX_RANKS",
     "MAX_SHARD_FILES",
     "MAX_STORE_KEYS",
     "MAX_STORE_VALUE_BYTES",
@@ -129,6 +130,9 @@ class CheckpointPointer(_Model):
 
 #: Files a rank may write per checkpoint version.
 MAX_SHARD_FILES = 64
+#: Processes (global ranks) a checkpoint version may have: 16,384 GPUs at 8 per node
+#: and room beyond; rank folders are named with 5 digits.
+MAX_RANKS = 99_999
 #: Serialised size of a report's metadata (its non-tensor state), in bytes.
 MAX_METADATA_BYTES = 512 * 1024
 
@@ -141,11 +145,21 @@ class BeginCheckpoint(_Model):
     step: int = Field(ge=0)
     #: The files this rank will write, relative to its folder in the version.
     files: list[Id] = Field(default=["shard.safetensors"], min_length=1, max_length=MAX_SHARD_FILES)
+    #: The caller's global rank (torchrun's ``RANK``): the version's files and reports
+    #: are keyed by it. None: the node's rank, for one process per node.
+    rank: int | None = Field(None, ge=0, lt=MAX_RANKS)
+    #: Processes in the job (torchrun's ``WORLD_SIZE``), the same for every rank of the
+    #: version. None: the generation's number of nodes.
+    world_size: int | None = Field(None, ge=1, le=MAX_RANKS)
 
     @model_validator(mode="after")
     def _unique(self) -> BeginCheckpoint:
         if len(set(self.files)) != len(self.files):
             raise ValueError("file names must be unique")
+        if (self.rank is None) != (self.world_size is None):
+            raise ValueError("rank and world_size go together")
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
         return self
 
 
@@ -178,6 +192,8 @@ class ReportShard(_Model):
     node_id: Id
     generation: int = Field(ge=1)
     files: list[ShardFile] = Field(min_length=1, max_length=MAX_SHARD_FILES)
+    #: The global rank the files belong to, as given to ``begin``; None: the node's rank.
+    rank: int | None = Field(None, ge=0, lt=MAX_RANKS)
     #: Rank 0's becomes the version's metadata (state replicated on every rank).
     metadata: dict[str, Any] | None = None
     #: This rank's own metadata (its rank-specific state).
@@ -224,7 +240,11 @@ class ManifestShard(_Model):
 class Manifest(_Model):
     """``manifest.json`` of a committed version, written before the pointer moves."""
 
-    format: Literal["rallypoint.checkpoint/1"] = "rallypoint.checkpoint/1"
+    #: ``/2``: the files of ``torch.distributed.checkpoint``, its metadata in rank 0's
+    #: ``.metadata``; ``/1`` (releases before 0.2): one safetensors shard per node.
+    format: Literal["rallypoint.checkpoint/1", "rallypoint.checkpoint/2"] = (
+        "rallypoint.checkpoint/2"
+    )
     job_id: str
     version: int
     step: int

@@ -7,7 +7,12 @@ latest-pointer moves in one atomic batch with the version's commit:
 - ``ckpt:VVVVVVVVVV``            one per version: generation, step, world size, state.
 - ``ckstep:GGGGGGGGGG:SSS...``   (generation, step) to version, so every rank that asks
                                  for the same step of a generation gets the same version.
-- ``ckrep:VVVVVVVVVV:RRRRR``     one per rank that reported: its files and metadata.
+- ``ckrep:VVVVVVVVVV:RRRRR``     one per global rank: claimed by a node at ``begin`` (only
+                                 that node may write and report the rank's files), then
+                                 its files and metadata once it reported.
+
+Ranks are global: every process of the job (torchrun's ``RANK``) saves its own files,
+and a version commits when all ``world_size`` processes reported. A node may run several.
 
 Blobs, in the ``checkpoints`` container: ``JOB/vVVVVVVVVVV/rank-RRRRR/FILE``, written by
 the ranks through write URLs (the coordinator never carries checkpoint bytes), and
@@ -94,8 +99,8 @@ def _step_key(generation: int, step: int) -> str:
     return f"{CKSTEP}{generation:010d}:{step:020d}"
 
 
-def _step_entity(job_id: str, key: str, version: int) -> Entity:
-    return Entity(job_id, key, {"kind": "ckstep", "version": version})
+def _rep_key(version: int, rank: int) -> str:
+    return f"{CKREP}{version:010d}:{rank:05d}"
 
 
 def _rank_folder(version: Version, rank: int) -> str:
@@ -199,16 +204,30 @@ class Checkpoints:
             CheckpointConflict: The version is being collected.
         """
         job = self.rdzv.get_job(job_id)
-        gen, rank = self.rdzv.member(job, request.node_id, request.generation)
-        version = self._version_for(job_id, request.generation, request.step, len(gen.members))
+        gen, node_rank = self.rdzv.member(job, request.node_id, request.generation)
+        rank, world_size = node_rank, len(gen.members)
+        if request.rank is not None and request.world_size is not None:
+            rank, world_size = request.rank, request.world_size
+            if world_size < len(gen.members):
+                raise InvalidRequest(
+                    f"world_size {world_size} is below the {len(gen.members)} nodes of "
+                    f"generation {request.generation}: every node runs at least one rank"
+                )
+        version = self._version_for(job_id, request.generation, request.step, world_size)
         if version.state == "deleting":
             raise CheckpointConflict(
                 f"version {version.version} (step {version.step}) expired and is being "
                 "collected; save a later step"
             )
+        if version.world_size != world_size:
+            raise CheckpointConflict(
+                f"version {version.version} (step {version.step}) was begun by "
+                f"{version.world_size} ranks, not {world_size}"
+            )
         urls: dict[str, str] = {}
         expires_at = version.created_at + self.timeout
         if version.state == "pending":
+            self._claim(version, rank, request.node_id)
             # The URLs die with the version: nothing can be written into a collected one.
             ttl = timedelta(seconds=max(1.0, expires_at - self.rdzv.clock()))
             urls = self.blobs.grant(
@@ -264,6 +283,32 @@ class Checkpoints:
             return replace(version, etag=entity.etag if entity and entity.etag else "")
         raise StorageUnavailable(f"could not allocate a checkpoint version for job {job_id!r}")
 
+    def _claim(self, version: Version, rank: int, node_id: str) -> None:
+        """Makes ``node_id`` the only node that may write and report ``rank``'s files: two
+        processes that took one rank would overwrite each other's files.
+
+        Raises:
+            CheckpointConflict: Another node holds the rank.
+        """
+        key = _rep_key(version.version, rank)
+        claim: dict[str, Value] = {
+            "kind": "ckrep",
+            "version": version.version,
+            "rank": rank,
+            "node_id": node_id,
+            "reported": False,
+        }
+        try:
+            self.table.insert(Entity(version.job_id, key, claim))
+            return
+        except AlreadyExists:
+            holder = str(self.table.get(version.job_id, key).data["node_id"])
+        if holder != node_id:
+            raise CheckpointConflict(
+                f"rank {rank} of version {version.version} belongs to node {holder!r}, "
+                f"not {node_id!r}: two processes were given one rank"
+            )
+
     def report(self, job_id: str, number: int, request: ReportShard) -> CheckpointInfo:
         """Records a rank's uploaded files; the last rank's report commits the version.
 
@@ -277,6 +322,7 @@ class Checkpoints:
         version = self._get(job_id, number)
         job = self.rdzv.get_job(job_id)
         _, rank = self.rdzv.member(job, request.node_id, request.generation)
+        rank = rank if request.rank is None else request.rank
         if version.generation != request.generation:
             raise CheckpointConflict(
                 f"version {number} belongs to generation {version.generation}, "
@@ -286,6 +332,9 @@ class Checkpoints:
             return self._info(job, version)  # a retried report
         if version.state != "pending" or self._expired(version):
             raise CheckpointConflict(f"version {number} expired before every rank reported")
+        if rank >= version.world_size:
+            raise InvalidRequest(f"rank {rank} is not a rank of version {number}")
+        self._claim(version, rank, request.node_id)
         payload = {
             "files": [f.model_dump() for f in request.files],
             "metadata": request.metadata if rank == 0 else None,
@@ -311,12 +360,13 @@ class Checkpoints:
         self.table.upsert(
             Entity(
                 job_id,
-                f"{CKREP}{number:010d}:{rank:05d}",
+                _rep_key(number, rank),
                 {
                     "kind": "ckrep",
                     "version": number,
                     "rank": rank,
                     "node_id": request.node_id,
+                    "reported": True,
                     **packed,
                 },
             )
@@ -443,7 +493,10 @@ class Checkpoints:
         return list(self.table.query(version.job_id, where))
 
     def _reports(self, version: Version) -> dict[int, Report]:
-        reports = (_report(e.data) for e in self._report_rows(version))
+        # Claims (``reported`` False) hold no files yet; rows from before claims existed
+        # have no flag and were all reports.
+        rows = (e for e in self._report_rows(version) if e.data.get("reported", True))
+        reports = (_report(e.data) for e in rows)
         return {r.rank: r for r in reports}
 
     def _expired(self, version: Version) -> bool:

@@ -8,16 +8,22 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+import torch.distributed.checkpoint as dcp
 
 from rallypoint.client import ElasticClient, StaleGeneration
-from rallypoint.trainer import CheckpointCorrupt, CheckpointManager, ElasticSampler, download
+from rallypoint.trainer import (
+    CheckpointCorrupt,
+    CheckpointError,
+    CheckpointManager,
+    ElasticSampler,
+    RallypointReader,
+    RallypointWriter,
+)
 
 from .conftest import Start
 from .test_coordinator import clients, join_all, spec
@@ -78,16 +84,6 @@ def managers(url: str, names: list[str], lo: int, hi: int) -> list[CheckpointMan
     return sorted((CheckpointManager(n, progress=False) for n in nodes), key=lambda m: m.rank)
 
 
-def save_all(ms: list[CheckpointManager], state: Any, step: int) -> None:
-    with ThreadPoolExecutor(len(ms)) as pool:
-        handles = list(
-            pool.map(lambda m: m.save(state, step, rank_state={"rank": torch.tensor([m.rank])}), ms)
-        )
-    infos = [h.result() for h in handles if h is not None]
-    assert len(infos) == len(ms)
-    assert any(i.state == "committed" for i in infos)
-
-
 def test_save_and_load_round_trip(start: Start) -> None:
     url = start().url
     (m,) = managers(url, ["a"], 1, 1)
@@ -116,39 +112,55 @@ def test_a_fresh_job_has_nothing_to_load(start: Start) -> None:
 
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
-def test_shards_are_plain_safetensors(start: Start, tmp_path: Path) -> None:
-    (m,) = managers(start().url, ["a"], 1, 1)
-    state = {"w": torch.randn(3, 4), "b": torch.zeros(2, dtype=torch.float16)}
-    m.save(state, 1, blocking=True)
-    (shard,) = tmp_path.glob("store/**/shard.safetensors")
-    loaded = load_file(shard)
-    assert sorted(loaded) == ["s0", "s1"]
-    assert torch.equal(loaded["s0"], state["w"]) and torch.equal(loaded["s1"], state["b"])
-
-
-def test_load_at_a_smaller_and_a_larger_world(start: Start) -> None:
+def test_versions_are_dcp_checkpoints(start: Start, tmp_path: Path) -> None:
+    """Plain DCP with Rallypoint's writer and reader gives the versions the manager
+    gives, and each reads the other's."""
     url = start().url
-    names = ["n0", "n1", "n2", "n3"]
-    ms = managers(url, names, 3, 5)
-    assert [m.world_size for m in ms] == [4] * 4
-    state = {f"t{i}": torch.randn(64 + i, 16) for i in range(16)} | {"step": 7}
-    save_all(ms, state, 7)
-    # Each rank wrote about a quarter of the replicated bytes.
-    info = ms[0].client.checkpoint()
-    sizes = [len(download(info.urls[f"rank-{r:05d}/shard.safetensors"])) for r in range(4)]
-    total = sum(t.numel() * 4 for k, t in state.items() if isinstance(t, torch.Tensor))
-    assert max(sizes) < total / 4 * 1.3
-    # n3 is preempted and leaves (else the next round would wait out its heartbeat).
-    next(m for m in ms if m.client.node_id == "n3").client.leave("preempted", fenced=False)
-    for survivors in (["n0", "n1", "n2"], ["n0", "n1", "n2", "n3", "n4"]):
-        resumed = managers(url, survivors, 3, 5)
-        assert [m.world_size for m in resumed] == [len(survivors)] * len(survivors)
-        for m in resumed:
-            restored = m.load_latest()
-            assert restored is not None and restored.world_size == 4
-            assert same(restored.state, state)
-            expected = {"rank": torch.tensor([m.rank])} if m.rank < 4 else None
-            assert same(restored.rank_state, expected)
+    (m,) = managers(url, ["a"], 1, 1)
+    state = {"w": torch.randn(3, 4), "b": torch.zeros(2, dtype=torch.float16), "n": 3}
+    writer = RallypointWriter(m.client, 1, metadata={"by": "dcp"})
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    assert writer.info is not None and (writer.info.state, writer.info.latest) == (
+        "committed",
+        True,
+    )
+    files = sorted(p.relative_to(tmp_path / "store") for p in tmp_path.glob("store/**/v*/**/*.*"))
+    assert [(p.parent.name, p.name) for p in files] == [
+        ("v0000000001", "manifest.json"),
+        ("rank-00000", "data.distcp"),
+        ("rank-00000", "dcp.metadata"),
+    ]
+    restored = m.load(1)
+    assert same(restored.state, state) and restored.metadata == {"by": "dcp"}
+    assert restored.rank_state is None  # plain DCP saves none
+    m.save({**state, "n": 4}, 2, rank_state={"seed": 7}, blocking=True)
+    (resumed,) = managers(url, ["a"], 1, 1)  # its generation resumes from version 2
+    target = {"w": torch.empty(3, 4), "b": torch.empty(2, dtype=torch.float16), "n": 0}
+    dcp.load(target, storage_reader=RallypointReader(resumed.client), no_dist=True)
+    assert same(target, {**state, "n": 4})
+
+
+def test_what_cannot_be_saved_is_refused_before_any_upload(start: Start) -> None:
+    (m,) = managers(start().url, ["a"], 1, 1)
+    with pytest.raises(TypeError, match=r"state\['opt'\]\['fn'\]: cannot checkpoint a function"):
+        m.save({"opt": {"fn": lambda: 0}}, 1)
+    with pytest.raises(TypeError, match="dict keys must be str or int"):
+        m.save({"w": {(1, 2): torch.zeros(1)}}, 1)
+    with pytest.raises(TypeError, match="only dense"):
+        m.save({"w": torch.zeros(3, 3).to_sparse()}, 1)
+    with pytest.raises(TypeError, match="__rallypoint__"):
+        m.save({"__rallypoint__": 1}, 1)
+    with pytest.raises(ValueError, match="metadata is .* bytes as JSON; at most 524288"):
+        m.save({"w": torch.zeros(1)}, 1, metadata={"x": "y" * (600 << 10)})
+    with pytest.raises(TypeError, match="metadata must be JSON"):
+        m.save({"w": torch.zeros(1)}, 1, metadata={"x": torch.zeros(1)})
+    assert m.client.checkpoints() == []  # nothing was begun, let alone uploaded
+
+
+def test_several_processes_need_a_process_group(start: Start) -> None:
+    ms = managers(start().url, ["a", "b"], 2, 2)
+    with pytest.raises(CheckpointError, match="init_process_group"):
+        ms[0].save({"w": torch.zeros(1)}, 1)
 
 
 def test_consecutive_saves_never_mix(start: Start) -> None:
@@ -169,7 +181,7 @@ def test_a_corrupt_or_missing_shard_fails_loudly(start: Start, tmp_path: Path) -
     url = start().url
     (m,) = managers(url, ["a"], 1, 1)
     m.save({"w": torch.randn(1000)}, 1, blocking=True)
-    (shard,) = tmp_path.glob("store/**/shard.safetensors")
+    (shard,) = tmp_path.glob("store/**/data.distcp")
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0xFF
     shard.write_bytes(data)
@@ -210,7 +222,7 @@ def test_restored_tensors_outlive_their_version(start: Start, tmp_path: Path) ->
     inodes = {}
     for step in range(2, 8):  # version = step; keep=3: v1 goes at step 4, v2 at 5, ...
         m2.save({"w": torch.full((1024, 1024), float(step))}, step, blocking=True)
-        (shard,) = tmp_path.glob(f"store/**/v{step:010d}/**/shard.safetensors")
+        (shard,) = tmp_path.glob(f"store/**/v{step:010d}/**/data.distcp")
         inodes[step] = shard.stat().st_ino
     assert not list(tmp_path.glob("store/**/v0000000001"))
     assert torch.equal(restored.state["w"], torch.full((1024, 1024), 1.0))

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from rallypoint.client._models import BeginCheckpoint, ReportShard, ShardFile
+from rallypoint.client._models import BeginCheckpoint, CheckpointInfo, ReportShard, ShardFile
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import (
@@ -264,3 +264,62 @@ def test_two_coordinators_commit_one_version(
     job = one.rdzv.get_job("job")
     assert job.checkpoint is not None and job.checkpoint.step == 7
     assert [v.state for v in one.versions("job")] == ["committed"]
+
+
+def begin_as(node: str, gen: int, rank: int, world: int, step: int = 1) -> BeginCheckpoint:
+    return BeginCheckpoint(node_id=node, generation=gen, step=step, rank=rank, world_size=world)
+
+
+def report_as(
+    ckpts: Checkpoints, blobs: BlobStore, node: str, gen: int, version: int, rank: int
+) -> CheckpointInfo:
+    data = f"{node}:{rank}".encode()
+    blobs.put(f"job/v{version:010d}/rank-{rank:05d}/data.distcp", data)
+    shard = ShardFile(name="data.distcp", size=len(data), checksum="x:1")
+    return ckpts.report(
+        "job", version, ReportShard(node_id=node, generation=gen, files=[shard], rank=rank)
+    )
+
+
+def test_global_ranks_commit_when_every_process_reported(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
+    """Two nodes of two processes each: a version of world size 4, keyed by global rank."""
+    gen = seal(rdzv, ["a", "b"])
+    placed = {0: "a", 1: "a", 2: "b", 3: "b"}
+    begun = {r: ckpts.begin("job", begin_as(n, gen, r, 4)) for r, n in placed.items()}
+    assert {b.version for b in begun.values()} == {1}
+    assert {b.world_size for b in begun.values()} == {4}
+    assert all(f"/rank-{r:05d}/" in begun[r].upload_urls["shard.safetensors"] for r in placed)
+    states = [report_as(ckpts, blobs, n, gen, 1, r).state for r, n in placed.items()]
+    assert states == ["pending", "pending", "pending", "committed"]
+    latest = ckpts.get("job")
+    assert (latest.version, latest.world_size, latest.latest) == (1, 4, True)
+    manifest = json.loads(blobs.get("job/v0000000001/manifest.json"))
+    assert [(s["rank"], s["node_id"]) for s in manifest["shards"]] == sorted(placed.items())
+    assert manifest["format"] == "rallypoint.checkpoint/2"
+
+
+def test_a_rank_belongs_to_the_node_that_claimed_it(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
+    """Two processes given one global rank would overwrite each other's files."""
+    gen = seal(rdzv, ["a", "b"])
+    ckpts.begin("job", begin_as("a", gen, 1, 4))
+    with pytest.raises(CheckpointConflict, match="belongs to node 'a'"):
+        ckpts.begin("job", begin_as("b", gen, 1, 4))
+    with pytest.raises(CheckpointConflict, match="belongs to node 'a'"):
+        report_as(ckpts, blobs, "b", gen, 1, 1)
+    ckpts.begin("job", begin_as("a", gen, 1, 4))  # the holder may ask again (a retry)
+    assert ckpts.versions("job")[0].reported == 0
+
+
+def test_world_size_is_fixed_by_the_first_begin(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
+    gen = seal(rdzv, ["a", "b", "c"])
+    ckpts.begin("job", begin_as("a", gen, 0, 6))
+    with pytest.raises(CheckpointConflict, match="begun by 6 ranks, not 4"):
+        ckpts.begin("job", begin_as("b", gen, 1, 4))
+    with pytest.raises(InvalidRequest, match="below the 3 nodes"):
+        ckpts.begin("job", begin_as("c", gen, 1, 2, step=2))
+    with pytest.raises(ValueError, match="not below world_size"):
+        begin_as("c", gen, 6, 6)

@@ -17,6 +17,7 @@ Example::
 """
 
 from ._checkpoint import CheckpointManager, Restored, SaveHandle
+from ._dcp import RallypointReader, RallypointWriter
 from ._launch import torchrun_argv
 from ._preemption import RESTART_EXIT_CODE, Notice, PreemptionWatcher
 from ._progress import Progress
@@ -28,6 +29,7 @@ from .errors import (
     CheckpointCorrupt,
     CheckpointError,
     RallypointTrainerError,
+    StateNotReplicated,
     TransferDenied,
     TransferError,
     TransferNotFound,
@@ -44,11 +46,14 @@ __all__ = [
     "Notice",
     "PreemptionWatcher",
     "Progress",
+    "RallypointReader",
     "RallypointRendezvousHandler",
     "RallypointTrainerError",
+    "RallypointWriter",
     "RendezvousSettings",
     "Restored",
     "SaveHandle",
+    "StateNotReplicated",
     "TransferDenied",
     "TransferError",
     "TransferNotFound",

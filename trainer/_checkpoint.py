@@ -1,54 +1,56 @@
-"""CheckpointManager: async, sharded saves to the version the coordinator names.
+"""CheckpointManager: async saves of sharded state to the version the coordinator names.
 
-Saving, on every rank of a generation::
+Saving, on every process (global rank) of the job::
 
-    copy this rank's tensors into a reused staging buffer     <- training waits for this
-    ---- background thread ----
-    begin the step's version (every rank gets the same one, with write URLs)
-    hash, upload the shard straight to storage (retried)
-    report it; the last rank's report commits the version
+    copy this rank's tensors into reused staging buffers (DCP's DefaultStager)
+                                                              <- training waits for this
+    ---- background thread, on a gloo group of its own ----
+    dcp.save through RallypointWriter: plan (one copy of each replicated tensor), begin
+    the version (fenced), upload this rank's file, report it; rank 0 writes DCP's
+    metadata and reports last, which commits the version
 
-Replicated state (identical on every rank, as under DDP) is split so that each rank
-writes about ``1/world_size`` of its bytes; ``rank_state`` (RNG, a sampler's iterator)
-is written by each rank for itself. Non-tensor values travel in the manifest.
+Loading reads the version this generation resumes from through RallypointReader, in
+place into the caller's tensors and DTensors (another mesh, placement or world size
+reshards), or, without a template, as the state that was saved.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
 import logging
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+import xxhash
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
-from rallypoint.client import Assignment, ElasticClient, Manifest, ShardFile
-from rallypoint.client._models import CheckpointInfo
+from rallypoint.client import Assignment, CheckpointInfo, ElasticClient
 
-from ._progress import Progress
-from ._shard import Staging, as_memoryview, checksum, layout, read_shard
-from ._state import balance, flatten, unflatten
-from ._transfer import download, read_object, upload_parts
-from .errors import (
-    CheckpointCorrupt,
-    TransferDenied,
-    TransferError,
-    TransferNotFound,
-)
+from ._bytes import tensor_bytes
+from ._dcp import RallypointReader, RallypointWriter, check_metadata, global_rank
+from .errors import CheckpointError, StateNotReplicated
 
-__all__ = ["CheckpointManager", "Restored", "SaveHandle"]
+__all__ = ["RESERVED", "CheckpointManager", "Restored", "SaveHandle"]
 
 log = logging.getLogger("rallypoint.trainer")
 
-SHARD = "shard.safetensors"
-MANIFEST = "manifest.json"
-_HASH_CHUNK = 64 << 20
-T = TypeVar("T")
+#: The top-level key under which the manager keeps, beside the caller's state, each
+#: rank's ``rank_state`` and what DCP's flattening loses (int dict keys, empty dicts).
+RESERVED = "__rallypoint__"
+_JSON_SCALARS = (bool, int, float, str, type(None))
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,13 @@ class Restored:
         version: The checkpoint version.
         step: The training step it was saved at.
         generation: The generation that saved it.
-        world_size: The number of ranks that saved it (may differ from today's).
-        state: The replicated state, as passed to ``save``.
-        rank_state: This rank's ``rank_state``; None if no rank of this number saved one
-            (the world grew).
+        world_size: The number of processes that saved it (may differ from today's).
+        state: The state: the caller's own dict, loaded in place, if one was passed;
+            else the state as saved, tensors on the CPU.
+        rank_state: This global rank's ``rank_state``; None if no process of this rank
+            saved one (the world grew).
         metadata: The ``metadata`` passed to ``save``.
+        bytes_from: Bytes read, by source (``"storage"``).
     """
 
     version: int
@@ -73,6 +77,7 @@ class Restored:
     state: Any
     rank_state: Any
     metadata: dict[str, Any] | None
+    bytes_from: dict[str, int] = field(default_factory=dict)
 
 
 class SaveHandle:
@@ -87,8 +92,9 @@ class SaveHandle:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> CheckpointInfo:
-        """The version once every rank reported (``state == "committed"``) or this
-        rank's part is in (``"pending"``).
+        """The version, as this rank's report left it: ``"committed"`` on rank 0 (its
+        report is the last), ``"pending"`` or ``"committed"`` elsewhere. Once every rank's
+        ``result`` returned, the version is committed.
 
         Raises:
             StaleGeneration: The generation ended before the save completed; the
@@ -101,15 +107,22 @@ class SaveHandle:
 class CheckpointManager:
     """Saves and restores a training process's state through the coordinator.
 
+    Every process of the job (each of torchrun's ``--nproc-per-node`` workers) has its
+    own manager and calls :meth:`save` and :meth:`load_latest` with the others. With
+    more than one process, ``torch.distributed`` must be initialized before the first
+    save; the manager makes a gloo group of its own for the saves in the background.
+
     Args:
-        client: The node's client, joined (its assignment names rank, world size,
-            generation and the checkpoint to resume from).
+        client: The node's client, joined (its assignment names the generation and the
+            checkpoint to resume from).
         assignment: Overrides ``client.assignment``.
         if_busy: What ``save`` does while the previous save is in flight: ``"wait"``
-            for it (the default; training pauses) or ``"skip"`` this save. The staging
-            buffer is never overwritten while it is being uploaded.
+            for it (the default; training pauses) or ``"skip"`` this save. Staging
+            buffers are never overwritten while they are being uploaded.
         progress: Show progress of transfers that take more than a second.
         attempts: Tries per upload or download before giving up.
+        verify_replicated: Check before every save that each plain (non-DTensor) tensor
+            of ``state`` is the same on every rank; DCP writes it from one rank only.
 
     Raises:
         ValueError: The client has not joined and no assignment was given.
@@ -123,6 +136,7 @@ class CheckpointManager:
         if_busy: Literal["wait", "skip"] = "wait",
         progress: bool = True,
         attempts: int = 3,
+        verify_replicated: bool = False,
     ) -> None:
         assignment = assignment or client.assignment
         if assignment is None:
@@ -133,39 +147,62 @@ class CheckpointManager:
             raise ValueError("attempts must be at least 1")
         self.client = client
         self.assignment = assignment
-        self.rank = assignment.rank
-        self.world_size = assignment.world_size
         self.generation = assignment.generation
         self.if_busy = if_busy
         self.progress = progress
         self.attempts = attempts
-        self._staging = Staging()
+        self.verify_replicated = verify_replicated
+        accelerated = torch.accelerator.is_available()
+        # Buffers allocated at the first save and reused (pinned with an accelerator):
+        # fresh memory costs a page fault per 4 KiB on first touch.
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=accelerated,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=accelerated,
+            )
+        )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rallypoint-save")
         self._inflight: SaveHandle | None = None
+        self._group: dist.ProcessGroup | None = None
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank: torch.distributed's, else the node's."""
+        return global_rank()[0] if _distributed() else self.assignment.rank
+
+    @property
+    def world_size(self) -> int:
+        """The job's processes: torch.distributed's world, else the generation's nodes."""
+        return global_rank()[1] if _distributed() else self.assignment.world_size
 
     # --- saving -------------------------------------------------------------------------
 
     def save(
         self,
-        state: Any,
+        state: Mapping[str, Any],
         step: int,
         *,
         rank_state: Any = None,
         metadata: dict[str, Any] | None = None,
         blocking: bool = False,
     ) -> SaveHandle | None:
-        """Saves ``state`` as the checkpoint of ``step``; every rank must call it.
+        """Saves ``state`` as the checkpoint of ``step``; every process must call it.
 
-        Returns once the tensors are copied to the staging buffer (or, if ``blocking``,
+        Returns once the tensors are copied to staging buffers (or, if ``blocking``,
         once the save is complete); the upload runs in the background.
 
         Args:
-            state: Replicated state, identical on every rank: nested dicts, lists and
-                tuples of tensors and plain values (model, optimizer, scheduler,
-                sampler position, counters).
+            state: The job's state: DTensors of any mesh and placement (FSDP2, tensor
+                parallel), tensors replicated on every rank (DDP), optimizer state from
+                ``torch.distributed.checkpoint.state_dict.get_state_dict``, and plain
+                values, in nested dicts and lists. A plain tensor is saved from one rank:
+                one that differs across ranks belongs in ``rank_state``.
             step: The training step; a version becomes latest only if its step is
                 newer than the latest's.
-            rank_state: This rank's own state (RNG states, an iterator position).
+            rank_state: This process's own state (RNG states, an iterator position),
+                restored to the process of the same global rank.
             metadata: Small JSON values to keep in the manifest (loss, epoch).
             blocking: Wait for the upload and the commit.
 
@@ -173,8 +210,14 @@ class CheckpointManager:
             A handle on the save, or None if ``if_busy="skip"`` skipped it.
 
         Raises:
-            TypeError: A value cannot be checkpointed (the message says where).
-            Anything the previous save raised, if ``blocking``.
+            TypeError: A value cannot be checkpointed (the message says where), or
+                ``metadata`` is not JSON.
+            ValueError: ``metadata`` is over its limit.
+            StateNotReplicated: With ``verify_replicated``, a plain tensor differs
+                across ranks.
+            CheckpointError: The job has several processes and torch.distributed is
+                not initialized.
+            Anything the save raised, if ``blocking``.
         """
         if self._inflight is not None and not self._inflight.done():
             if self.if_busy == "skip":
@@ -182,27 +225,70 @@ class CheckpointManager:
                 return None
             self._settle()
         started = time.perf_counter()
-        tree, tensors = flatten(state, "s")
-        rank_tree, rank_tensors = flatten(rank_state, "k") if rank_state is not None else (None, [])
-        try:
-            json.dumps([tree, rank_tree, metadata], allow_nan=False)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"metadata must be JSON values: {exc}") from None
-        owner = balance([t.numel() * t.element_size() for _, t in tensors], self.world_size)
-        mine = [nt for nt, rank in zip(tensors, owner, strict=True) if rank == self.rank]
-        plan = layout(mine + rank_tensors)
-        data = self._staging.stage(plan, dict(mine + rank_tensors))
+        if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+            raise TypeError("state must be a dict with str keys")
+        if RESERVED in state:
+            raise TypeError(f"state must not hold the key {RESERVED!r}: the manager's own")
+        rank, world = self.rank, self.world_size
+        fixups = _check(state, "state")
+        own = (RESERVED, "rank", str(rank))
+        rank_fixups = _check(rank_state, "rank_state", (*own, "state"))
+        check_metadata(metadata)
+        group = self._save_group(world)
+        if self.verify_replicated and group is not None:
+            _verify_replicated(state, group)
+        mine = {"state": rank_state, "fixups": rank_fixups}
+        full = {**state, RESERVED: {"fixups": fixups, "rank": {str(rank): mine}}}
+        staged = self._stager.stage(full)
+        assert isinstance(staged, dict)  # a Future only with use_async_staging
         blocked = time.perf_counter() - started
-        shared = {"state": tree, "user": metadata} if self.rank == 0 else None
-        own = {"state": rank_tree}
-        future = self._executor.submit(
-            self._persist, step, [memoryview(plan.header), data], shared, own
+        writer = RallypointWriter(
+            self.client,
+            step,
+            generation=self.generation,
+            metadata=metadata,
+            progress=self.progress,
+            attempts=self.attempts,
         )
+        future = self._executor.submit(self._persist, staged, writer, group)
         handle = SaveHandle(step, future, blocked)
         self._inflight = handle
         if blocking:
             handle.result()
         return handle
+
+    def _save_group(self, world: int) -> dist.ProcessGroup | None:
+        """The group the background saves plan on (None: one process, no collectives).
+
+        Its own gloo group: collectives of the training thread and of the save thread on
+        one group could interleave in a different order on different ranks.
+        """
+        if world == 1:
+            return None
+        if not _distributed():
+            raise CheckpointError(
+                f"the job has {world} processes: call torch.distributed.init_process_group "
+                "before saving, so that they plan the checkpoint together"
+            )
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _persist(
+        self, staged: dict[str, Any], writer: RallypointWriter, group: dist.ProcessGroup | None
+    ) -> CheckpointInfo:
+        try:
+            with _single_process_quiet():
+                dcp_save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
+        except CheckpointException as exc:
+            cause = _cause(exc, writer.rank)
+            log.error("checkpoint of step %d failed: %s", writer.step, cause)
+            raise cause from exc
+        except Exception as exc:
+            log.error("checkpoint of step %d failed: %s", writer.step, exc)
+            raise
+        assert writer.info is not None
+        return writer.info
 
     def wait(self) -> CheckpointInfo | None:
         """Waits for the save in flight, if any.
@@ -216,191 +302,107 @@ class CheckpointManager:
         with contextlib.suppress(Exception):  # logged by _persist; the next save goes on
             self.wait()
 
-    def _persist(
-        self,
-        step: int,
-        parts: list[memoryview],
-        shared: dict[str, Any] | None,
-        own: dict[str, Any],
-    ) -> CheckpointInfo:
-        try:
-            begun = self.client.begin_checkpoint(step, [SHARD], generation=self.generation)
-            if begun.state == "committed":
-                return self.client.checkpoint(begun.version)
-            size = sum(len(p) for p in parts)
-            digest = checksum(parts)
-            label = f"checkpoint v{begun.version} step {step} rank {self.rank}"
-
-            def upload() -> None:
-                progress = Progress(f"{label}: upload", size, enabled=self.progress)
-                upload_parts(begun.upload_urls[SHARD], parts, progress)
-                progress.close()
-
-            self._retry(upload, f"uploading {label}")
-            info = self.client.report_checkpoint(
-                begun.version,
-                [ShardFile(name=SHARD, size=size, checksum=digest)],
-                metadata=shared,
-                rank_metadata=own,
-                generation=self.generation,
-            )
-            log.info(
-                "%s: %s (%d of %d ranks in)", label, info.state, info.reported, info.world_size
-            )
-            return info
-        except Exception as exc:
-            log.error("checkpoint of step %d failed: %s", step, exc)
-            raise
-
-    def _retry(self, action: Callable[[], T], what: str) -> T:
-        for attempt in range(1, self.attempts + 1):
-            try:
-                return action()
-            except (TransferDenied, TransferNotFound):
-                raise  # retrying cannot help
-            except TransferError as exc:
-                if attempt == self.attempts:
-                    raise TransferError(
-                        f"{what} failed {self.attempts} times; storage unreachable? {exc}"
-                    ) from exc
-                delay = min(2.0 ** (attempt - 1), 10.0)
-                log.warning("%s failed (%s); retry %d in %.0f s", what, exc, attempt, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
-
     # --- loading ------------------------------------------------------------------------
 
-    def load_latest(self, map_location: str | torch.device | None = None) -> Restored | None:
+    def load_latest(self, state: dict[str, Any] | None = None) -> Restored | None:
         """Restores the checkpoint this generation resumes from: the one the coordinator
         named when it sealed the generation, the same for every rank, whatever older or
         newer files any cache holds.
 
         Args:
-            map_location: Where tensors go; by default they stay on the CPU, as
-                copy-on-write views of the checkpoint (``load_state_dict`` copies them).
+            state: A state dict to load into, in place: its tensors and DTensors define
+                the layout (another mesh, placement or world size than the saver's
+                reshards), and each process reads only what its tensors need. Without
+                one, the whole state as saved, on the CPU (DDP's replicated state).
 
         Returns:
             The restored state, or None if the job has no checkpoint yet.
 
         Raises:
-            CheckpointCorrupt: A shard is missing, truncated or fails its checksum.
+            CheckpointCorrupt: A file is missing, truncated or fails its checksum.
+            CheckpointException: ``state`` asks for what the version does not hold.
             TransferError: Storage failed after retries.
         """
         pointer = self.assignment.checkpoint
         if pointer is None:
             return None
-        return self.load(pointer.version, map_location=map_location)
+        return self.load(pointer.version, state)
 
-    def load(self, version: int, map_location: str | torch.device | None = None) -> Restored:
+    def load(self, version: int, state: dict[str, Any] | None = None) -> Restored:
         """Restores one version (see :meth:`load_latest`), at any world size.
 
         Raises:
             UnknownCheckpoint: No such version (or it was collected).
-            CheckpointCorrupt: A shard is missing, truncated or fails its checksum.
+            CheckpointCorrupt: A file is missing, truncated or fails its checksum.
         """
-        info = self.client.checkpoint(version)
-        label = f"checkpoint v{version}"
-        manifest = self._manifest(info, label)
-        replicated: dict[str, torch.Tensor] = {}
-        own: dict[str, torch.Tensor] = {}
-        for shard in manifest.shards:
-            for f in shard.files:
-                name = f"rank-{shard.rank:05d}/{f.name}"
-                tensors = self._read(info.urls.get(name), f.size, f.checksum, f"{label} {name}")
-                for key, tensor in tensors.items():
-                    if key.startswith("s"):
-                        replicated[key] = tensor
-                    elif shard.rank == self.rank:
-                        own[key] = tensor
-
-        def resolve(table: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
-            def tensor(key: str) -> torch.Tensor:
-                if key not in table:
-                    raise CheckpointCorrupt(f"{label}: tensor {key} is in no shard")
-                found = table[key]
-                return found if map_location is None else found.to(map_location)
-
-            return tensor
-
-        shared = manifest.metadata or {}
-        rank_state = None
-        if self.rank < len(manifest.shards):
-            mine = manifest.shards[self.rank].metadata or {}
-            rank_state = unflatten(mine.get("state"), resolve(own))
-        restored = Restored(
-            version=manifest.version,
-            step=manifest.step,
-            generation=manifest.generation,
-            world_size=manifest.world_size,
-            state=unflatten(shared.get("state"), resolve(replicated)),
-            rank_state=rank_state,
-            metadata=shared.get("user"),
+        reader = RallypointReader(
+            self.client, version, progress=self.progress, attempts=self.attempts
         )
+        metadata = reader.read_metadata()
+        assert reader.manifest is not None
+        manifest = reader.manifest
+        saved = metadata.state_dict_metadata
+        own = f"{RESERVED}.rank.{self.rank}"
+        fixups_key = f"{RESERVED}.fixups"
+        extra = {k: _template(md) for k, md in saved.items() if k == own or k.startswith(own + ".")}
+        if fixups_key in saved:
+            extra[fixups_key] = None
+        if state is None:
+            mine = {k: _template(md) for k, md in saved.items() if not k.startswith(RESERVED + ".")}
+        else:
+            if RESERVED in state:
+                raise TypeError(f"state must not hold the key {RESERVED!r}")
+            mine = dict(state)
+        target = {**mine, **extra}
+        try:
+            # Each process plans its own reads: loading needs no collective.
+            with _single_process_quiet():
+                dcp_load(target, storage_reader=reader, no_dist=True)
+        except CheckpointException as exc:
+            raise _cause(exc, 0) from exc
+        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        fixups = target.get(fixups_key) or []
+        if state is None:
+            restored = _unflatten({k: target[k] for k in mine}, paths, fixups)
+        else:
+            for key in state:  # top-level plain values were replaced in the copy
+                state[key] = target[key]
+            restored = state
+        rank_state = None
+        if f"{own}.fixups" in target:  # this rank saved a rank_state (None too)
+            rank_fixups = target[f"{own}.fixups"] or []
+            ranked = _unflatten(
+                {k: target[k] for k in extra if k != fixups_key}, paths, rank_fixups
+            )
+            rank_state = ranked[RESERVED]["rank"][str(self.rank)].get("state")
         log.info(
-            "restored %s (step %d, saved by %d ranks) as rank %d of %d",
-            label,
+            "restored checkpoint v%d (step %d, saved by %d ranks) as rank %d of %d: %d bytes",
+            manifest.version,
             manifest.step,
             manifest.world_size,
             self.rank,
             self.world_size,
+            reader.bytes_read,
         )
-        return restored
-
-    def _manifest(self, info: CheckpointInfo, label: str) -> Manifest:
-        url = info.urls.get(MANIFEST)
-        if url is None:
-            raise CheckpointCorrupt(f"{label} has no manifest in storage")
-        try:
-            raw = self._retry(lambda: download(url), f"reading {label} manifest")
-        except TransferNotFound:
-            raise CheckpointCorrupt(f"{label}: its manifest is missing") from None
-        try:
-            manifest = Manifest.model_validate_json(raw)
-        except ValueError as exc:
-            raise CheckpointCorrupt(f"{label}: unreadable manifest: {exc}") from exc
-        if manifest.version != info.version or len(manifest.shards) != manifest.world_size:
-            raise CheckpointCorrupt(f"{label}: the manifest does not describe this version")
-        return manifest
-
-    def _read(
-        self, url: str | None, size: int, expected: str, what: str
-    ) -> dict[str, torch.Tensor]:
-        if url is None:
-            raise CheckpointCorrupt(f"{what} is missing from storage")
-
-        def fetch() -> torch.Tensor:
-            progress = Progress(f"{what}: download", size, enabled=self.progress)
-            data = read_object(url, size, progress)
-            progress.close()
-            return data
-
-        try:
-            data = self._retry(fetch, f"reading {what}")
-        except TransferNotFound:
-            raise CheckpointCorrupt(f"{what} is missing from storage") from None
-        if data.numel() != size:
-            raise CheckpointCorrupt(f"{what} holds {data.numel()} bytes; the manifest says {size}")
-        view = as_memoryview(data)
-        progress = Progress(f"{what}: verify", size, enabled=self.progress)
-        chunks = (view[i : i + _HASH_CHUNK] for i in range(0, size, _HASH_CHUNK))
-
-        def counted() -> Any:
-            for chunk in chunks:
-                yield chunk
-                progress.update(len(chunk))
-
-        actual = checksum(counted())
-        progress.close()
-        if actual != expected:
-            raise CheckpointCorrupt(f"{what} fails its checksum ({actual}, expected {expected})")
-        return read_shard(data, what)
+        return Restored(
+            version=manifest.version,
+            step=manifest.step,
+            generation=manifest.generation,
+            world_size=manifest.world_size,
+            state=restored,
+            rank_state=rank_state,
+            metadata=(manifest.metadata or {}).get("user"),
+            bytes_from={"storage": reader.bytes_read},
+        )
 
     # --- lifecycle ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for the save in flight and stops the background thread."""
+        """Waits for the save in flight, stops the background thread and frees the
+        staging buffers."""
         self._settle()
         self._executor.shutdown(wait=True)
+        self._stager.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -412,3 +414,178 @@ class CheckpointManager:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silences DCP's warning that it "assumes" one process: without a group, it is the
+    manager's choice, not a guess."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _cause(exc: CheckpointException, rank: int) -> BaseException:
+    """The error behind DCP's wrapper: this rank's own if it failed, else the first."""
+    failures = exc.failures
+    if not failures:
+        return exc
+    chosen = failures.get(rank) or next(iter(failures.values()))
+    cause = chosen[0] if isinstance(chosen, tuple) else chosen
+    return cause if isinstance(cause, BaseException) else exc
+
+
+def _is_terminal(value: Any) -> bool:
+    """Whether DCP's flattening stores ``value`` whole (see
+    ``torch.distributed.checkpoint`` ``traverse_state_dict``): everything but dicts, and
+    lists holding no tensor, dict or such list."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(
+        isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not _is_terminal(v))
+        for v in value
+    )
+
+
+def _check(
+    value: Any, where: str, prefix: tuple[str | int, ...] = ()
+) -> list[tuple[tuple[str | int, ...], str]]:
+    """Refuses what cannot be checkpointed, before a byte is copied or uploaded.
+
+    Returns:
+        What DCP's flattening would lose, to be put back on load: the paths (as DCP
+        names them, after ``prefix``) of dicts with int keys and of empty dicts.
+
+    Raises:
+        TypeError: The message names the offending value's place.
+    """
+    fixups: list[tuple[tuple[str | int, ...], str]] = []
+
+    def walk(v: Any, path: tuple[str | int, ...], label: str) -> None:
+        if isinstance(v, torch.Tensor):
+            if not isinstance(v, DTensor) and v.layout != torch.strided:
+                raise TypeError(f"{label}: only dense (strided) tensors can be saved")
+            if v.is_quantized:
+                raise TypeError(f"{label}: quantized tensors cannot be saved")
+            return
+        if isinstance(v, Mapping):
+            keys = list(v)
+            if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in keys):
+                raise TypeError(f"{label}: dict keys must be str or int")
+            if not keys:
+                fixups.append((path, "empty"))
+            elif any(isinstance(k, int) for k in keys):
+                if any(isinstance(k, str) for k in keys):
+                    raise TypeError(f"{label}: a dict's keys must be all str or all int")
+                fixups.append((path, "int"))
+            for k, item in v.items():
+                walk(item, (*path, str(k)), f"{label}[{k!r}]")
+            return
+        if isinstance(v, (list, tuple)):
+            for i, item in enumerate(v):
+                walk(item, (*path, i), f"{label}[{i}]")
+            return
+        if not isinstance(v, _JSON_SCALARS):
+            raise TypeError(
+                f"{label}: cannot checkpoint a {type(v).__name__}; use tensors, DTensors, "
+                "dicts, lists, tuples, str, int, float, bool or None"
+            )
+
+    walk(value, prefix, where)
+    return fixups
+
+
+def _plain_tensors(value: Any, path: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(value, DTensor):
+        return
+    if isinstance(value, torch.Tensor):
+        out[path] = value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _plain_tensors(v, f"{path}.{k}" if path else str(k), out)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _plain_tensors(v, f"{path}.{i}", out)
+
+
+def _verify_replicated(state: Mapping[str, Any], group: dist.ProcessGroup) -> None:
+    tensors: dict[str, torch.Tensor] = {}
+    _plain_tensors(state, "", tensors)
+    digests = {}
+    for name, t in tensors.items():
+        h = xxhash.xxh3_64()
+        h.update(tensor_bytes(t.detach().cpu()))
+        digests[name] = (str(t.dtype), tuple(t.shape), h.intdigest())
+    gathered: list[dict[str, Any] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, digests, group=group)
+    differ = sorted(
+        name
+        for name in digests
+        if len({d[name] for d in gathered if d is not None and name in d}) > 1
+    )
+    if differ:
+        shown = ", ".join(differ[:5]) + (f" and {len(differ) - 5} more" if len(differ) > 5 else "")
+        raise StateNotReplicated(
+            f"state holds plain tensors that differ across ranks: {shown}. A plain tensor "
+            "is saved from one rank; per-rank values belong in rank_state, sharded ones "
+            "in DTensors"
+        )
+
+
+def _template(md: Any) -> Any:
+    """An empty value DCP can load the saved item described by ``md`` into."""
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(md.size, dtype=md.properties.dtype)
+    if isinstance(md, BytesStorageMetadata):
+        return None
+    raise TypeError(f"unknown item metadata {type(md).__name__}")
+
+
+def _unflatten(
+    flat: dict[str, Any],
+    paths: Mapping[str, tuple[str | int, ...]],
+    fixups: list[tuple[tuple[str | int, ...], str]],
+) -> dict[str, Any]:
+    """Rebuilds the nested state DCP flattened (``paths``: its FQN to path mapping), with
+    int dict keys and empty dicts put back."""
+    nested: dict[str, Any] = {}
+    order = [k for k in paths if k in flat] + [k for k in flat if k not in paths]
+    for fqn in order:
+        path = paths.get(fqn, (fqn,))
+        node: Any = nested
+        for key, following in itertools.pairwise(path):
+            node = _child(node, key, [] if isinstance(following, int) else {})
+        _put(node, path[-1], flat[fqn])
+    for path, kind in sorted(fixups, key=lambda f: -len(f[0])):
+        node = nested
+        for key in path[:-1]:
+            node = _child(node, key, {})
+        if kind == "empty":
+            _child(node, path[-1], {})
+        else:
+            held = _child(node, path[-1], {})
+            _put(node, path[-1], {int(k): v for k, v in held.items()})
+    return nested
+
+
+def _child(node: Any, key: str | int, empty: Any) -> Any:
+    if isinstance(node, list):
+        assert isinstance(key, int)
+        node.extend([None] * (key + 1 - len(node)))
+        if node[key] is None:
+            node[key] = empty
+        return node[key]
+    return node.setdefault(key, empty)
+
+
+def _put(node: Any, key: str | int, value: Any) -> None:
+    if isinstance(node, list):
+        assert isinstance(key, int)
+        node.extend([None] * (key + 1 - len(node)))
+    node[key] = value

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, cast
 
@@ -20,11 +21,11 @@ from rallypoint.client._fileurl import SourceError, verify_file_url, write_atomi
 from rallypoint.client._recycle import pin
 from rallypoint.client.errors import SignedUrlError
 
+from ._bytes import as_memoryview
 from ._progress import Progress
-from ._shard import as_memoryview
 from .errors import TransferDenied, TransferError, TransferNotFound
 
-__all__ = ["download", "read_object", "upload", "upload_parts"]
+__all__ = ["download", "read_object", "read_range", "upload", "upload_parts"]
 
 _PARALLEL = 8
 _CHUNK = 8 << 20
@@ -133,11 +134,11 @@ def upload_parts(url: str, parts: Sequence[memoryview], progress: Progress | Non
     from azure.core.exceptions import AzureError
     from azure.storage.blob import BlobBlock, BlobClient
 
-    blocks = [p[i : i + _CHUNK] for p in parts for i in range(0, len(p), _CHUNK)]
+    blocks = _blocks(parts)
     try:
         with BlobClient.from_blob_url(url) as blob:
             if len(blocks) <= 1:
-                data = bytes(blocks[0]) if blocks else b""
+                data = blocks[0]() if blocks else b""
                 blob.upload_blob(data, overwrite=True)
                 if progress is not None:
                     progress.update(len(data))
@@ -145,15 +146,38 @@ def upload_parts(url: str, parts: Sequence[memoryview], progress: Progress | Non
             ids = [base64.b64encode(f"{i:08d}".encode()).decode() for i in range(len(blocks))]
 
             def stage(i: int) -> None:
-                blob.stage_block(ids[i], bytes(blocks[i]), length=len(blocks[i]))
+                data = blocks[i]()
+                blob.stage_block(ids[i], data, length=len(data))
                 if progress is not None:
-                    progress.update(len(blocks[i]))
+                    progress.update(len(data))
 
             with ThreadPoolExecutor(_PARALLEL) as pool:
                 list(pool.map(stage, range(len(blocks))))
             blob.commit_block_list([BlobBlock(block_id=i) for i in ids])
     except AzureError as exc:
         raise _azure_error(exc, url) from exc
+
+
+def _blocks(parts: Sequence[memoryview]) -> list[Callable[[], bytes]]:
+    """``parts`` cut and joined into blocks of ``_CHUNK`` bytes, each built when staged:
+    a checkpoint is many tensors, most far smaller than a block, and a request per tensor
+    would cost a round trip each."""
+    blocks: list[Callable[[], bytes]] = []
+    pending: list[memoryview] = []
+    filled = 0
+    for part in parts:
+        at = 0
+        while at < len(part):
+            piece = part[at : at + _CHUNK - filled]
+            pending.append(piece)
+            filled += len(piece)
+            at += len(piece)
+            if filled == _CHUNK:
+                blocks.append(functools.partial(b"".join, pending))
+                pending, filled = [], 0
+    if pending:
+        blocks.append(functools.partial(b"".join, pending))
+    return blocks
 
 
 class _Into:
@@ -230,6 +254,47 @@ def read_object(url: str, size: int, progress: Progress | None = None) -> torch.
             stream = blob.download_blob(max_concurrency=_PARALLEL, progress_hook=hook)
             if stream.size != size:
                 return buffer[: min(size, stream.size)]  # the caller reports the mismatch
+            stream.readinto(cast(BinaryIO, _Into(as_memoryview(buffer))))
+    except AzureError as exc:
+        raise _azure_error(exc, url) from exc
+    return buffer
+
+
+def read_range(
+    url: str, offset: int, length: int, progress: Progress | None = None
+) -> torch.Tensor:
+    """Bytes ``offset .. offset + length`` of an object, as a uint8 tensor.
+
+    A local object is mapped copy-on-write as in :func:`read_object` (only the pages
+    read are read); an Azure object is downloaded in parallel ranges.
+
+    Raises:
+        TransferDenied, TransferNotFound, TransferError: As for :func:`download`.
+    """
+    if url.startswith("file:"):
+        whole = read_object(url, offset + length, progress)
+        return whole[offset : offset + length]
+    from azure.core.exceptions import AzureError
+    from azure.storage.blob import BlobClient
+
+    buffer = torch.empty(length, dtype=torch.uint8)
+    if length == 0:
+        return buffer
+    seen = 0
+
+    def hook(current: int, total: int | None) -> None:
+        nonlocal seen
+        if progress is not None and current > seen:
+            progress.update(current - seen)
+            seen = current
+
+    try:
+        with BlobClient.from_blob_url(url) as blob:
+            stream = blob.download_blob(
+                offset, length, max_concurrency=_PARALLEL, progress_hook=hook
+            )
+            if stream.size != length:
+                return buffer[: min(length, stream.size)]  # the caller reports the mismatch
             stream.readinto(cast(BinaryIO, _Into(as_memoryview(buffer))))
     except AzureError as exc:
         raise _azure_error(exc, url) from exc

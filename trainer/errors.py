@@ -7,7 +7,8 @@ Hierarchy::
     │   ├── TransferDenied     the signed URL is expired, tampered or out of scope
     │   └── TransferNotFound   the object a read URL names does not exist
     └── CheckpointError        a checkpoint could not be saved or loaded
-        └── CheckpointCorrupt  a shard is missing, truncated or fails its checksum
+        ├── CheckpointCorrupt  a file is missing, truncated or fails its checksum
+        └── StateNotReplicated a plain tensor of ``state`` differs across ranks
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
     "RallypointTrainerError",
+    "StateNotReplicated",
     "TransferDenied",
     "TransferError",
     "TransferNotFound",
@@ -54,3 +56,11 @@ class CheckpointCorrupt(CheckpointError):
     """A shard is missing, truncated, or its bytes do not match the manifest's checksum."""
 
     code = "checkpoint_corrupt"
+
+
+class StateNotReplicated(CheckpointError):
+    """A plain (non-DTensor) tensor of ``state`` differs across ranks: it would be saved
+    from one rank only. Per-rank values belong in ``rank_state``; sharded ones in DTensors.
+    Raised by ``verify_replicated=True``, before a byte is uploaded."""
+
+    code = "state_not_replicated"

@@ -11,7 +11,7 @@ import torch
 
 from rallypoint.client._recycle import RECYCLE_DIR
 from rallypoint.service.storage import BlobStore, LocalStorage
-from rallypoint.trainer._shard import as_memoryview
+from rallypoint.trainer._bytes import as_memoryview
 from rallypoint.trainer._transfer import read_object
 
 MiB = 1 << 20

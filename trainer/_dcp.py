@@ -1,0 +1,561 @@
+"""``torch.distributed.checkpoint`` (DCP) storage over the coordinator's versions.
+
+DCP plans what every rank writes (DTensor and ShardedTensor layouts, one copy of each
+replicated tensor) and what every rank reads (resharding to another mesh, placement or
+world size). :class:`RallypointWriter` and :class:`RallypointReader` move those bytes
+through the coordinator's scoped URLs and commit through its fenced report:
+
+    every rank   prepare_local_plan   begin the step's version (fenced: a zombie stops here)
+    every rank   write_data           one file, rank-RRRRR/data.distcp, uploaded and
+                                      reported, with a checksum per item
+    rank 0       finish               DCP's metadata, rank-00000/dcp.metadata, uploaded and
+                                      reported; the version commits once all ranks are in
+
+A file holds each item's bytes as they lie in memory (a tensor's elements in row-major
+order, a non-tensor value as ``torch.save`` wrote it), 64-byte aligned, at the offsets
+DCP's metadata records, so a reader fetches only the items its plan names and views
+local files without a copy. Every item carries its own xxh3-128, checked on read.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from rallypoint.client import (
+    MAX_METADATA_BYTES,
+    CheckpointInfo,
+    ElasticClient,
+    Manifest,
+    ShardFile,
+    UnknownCheckpoint,
+)
+
+from ._bytes import as_memoryview, checksum, tensor_bytes
+from ._progress import Progress
+from ._transfer import download, read_object, read_range, upload_parts
+from .errors import CheckpointCorrupt, TransferDenied, TransferError, TransferNotFound
+
+__all__ = ["DATA", "METADATA", "RallypointReader", "RallypointWriter", "StoredItem", "retry"]
+
+log = logging.getLogger("rallypoint.trainer")
+
+#: Every rank's file of a version, in its folder ``rank-RRRRR/``.
+DATA = "data.distcp"
+#: DCP's metadata (pickled, as DCP's own FileSystemWriter keeps it), in rank 0's folder.
+METADATA = "dcp.metadata"
+MANIFEST = "manifest.json"
+FORMAT = "rallypoint.checkpoint/2"
+_ALIGN = 64
+#: Items closer than this in a file are fetched from Azure in one ranged read: a request
+#: costs about what 64 KiB of transfer does, so merging across more wastes bandwidth.
+_MERGE_GAP = 64 << 10
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StoredItem:
+    """Where DCP's metadata finds one item (its ``storage_data``).
+
+    Pickled inside the version's metadata: renaming this class or its module breaks
+    every version saved before.
+    """
+
+    #: The file, relative to the version's folder (``rank-00003/data.distcp``).
+    path: str
+    offset: int
+    length: int
+    checksum: str
+    #: For tensors: the dtype's name and the saved chunk's shape; None for bytes items.
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+
+
+def retry(action: Callable[[], T], what: str, attempts: int) -> T:
+    """Runs ``action``, retrying transfer errors with capped exponential backoff.
+
+    Raises:
+        TransferDenied, TransferNotFound: At once; retrying cannot help.
+        TransferError: The last attempt failed too.
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return action()
+        except (TransferDenied, TransferNotFound):
+            raise
+        except TransferError as exc:
+            if attempt == attempts:
+                raise TransferError(
+                    f"{what} failed {attempts} times; storage unreachable? {exc}"
+                ) from exc
+            delay = min(2.0 ** (attempt - 1), 10.0)
+            log.warning("%s failed (%s); retry %d in %.0f s", what, exc, attempt, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def global_rank() -> tuple[int, int]:
+    """This process's rank and the number of processes: the default process group's,
+    or 0 of 1 without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _done(value: T) -> Future[T]:
+    fut: Future[T] = Future()
+    fut.set_result(value)
+    return fut
+
+
+class RallypointWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that saves one step as a version of the coordinator's.
+
+    Every rank of the job's default process group passes its own writer to the same
+    ``dcp.save`` or ``dcp.async_save``; the version commits, and becomes the job's latest
+    if its generation still runs and its step is newer, once every rank's files are in::
+
+        writer = RallypointWriter(client, step)
+        dcp.save(state, storage_writer=writer)
+        writer.info  # this rank's view of the version: "committed" once all are in
+
+    Args:
+        client: The node's client, joined.
+        step: The training step the version holds.
+        generation: Defaults to the client's.
+        metadata: Small JSON values kept in the manifest (rank 0's are kept).
+        progress: Show progress of uploads that take more than a second.
+        attempts: Tries per upload before giving up.
+
+    Raises:
+        TypeError, ValueError: ``metadata`` is not JSON or is over its limit.
+    """
+
+    def __init__(
+        self,
+        client: ElasticClient,
+        step: int,
+        *,
+        generation: int | None = None,
+        metadata: dict[str, Any] | None = None,
+        progress: bool = False,
+        attempts: int = 3,
+    ) -> None:
+        super().__init__()
+        check_metadata(metadata)
+        self.client = client
+        self.step = step
+        self.generation = generation
+        self.metadata = metadata
+        self.progress = progress
+        self.attempts = attempts
+        self.rank, self.world_size = 0, 1
+        #: This rank's report's answer, once written.
+        self.info: CheckpointInfo | None = None
+        self._urls: dict[str, str] = {}
+        self._version = 0
+        self._committed = False
+        self._data: ShardFile | None = None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """See base class. ``checkpoint_id`` is not used: the coordinator names versions."""
+        self.info, self._urls, self._data, self._committed = None, {}, None, False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """See base class."""
+        self.rank, self.world_size = global_rank()
+        if is_coordinator != (self.rank == 0):
+            raise ValueError(
+                "RallypointWriter saves through the job's default process group, with "
+                f"global rank 0 as DCP's coordinator (this is rank {self.rank})"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """See base class. Begins the version: a rank of an ended generation stops here."""
+        files = [DATA, METADATA] if self.rank == 0 else [DATA]
+        begun = self.client.begin_checkpoint(
+            self.step,
+            files,
+            generation=self.generation,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self._version, self._urls = begun.version, begun.upload_urls
+        self._committed = begun.state == "committed"  # a retried save of a saved step
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """See base class."""
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """See base class. Uploads this rank's file; ranks other than 0 report it."""
+        if self._committed:
+            return _done([])
+        path = f"rank-{self.rank:05d}/{DATA}"
+        parts: list[memoryview] = []
+        results: list[WriteResult] = []
+        offset = 0
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
+                raw = data.getbuffer()
+                dtype, shape = None, None
+            else:
+                assert isinstance(data, torch.Tensor)
+                cpu = data if data.device.type == "cpu" else data.cpu()
+                raw = tensor_bytes(cpu)
+                dtype, shape = _dtype_name(cpu.dtype), tuple(cpu.shape)
+            pad = -offset % _ALIGN
+            if pad:
+                parts.append(memoryview(bytes(pad)))
+                offset += pad
+            parts.append(raw)
+            stored = StoredItem(path, offset, len(raw), checksum([raw]), dtype, shape)
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=stored)
+            )
+            offset += len(raw)
+        # The file's checksum covers its items' checksums: hashing the bytes twice would
+        # double the cost of the only CPU-bound part of a save.
+        digest = checksum([json.dumps([r.storage_data.checksum for r in results]).encode()])
+        self._upload(DATA, parts, offset)
+        self._data = ShardFile(name=DATA, size=offset, checksum=digest)
+        if self.rank != 0:
+            self.info = self._report([self._data], None)
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """See base class. Rank 0 uploads DCP's metadata and reports last."""
+        if self._committed:
+            self.info = self.client.checkpoint(self._version)
+            return
+        storage: dict[MetadataIndex, Any] = {}
+        for rank_results in results:
+            storage.update({r.index: r.storage_data for r in rank_results})
+        metadata.storage_data = storage
+        raw = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        self._upload(METADATA, [memoryview(raw)], len(raw))
+        assert self._data is not None
+        files = [self._data, ShardFile(name=METADATA, size=len(raw), checksum=checksum([raw]))]
+        self.info = self._report(files, self.metadata)
+
+    def _upload(self, name: str, parts: list[memoryview], size: int) -> None:
+        url = self._urls.get(name)
+        if url is None:
+            raise TransferDenied(f"version {self._version} gave no write URL for {name}")
+        label = f"checkpoint v{self._version} step {self.step} rank {self.rank}: {name}"
+
+        def upload() -> None:
+            progress = Progress(f"{label}: upload", size, enabled=self.progress)
+            upload_parts(url, parts, progress)
+            progress.close()
+
+        retry(upload, f"uploading {label}", self.attempts)
+
+    def _report(self, files: list[ShardFile], metadata: dict[str, Any] | None) -> CheckpointInfo:
+        info = self.client.report_checkpoint(
+            self._version,
+            files,
+            metadata={"user": metadata} if self.rank == 0 else None,
+            generation=self.generation,
+            rank=self.rank,
+        )
+        log.info(
+            "checkpoint v%d step %d rank %d: %s (%d of %d ranks in)",
+            self._version,
+            self.step,
+            self.rank,
+            info.state,
+            info.reported,
+            info.world_size,
+        )
+        return info
+
+    def storage_meta(self) -> None:
+        """See base class."""
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        """See base class: versions are named by the coordinator, never by an id."""
+        return False
+
+
+class RallypointReader(StorageReader):
+    """A DCP ``StorageReader`` of one committed version of the coordinator's.
+
+    With ``version=None`` it reads the version this generation resumes from (the one the
+    coordinator named in the client's assignment, the same for every rank), else the
+    job's latest. Each rank fetches only the items its load plan names, and checks each
+    against its checksum::
+
+        dcp.load(state, storage_reader=RallypointReader(client))
+
+    Args:
+        client: The node's client.
+        version: The version to read; see above for None.
+        progress: Show progress of downloads that take more than a second.
+        attempts: Tries per download before giving up.
+
+    Raises:
+        UnknownCheckpoint: ``version`` is None and the job has no checkpoint.
+    """
+
+    def __init__(
+        self,
+        client: ElasticClient,
+        version: int | None = None,
+        *,
+        progress: bool = False,
+        attempts: int = 3,
+    ) -> None:
+        super().__init__()
+        if version is None and client.assignment is not None:
+            pointer = client.assignment.checkpoint
+            if pointer is None:
+                raise UnknownCheckpoint("this generation resumes from no checkpoint")
+            version = pointer.version
+        self.client = client
+        self.version = version
+        self.progress = progress
+        self.attempts = attempts
+        #: Bytes fetched from storage by this reader (the manifest's and metadata's too).
+        self.bytes_read = 0
+        self.manifest: Manifest | None = None
+        self._info: CheckpointInfo | None = None
+        self._metadata: Metadata | None = None
+        self._verified: set[tuple[str, int]] = set()
+
+    @property
+    def label(self) -> str:
+        return f"checkpoint v{self.version}" if self.version else "the latest checkpoint"
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """See base class. ``checkpoint_id`` is not used: pass ``version``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """See base class. Reads the manifest, then DCP's metadata, checked against it.
+
+        Raises:
+            CheckpointCorrupt: Either is missing or does not match.
+        """
+        if self._metadata is not None:
+            return self._metadata
+        info = self.client.checkpoint(self.version)
+        self.version, self._info = info.version, info
+        manifest = self._manifest(info)
+        if manifest.format != FORMAT:
+            raise CheckpointCorrupt(
+                f"{self.label} was saved by a release of Rallypoint before 0.2 (format "
+                f"{manifest.format}); this release reads only {FORMAT} (DCP) versions"
+            )
+        files = {f.name: f for f in manifest.shards[0].files} if manifest.shards else {}
+        if METADATA not in files:
+            raise CheckpointCorrupt(f"{self.label}: rank 0 reported no {METADATA}")
+        meta_file = files[METADATA]
+        raw = self._download(f"rank-00000/{METADATA}")
+        if len(raw) != meta_file.size or checksum([raw]) != meta_file.checksum:
+            raise CheckpointCorrupt(f"{self.label}: {METADATA} fails its checksum")
+        # Pickle, as DCP's FileSystemReader reads its own; these bytes are the ones
+        # the coordinator's manifest vouches for.
+        metadata = pickle.loads(raw)
+        if not isinstance(metadata, Metadata):
+            raise CheckpointCorrupt(f"{self.label}: {METADATA} is not DCP metadata")
+        self.manifest, self._metadata = manifest, metadata
+        return metadata
+
+    def _manifest(self, info: CheckpointInfo) -> Manifest:
+        try:
+            raw = self._download(MANIFEST)
+        except TransferNotFound:
+            raise CheckpointCorrupt(f"{self.label}: its manifest is missing") from None
+        try:
+            manifest = Manifest.model_validate_json(raw)
+        except ValueError as exc:
+            raise CheckpointCorrupt(f"{self.label}: unreadable manifest: {exc}") from exc
+        if manifest.version != info.version or len(manifest.shards) != manifest.world_size:
+            raise CheckpointCorrupt(f"{self.label}: the manifest does not describe this version")
+        return manifest
+
+    def _url(self, name: str) -> str:
+        assert self._info is not None
+        url = self._info.urls.get(name)
+        if url is None:
+            raise CheckpointCorrupt(f"{self.label}: {name} is missing from storage")
+        return url
+
+    def _download(self, name: str) -> bytes:
+        url = self._url(name)
+        try:
+            raw = retry(lambda: download(url), f"reading {self.label} {name}", self.attempts)
+        except TransferNotFound:
+            raise CheckpointCorrupt(f"{self.label}: {name} is missing from storage") from None
+        self.bytes_read += len(raw)
+        return raw
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """See base class."""
+        self._metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """See base class."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """See base class."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """See base class. Fetches the items of ``plan``, file by file, each checked
+        against its checksum before it is used.
+
+        Raises:
+            CheckpointCorrupt: A file is missing or short, or an item fails its checksum.
+        """
+        assert self._metadata is not None
+        storage = self._metadata.storage_data
+        per_file: dict[str, list[tuple[ReadItem, StoredItem]]] = {}
+        for req in plan.items:
+            stored = storage.get(req.storage_index)
+            if not isinstance(stored, StoredItem):
+                raise CheckpointCorrupt(f"{self.label}: {req.storage_index.fqn} has no place")
+            per_file.setdefault(stored.path, []).append((req, stored))
+        for path, reqs in per_file.items():
+            fetched = self._fetch(path, [s for _, s in reqs])
+            for req, stored in reqs:
+                raw = fetched(stored)
+                self._verify(stored, raw)
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(bytes(as_memoryview(raw))))
+                    continue
+                assert stored.dtype is not None and stored.shape is not None
+                tensor = raw.view(_dtype(stored.dtype)).view(stored.shape)
+                for dim, (start, length) in enumerate(
+                    zip(req.storage_offsets, req.lengths, strict=True)
+                ):
+                    tensor = tensor.narrow(dim, start, length)
+                target = planner.resolve_tensor(req).detach()
+                if target.size() != tensor.size():
+                    raise CheckpointCorrupt(
+                        f"{self.label}: {req.storage_index.fqn} holds {tuple(tensor.size())}, "
+                        f"the load plan wants {tuple(target.size())}"
+                    )
+                target.copy_(tensor)
+                planner.commit_tensor(req, target)
+        return _done(None)
+
+    def _fetch(
+        self, path: str, items: Sequence[StoredItem]
+    ) -> Callable[[StoredItem], torch.Tensor]:
+        """The bytes of ``items`` of one file: a local file is mapped (its pages read as
+        they are used); from Azure, items close together come in one ranged read."""
+        url = self._url(path)
+        what = f"{self.label} {path}"
+        wanted = sorted({(s.offset, s.length) for s in items})
+        end = max(o + n for o, n in wanted)
+        try:
+            if url.startswith("file:"):
+                whole = retry(lambda: read_object(url, end), f"reading {what}", self.attempts)
+                if whole.numel() < end:
+                    raise CheckpointCorrupt(
+                        f"{what} holds {whole.numel()} bytes; items end at {end}"
+                    )
+                self.bytes_read += sum(n for _, n in wanted)
+                return lambda s: whole[s.offset : s.offset + s.length]
+            spans: list[list[int]] = []
+            for offset, length in wanted:
+                if spans and offset - spans[-1][1] <= _MERGE_GAP:
+                    spans[-1][1] = max(spans[-1][1], offset + length)
+                else:
+                    spans.append([offset, offset + length])
+            fetched: list[tuple[int, torch.Tensor]] = []
+            progress = Progress(
+                f"{what}: download", sum(b - a for a, b in spans), enabled=self.progress
+            )
+            for start, stop in spans:
+                data = retry(
+                    lambda: read_range(url, start, stop - start, progress),  # noqa: B023
+                    f"reading {what}",
+                    self.attempts,
+                )
+                if data.numel() != stop - start:
+                    raise CheckpointCorrupt(f"{what} is shorter than its items")
+                self.bytes_read += data.numel()
+                fetched.append((start, data))
+            progress.close()
+        except TransferNotFound:
+            raise CheckpointCorrupt(f"{what} is missing from storage") from None
+
+        def item(s: StoredItem) -> torch.Tensor:
+            for start, data in fetched:
+                if start <= s.offset and s.offset + s.length <= start + data.numel():
+                    return data[s.offset - start : s.offset - start + s.length]
+            raise AssertionError("an item outside the fetched spans")
+
+        return item
+
+    def _verify(self, stored: StoredItem, raw: torch.Tensor) -> None:
+        key = (stored.path, stored.offset)
+        if key in self._verified:
+            return
+        if raw.numel() != stored.length or checksum([as_memoryview(raw)]) != stored.checksum:
+            raise CheckpointCorrupt(
+                f"{self.label}: {stored.path} at {stored.offset} fails its checksum"
+            )
+        self._verified.add(key)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        """See base class: versions are named by the coordinator, never by an id."""
+        return False
+
+
+def check_metadata(metadata: dict[str, Any] | None) -> None:
+    """Refuses ``metadata`` that is not JSON or too large for a report, before any upload.
+
+    Raises:
+        TypeError: It holds what JSON cannot (tensors, NaN).
+        ValueError: It is over :data:`~rallypoint.client.MAX_METADATA_BYTES`.
+    """
+    try:
+        size = len(json.dumps({"user": metadata}, allow_nan=False, separators=(",", ":")))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must be JSON values: {exc}") from None
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(f"metadata is {size} bytes as JSON; at most {MAX_METADATA_BYTES}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointCorrupt(f"unknown dtype {name!r} in a checkpoint's metadata")
+    return dtype
