@@ -148,6 +148,7 @@ class Cluster:
         checkpoint_every: Steps between asynchronous checkpoints.
         script: The training script and its arguments, instead of the example.
         rdzv: torchrun's rendezvous flags, instead of the rallypoint backend's.
+        nproc: Worker processes per node (torchrun's ``--nproc-per-node``).
     """
 
     def __init__(
@@ -165,8 +166,10 @@ class Cluster:
         checkpoint_every: int = 10,
         script: Sequence[str] | None = None,
         rdzv: Sequence[str] | None = None,
+        nproc: int = 1,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
+        self.nproc = nproc
         self.events_file = workdir / f"{job}.events.jsonl"
         self.nnodes = nnodes
         self.conf = f"heartbeat_timeout={heartbeat_timeout},last_call={last_call}"
@@ -219,7 +222,7 @@ class Cluster:
             *launcher,
             *self.rdzv,
             f"--nnodes={self.nnodes}",
-            "--nproc-per-node=1",
+            f"--nproc-per-node={self.nproc}",
             "--max-restarts=100",
             "--monitor-interval=0.1",
             "--local-addr=127.0.0.1",

@@ -33,8 +33,6 @@ import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient
@@ -277,6 +275,10 @@ class CheckpointManager:
     def _persist(
         self, staged: dict[str, Any], writer: RallypointWriter, group: dist.ProcessGroup | None
     ) -> CheckpointInfo:
+        # Imported here: torchrun imports this package (the rendezvous plugin) while
+        # torch.distributed.checkpoint is itself half imported.
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
         try:
             with _single_process_quiet():
                 dcp_save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -335,6 +337,8 @@ class CheckpointManager:
             UnknownCheckpoint: No such version (or it was collected).
             CheckpointCorrupt: A file is missing, truncated or fails its checksum.
         """
+        from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
         reader = RallypointReader(
             self.client, version, progress=self.progress, attempts=self.attempts
         )
