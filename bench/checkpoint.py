@@ -18,13 +18,22 @@ Each figure is the median of ``--repeat`` rounds after one warm-up (for our save
 after four: from then on retention collects a version per save, as in a long job);
 pairs alternate. The first saves' rates are printed too.
 
+The sharded run (``--mode sharded``): 4 processes, each its own node with a gloo
+process group, hold 1 GiB of float32 DTensors in all (16 tensors, ``Shard(0)``).
+Side by side in the same processes: ``dcp.async_save`` with ``FileSystemWriter`` (as it
+comes, and with a ``DefaultStager`` that caches its buffers), ``torch.save`` of the state
+gathered on rank 0, a copy of each rank's shards into preallocated buffers, and
+``dcp.load`` with ``FileSystemReader``, at world 4 and resharded at world 2. On Azurite,
+the anchors are every rank's ``upload_blob`` / ``download_blob`` of its own bytes.
+
 Usage: python bench/checkpoint.py [--mib 1024] [--tensors 64] [--repeat 3]
-       [--only local|azurite]
+       [--only local|azurite] [--mode single|sharded|both]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -46,6 +55,7 @@ from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
 from tests._azurite import running_azurite  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
+from tests._ranks import run_ranks  # noqa: E402
 
 MiB = 1 << 20
 KEEP = 3  # the coordinator's default retention (RALLYPOINT_CHECKPOINT_KEEP)
@@ -232,7 +242,7 @@ print((rss("VmHWM:") - before) / sum(t.numel() * 4 for t in state.values()))
 
 
 def shard_path(store: Path, version: int) -> Path:
-    (path,) = store.glob(f"**/v{version:010d}/rank-00000/shard.safetensors")
+    (path,) = store.glob(f"**/v{version:010d}/rank-00000/data.distcp")
     return path
 
 
@@ -300,13 +310,92 @@ def bench(
         print(f"blocked     {blocked:8.3f} s")
 
 
+SHARDED_WORLD = 4
+
+
+def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str | None) -> None:
+    """The 4-process DTensor run (see the module's docstring)."""
+    body = (ROOT / "bench" / "_sharded_body.py").read_text()
+    params: dict[str, object] = {
+        "rows": args.mib * MiB // 4 // 1024 // 16,
+        "tensors": 16,
+        "repeat": args.repeat,
+        "warmup": KEEP + 1,
+        "work": str(work),
+        "conn": conn,
+    }
+
+    def phase(name: str, nodes: list[str], **extra: object) -> dict[str, float]:
+        os.environ["BENCH_PARAMS"] = json.dumps({**params, **extra, "phase": name})
+        results = run_ranks(url, f"sharded-{kind}", nodes, body, work / "ranks", timeout=1800)
+        errors = [r["error"] for r in results if "error" in r]
+        assert not errors, errors
+        # Every rank timed the same barrier-to-barrier spans; rank 0 speaks for them,
+        # but the peak memory is the worst rank's.
+        out: dict[str, float] = dict(results[0])
+        out["peak_rss_x"] = max(float(r.get("peak_rss_x", 0.0)) for r in results)
+        out["bytes_read_mib"] = max(float(r.get("bytes_read_mib", 0.0)) for r in results)
+        return out
+
+    saved = phase("save", [f"s{i}" for i in range(SHARDED_WORLD)])
+    # Peak memory in fresh processes that only save, as a trainer does: the save phase
+    # also holds the anchors' buffers and the gathered state.
+    memory = phase("memory", [f"m{i}" for i in range(SHARDED_WORLD)])
+    total = saved["total_mib"]
+    print(f"\n== {kind}, sharded: {total:.0f} MiB of DTensors over {SHARDED_WORLD} processes ==")
+    ours_b, copy = saved["ours_blocked"], saved["copy"]
+    print(
+        f"blocked     {ours_b:8.3f} s      copy into preallocated buffers {copy:.3f} s"
+        f"   ratio {ours_b / copy:.2f}"
+    )
+    persisted = saved["ours_persisted_mibs"]
+    if conn is None:
+        for name, label in (
+            ("dcp", "DCP async_save"),
+            ("dcp_cached", "DCP async_save, cached stager"),
+        ):
+            theirs = saved[f"{name}_blocked"]
+            print(f"            {label} blocked {theirs:.3f} s   ratio {ours_b / theirs:.2f}")
+        for name, label in (("dcp", "FileSystemWriter"), ("dcp_cached", "FileSystemWriter cached")):
+            theirs = saved[f"{name}_persisted_mibs"]
+            print(
+                f"persisted   {persisted:8.0f} MiB/s   {label} {theirs:6.0f} MiB/s"
+                f"   ratio {persisted / theirs:.2f}"
+            )
+        gathered = saved["torch_save_gathered"]
+        print(
+            f"            torch.save of the gathered state {total / gathered:.0f} MiB/s"
+            f" ({gathered:.2f} s, all of it blocking)"
+        )
+    else:
+        theirs = saved["upload_blob_persisted_mibs"]
+        print(
+            f"persisted   {persisted:8.0f} MiB/s   upload_blob {theirs:6.0f} MiB/s"
+            f"   ratio {persisted / theirs:.2f}"
+        )
+    print(f"peak memory {memory['peak_rss_x']:.2f}x a rank's state over 3 saves (worst rank)")
+    version = int(saved["version"])
+    anchor = "FileSystemReader" if conn is None else "download_blob"
+    for world in (SHARDED_WORLD, SHARDED_WORLD // 2):
+        nodes = [f"w{world}-{i}" for i in range(world)]
+        loaded = phase("load", nodes, version=version, total_mib=total, saved_by=SHARDED_WORLD)
+        ours_l, theirs_l = loaded["ours_load_mibs"], loaded["anchor_load_mibs"]
+        print(
+            f"restore @{world} {ours_l:7.0f} MiB/s   {anchor} {theirs_l:6.0f} MiB/s"
+            f"   ratio {ours_l / theirs_l:.2f}"
+            f"   read per process {loaded['bytes_read_mib']:.0f} MiB"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=1024)
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--only", choices=["local", "azurite"])
+    parser.add_argument("--mode", choices=["single", "sharded", "both"], default="both")
     args = parser.parse_args()
+    single, shard = args.mode in ("single", "both"), args.mode in ("sharded", "both")
     state = make_state(args.mib, args.tensors)
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, median of {args.repeat} after a warm-up"
@@ -319,7 +408,10 @@ def main() -> None:
             store = work / "store"
             coordinator = Coordinator(["--storage", f"local:{store}"], {}).start()
             try:
-                bench("local", coordinator.url, state, work, args.repeat, None, store)
+                if single:
+                    bench("local", coordinator.url, state, work, args.repeat, None, store)
+                if shard:
+                    sharded("local", coordinator.url, work, args, None)
             finally:
                 coordinator.stop()
         if args.only in (None, "azurite"):
@@ -329,7 +421,10 @@ def main() -> None:
                     {"AZURE_STORAGE_CONNECTION_STRING": conn, "RALLYPOINT_STORAGE_PREFIX": "bench"},
                 ).start()
                 try:
-                    bench("azurite", coordinator.url, state, work, args.repeat, conn, None)
+                    if single:
+                        bench("azurite", coordinator.url, state, work, args.repeat, conn, None)
+                    if shard:
+                        sharded("azurite", coordinator.url, work, args, conn)
                 finally:
                     coordinator.stop()
 
