@@ -26,8 +26,14 @@ gathered on rank 0, a copy of each rank's shards into preallocated buffers, and
 ``dcp.load`` with ``FileSystemReader``, at world 4 and resharded at world 2. On Azurite,
 the anchors are every rank's ``upload_blob`` / ``download_blob`` of its own bytes.
 
+The file format (``--mode formats``, local only): one process writes the same state,
+each writer in a fresh process, median of ``--repeat``: Rallypoint's (DCP's planner, raw
+item bytes at offsets DCP's metadata records), DCP's ``FileSystemWriter`` with its
+default ``torch.save`` per item, and with ``SerializationFormat.SAFETENSORS`` (the
+format of its Hugging Face storage layer); MiB/s to fsynced files and peak RSS.
+
 Usage: python bench/checkpoint.py [--mib 1024] [--tensors 64] [--repeat 3]
-       [--only local|azurite] [--mode single|sharded|both]
+       [--only local|azurite] [--mode single|sharded|both|formats]
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+# The DCP anchors run without a process group on purpose.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 import torch  # noqa: E402
 
@@ -312,6 +320,70 @@ def bench(
 
 SHARDED_WORLD = 4
 
+_FORMAT_RUN = """
+import json, os, sys, time, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import SerializationFormat
+from bench.checkpoint import joined_manager, make_state
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+state = make_state({mib}, {tensors})
+before = rss("VmRSS:")
+if {kind!r} == "rallypoint":
+    manager = joined_manager({url!r})
+    start = time.perf_counter()
+    manager.save(state, {step}, blocking=True)
+else:
+    fmt = getattr(SerializationFormat, {kind!r})
+    writer = dcp.FileSystemWriter({target!r}, serialization_format=fmt)
+    start = time.perf_counter()
+    dcp.save(state, storage_writer=writer, no_dist=True)
+elapsed = time.perf_counter() - start
+print(json.dumps({{"s": elapsed, "peak": rss("VmHWM:") - before}}))
+"""
+
+
+def formats(url: str, work: Path, args: argparse.Namespace) -> None:
+    """Each writer in a fresh process (so peak memory is its own), alternating."""
+    nbytes = args.mib * MiB
+    runs: dict[str, list[dict[str, float]]] = {
+        "rallypoint": [],
+        "TORCH_SAVE": [],
+        "SAFETENSORS": [],
+    }
+    for i in range(args.repeat + 1):
+        for kind, results in runs.items():
+            target = work / f"fmt-{kind}"
+            subprocess.run(["rm", "-rf", str(target)], check=True)
+            code = _FORMAT_RUN.format(
+                root=str(ROOT),
+                mib=args.mib,
+                tensors=args.tensors,
+                kind=kind,
+                url=url,
+                step=100 + i,
+                target=str(target),
+            )
+            done = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            if i:  # the first round warms the page cache and the disk's blocks
+                results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    print(f"\n== file format: {args.mib} MiB in {args.tensors} tensors, one process ==")
+    ours = statistics.median(r["s"] for r in runs["rallypoint"])
+    for kind, results in runs.items():
+        s = statistics.median(r["s"] for r in results)
+        peak = max(r["peak"] for r in results) / nbytes
+        print(
+            f"{kind:12} {nbytes / MiB / s:7.0f} MiB/s   peak RSS {peak:.2f}x the state"
+            f"   ours / this {s / ours:.2f}"
+        )
+
 
 def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str | None) -> None:
     """The 4-process DTensor run (see the module's docstring)."""
@@ -325,14 +397,19 @@ def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str
         "conn": conn,
     }
 
-    def phase(name: str, nodes: list[str], **extra: object) -> dict[str, float]:
+    def phase(name: str, nodes: list[str], job: str = "", **extra: object) -> dict[str, float]:
         os.environ["BENCH_PARAMS"] = json.dumps({**params, **extra, "phase": name})
-        results = run_ranks(url, f"sharded-{kind}", nodes, body, work / "ranks", timeout=1800)
+        job = job or f"sharded-{kind}"
+        results = run_ranks(url, job, nodes, body, work / "ranks", timeout=1800)
         errors = [r["error"] for r in results if "error" in r]
         assert not errors, errors
-        # Every rank timed the same barrier-to-barrier spans; rank 0 speaks for them,
-        # but the peak memory is the worst rank's.
+        # Spans between barriers are the same on every rank: rank 0 speaks for them.
+        # Blocked times are each rank's own (4 processes share 2 CPUs here): their
+        # median over the ranks. Peak memory is the worst rank's.
         out: dict[str, float] = dict(results[0])
+        for key in ("ours_blocked", "dcp_blocked", "dcp_cached_blocked", "copy"):
+            if key in out:
+                out[key] = statistics.median(float(r[key]) for r in results)
         out["peak_rss_x"] = max(float(r.get("peak_rss_x", 0.0)) for r in results)
         out["bytes_read_mib"] = max(float(r.get("bytes_read_mib", 0.0)) for r in results)
         return out
@@ -340,7 +417,7 @@ def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str
     saved = phase("save", [f"s{i}" for i in range(SHARDED_WORLD)])
     # Peak memory in fresh processes that only save, as a trainer does: the save phase
     # also holds the anchors' buffers and the gathered state.
-    memory = phase("memory", [f"m{i}" for i in range(SHARDED_WORLD)])
+    memory = phase("memory", [f"m{i}" for i in range(SHARDED_WORLD)], job=f"memory-{kind}")
     total = saved["total_mib"]
     print(f"\n== {kind}, sharded: {total:.0f} MiB of DTensors over {SHARDED_WORLD} processes ==")
     ours_b, copy = saved["ours_blocked"], saved["copy"]
@@ -393,9 +470,11 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--only", choices=["local", "azurite"])
-    parser.add_argument("--mode", choices=["single", "sharded", "both"], default="both")
+    parser.add_argument("--mode", choices=["single", "sharded", "both", "formats"], default="both")
     args = parser.parse_args()
     single, shard = args.mode in ("single", "both"), args.mode in ("sharded", "both")
+    if args.mode == "formats":
+        args.only = "local"
     state = make_state(args.mib, args.tensors)
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, median of {args.repeat} after a warm-up"
@@ -412,6 +491,8 @@ def main() -> None:
                     bench("local", coordinator.url, state, work, args.repeat, None, store)
                 if shard:
                     sharded("local", coordinator.url, work, args, None)
+                if args.mode == "formats":
+                    formats(coordinator.url, work, args)
             finally:
                 coordinator.stop()
         if args.only in (None, "azurite"):

@@ -163,6 +163,20 @@ def test_several_processes_need_a_process_group(start: Start) -> None:
         ms[0].save({"w": torch.zeros(1)}, 1)
 
 
+def test_a_save_holds_the_state_of_its_call(start: Start) -> None:
+    """Training goes on while the upload runs: what it changes after save() returned is
+    not in the checkpoint."""
+    (m,) = managers(start().url, ["a"], 1, 1)
+    state = {"w": torch.zeros(1 << 20), "meta": {"epoch": 1}}
+    handle = m.save(state, 1)
+    state["w"].add_(1)  # the optimizer's step, in place
+    state["meta"]["epoch"] = 2
+    assert handle is not None and handle.result().state == "committed"
+    restored = m.load(handle.result().version)
+    assert torch.equal(restored.state["w"], torch.zeros(1 << 20))
+    assert restored.state["meta"] == {"epoch": 1}
+
+
 def test_consecutive_saves_never_mix(start: Start) -> None:
     url = start().url
     (m,) = managers(url, ["a"], 1, 1)

@@ -2,8 +2,7 @@
 
 Saving, on every process (global rank) of the job::
 
-    copy this rank's tensors into reused staging buffers (DCP's DefaultStager)
-                                                              <- training waits for this
+    copy this rank's tensors into reused staging buffers     <- training waits for this
     ---- background thread, on a gloo group of its own ----
     dcp.save through RallypointWriter: plan (one copy of each replicated tensor), begin
     the version (fenced), upload this rank's file, report it; rank 0 writes DCP's
@@ -32,13 +31,13 @@ import torch.distributed as dist
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient
 
 from ._bytes import tensor_bytes
 from ._dcp import RallypointReader, RallypointWriter, check_metadata, global_rank
+from ._staging import StagedPlanner, Staging
 from .errors import CheckpointError, StateNotReplicated
 
 __all__ = ["RESERVED", "CheckpointManager", "Restored", "SaveHandle"]
@@ -150,17 +149,9 @@ class CheckpointManager:
         self.progress = progress
         self.attempts = attempts
         self.verify_replicated = verify_replicated
-        accelerated = torch.accelerator.is_available()
         # Buffers allocated at the first save and reused (pinned with an accelerator):
         # fresh memory costs a page fault per 4 KiB on first touch.
-        self._stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=accelerated,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=accelerated,
-            )
-        )
+        self._staging = Staging()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rallypoint-save")
         self._inflight: SaveHandle | None = None
         self._group: dist.ProcessGroup | None = None
@@ -237,8 +228,7 @@ class CheckpointManager:
             _verify_replicated(state, group)
         mine = {"state": rank_state, "fixups": rank_fixups}
         full = {**state, RESERVED: {"fixups": fixups, "rank": {str(rank): mine}}}
-        staged = self._stager.stage(full)
-        assert isinstance(staged, dict)  # a Future only with use_async_staging
+        staged, copies = self._staging.stage(full)
         blocked = time.perf_counter() - started
         writer = RallypointWriter(
             self.client,
@@ -248,7 +238,7 @@ class CheckpointManager:
             progress=self.progress,
             attempts=self.attempts,
         )
-        future = self._executor.submit(self._persist, staged, writer, group)
+        future = self._executor.submit(self._persist, staged, copies, writer, group)
         handle = SaveHandle(step, future, blocked)
         self._inflight = handle
         if blocking:
@@ -273,7 +263,11 @@ class CheckpointManager:
         return self._group
 
     def _persist(
-        self, staged: dict[str, Any], writer: RallypointWriter, group: dist.ProcessGroup | None
+        self,
+        staged: dict[str, Any],
+        copies: dict[int, torch.Tensor],
+        writer: RallypointWriter,
+        group: dist.ProcessGroup | None,
     ) -> CheckpointInfo:
         # Imported here: torchrun imports this package (the rendezvous plugin) while
         # torch.distributed.checkpoint is itself half imported.
@@ -281,7 +275,13 @@ class CheckpointManager:
 
         try:
             with _single_process_quiet():
-                dcp_save(staged, storage_writer=writer, process_group=group, no_dist=group is None)
+                dcp_save(
+                    staged,
+                    storage_writer=writer,
+                    planner=StagedPlanner(copies),
+                    process_group=group,
+                    no_dist=group is None,
+                )
         except CheckpointException as exc:
             cause = _cause(exc, writer.rank)
             log.error("checkpoint of step %d failed: %s", writer.step, cause)
@@ -351,8 +351,13 @@ class CheckpointManager:
         extra = {k: _template(md) for k, md in saved.items() if k == own or k.startswith(own + ".")}
         if fixups_key in saved:
             extra[fixups_key] = None
+        whole: dict[str, torch.Tensor] = {}
         if state is None:
-            mine = {k: _template(md) for k, md in saved.items() if not k.startswith(RESERVED + ".")}
+            names = [k for k in saved if not k.startswith(RESERVED + ".")]
+            # Replicated tensors come as views of what was read (nothing copied); the
+            # rest (sharded, non-tensor) DCP loads into templates made from the metadata.
+            whole = reader.read_whole(names)
+            mine = {k: _template(saved[k]) for k in names if k not in whole}
         else:
             if RESERVED in state:
                 raise TypeError(f"state must not hold the key {RESERVED!r}")
@@ -367,7 +372,7 @@ class CheckpointManager:
         paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
         fixups = target.get(fixups_key) or []
         if state is None:
-            restored = _unflatten({k: target[k] for k in mine}, paths, fixups)
+            restored = _unflatten({**whole, **{k: target[k] for k in mine}}, paths, fixups)
         else:
             for key in state:  # top-level plain values were replaced in the copy
                 state[key] = target[key]
@@ -406,7 +411,7 @@ class CheckpointManager:
         staging buffers."""
         self._settle()
         self._executor.shutdown(wait=True)
-        self._stager.close()
+        self._staging.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -518,6 +518,40 @@ class RallypointReader(StorageReader):
             raise AssertionError("an item outside the fetched spans")
 
         return item
+
+    def read_whole(self, fqns: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The tensors of ``fqns`` that were saved whole (one chunk: replicated state),
+        as views of what was read: for local files, of a copy-on-write mapping, so
+        nothing is copied; writing to them never reaches the file. Each is checked
+        against its checksum. Others are left to DCP's planner.
+
+        Raises:
+            CheckpointCorrupt: As for :meth:`read_data`.
+        """
+        metadata = self.read_metadata()
+        wanted: dict[str, StoredItem] = {}
+        for fqn in fqns:
+            md = metadata.state_dict_metadata.get(fqn)
+            if not isinstance(md, TensorStorageMetadata) or len(md.chunks) != 1:
+                continue
+            chunk = md.chunks[0]
+            if any(chunk.offsets) or tuple(chunk.sizes) != tuple(md.size):
+                continue
+            stored = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
+            if isinstance(stored, StoredItem) and stored.dtype is not None:
+                wanted[fqn] = stored
+        per_file: dict[str, list[tuple[str, StoredItem]]] = {}
+        for fqn, stored in wanted.items():
+            per_file.setdefault(stored.path, []).append((fqn, stored))
+        out: dict[str, torch.Tensor] = {}
+        for path, items in per_file.items():
+            fetched = self._fetch(path, [s for _, s in items])
+            for fqn, stored in items:
+                raw = fetched(stored)
+                self._verify(stored, raw)
+                assert stored.dtype is not None and stored.shape is not None
+                out[fqn] = raw.view(_dtype(stored.dtype)).view(stored.shape)
+        return out
 
     def _verify(self, stored: StoredItem, raw: torch.Tensor) -> None:
         key = (stored.path, stored.offset)
