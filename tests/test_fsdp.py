@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,17 +14,13 @@ import pytest
 
 from rallypoint._demo import Cluster, Coordinator, example_script, judge
 
+from . import test_torchrun
 from .test_torchrun import status
 
+#: The torchrun tests' coordinator (local storage, logged), as a fixture here too.
+coordinator = test_torchrun.coordinator
+
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
-    storage = ["--storage", f"local:{tmp_path / 'storage'}"]
-    c = Coordinator(storage, log=tmp_path / "coordinator.log").start()
-    yield c
-    c.stop()
 
 
 def test_fsdp2_resumes_resharded_after_a_node_is_killed(

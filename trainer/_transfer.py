@@ -237,27 +237,7 @@ def read_object(url: str, size: int, progress: Progress | None = None) -> torch.
                     f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
                 )
         return torch.frombuffer(mapped, dtype=torch.uint8)
-    from azure.core.exceptions import AzureError
-    from azure.storage.blob import BlobClient
-
-    buffer = torch.empty(size, dtype=torch.uint8)
-    seen = 0
-
-    def hook(current: int, total: int | None) -> None:
-        nonlocal seen
-        if progress is not None and current > seen:
-            progress.update(current - seen)
-            seen = current
-
-    try:
-        with BlobClient.from_blob_url(url) as blob:
-            stream = blob.download_blob(max_concurrency=_PARALLEL, progress_hook=hook)
-            if stream.size != size:
-                return buffer[: min(size, stream.size)]  # the caller reports the mismatch
-            stream.readinto(cast(BinaryIO, _Into(as_memoryview(buffer))))
-    except AzureError as exc:
-        raise _azure_error(exc, url) from exc
-    return buffer
+    return _azure_read(url, None, size, progress)
 
 
 def read_range(
@@ -274,12 +254,20 @@ def read_range(
     if url.startswith("file:"):
         whole = read_object(url, offset + length, progress)
         return whole[offset : offset + length]
+    if length == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return _azure_read(url, offset, length, progress)
+
+
+def _azure_read(
+    url: str, offset: int | None, length: int, progress: Progress | None
+) -> torch.Tensor:
+    """``length`` bytes from ``offset`` (the whole object if None) of an Azure object,
+    downloaded in parallel ranges into fresh memory; fewer if the object is shorter."""
     from azure.core.exceptions import AzureError
     from azure.storage.blob import BlobClient
 
     buffer = torch.empty(length, dtype=torch.uint8)
-    if length == 0:
-        return buffer
     seen = 0
 
     def hook(current: int, total: int | None) -> None:
@@ -291,7 +279,10 @@ def read_range(
     try:
         with BlobClient.from_blob_url(url) as blob:
             stream = blob.download_blob(
-                offset, length, max_concurrency=_PARALLEL, progress_hook=hook
+                offset,
+                None if offset is None else length,
+                max_concurrency=_PARALLEL,
+                progress_hook=hook,
             )
             if stream.size != length:
                 return buffer[: min(length, stream.size)]  # the caller reports the mismatch
