@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from rallypoint.trainer import CheckpointManager
+from rallypoint.trainer._bytes import as_memoryview  # no numpy here
 
 PARAMS: dict[str, Any] = json.loads(os.environ["BENCH_PARAMS"])
 MiB = 1 << 20
@@ -127,7 +128,8 @@ def run(client: Any, assignment: Any) -> dict[str, Any]:
         if PARAMS.get("conn"):
             # Azurite: the anchor is every rank uploading its shards' bytes at once.
             blob = _blob(rank)
-            data = b"".join(bytes(t.to_local().numpy().data) for t in state.values())
+            flat = torch.cat([t.to_local().reshape(-1).view(torch.uint8) for t in state.values()])
+            data = bytes(as_memoryview(flat))
             results = {"ours": [], "upload_blob": []}
             for i in range(warm + rounds):
                 mine = ours()

@@ -241,7 +241,7 @@ class Manifest(_Model):
     """``manifest.json`` of a committed version, written before the pointer moves."""
 
     #: ``/2``: the files of ``torch.distributed.checkpoint``, its metadata in rank 0's
-    #: ``.metadata``; ``/1`` (releases before 0.2): one safetensors shard per node.
+    #: ``dcp.metadata``; ``/1`` (releases before 0.2): one safetensors shard per node.
     format: Literal["rallypoint.checkpoint/1", "rallypoint.checkpoint/2"] = (
         "rallypoint.checkpoint/2"
     )
