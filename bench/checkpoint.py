@@ -394,7 +394,10 @@ def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str
         "rows": args.mib * MiB // 4 // 1024 // 16,
         "tensors": 16,
         "repeat": args.repeat,
-        "warmup": KEEP + 1,
+        # Azurite keeps the space of overwritten and deleted blobs past a run this size
+        # (a 12 GiB in-memory cap), and its saves reuse no disk blocks: 1 warm-up, at
+        # most 2 rounds there.
+        "warmup": KEEP + 1 if conn is None else 1,
         "work": str(work),
         "conn": conn,
     }
@@ -419,7 +422,11 @@ def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str
     saved = phase("save", [f"s{i}" for i in range(SHARDED_WORLD)])
     # Peak memory in fresh processes that only save, as a trainer does: the save phase
     # also holds the anchors' buffers and the gathered state.
-    memory = phase("memory", [f"m{i}" for i in range(SHARDED_WORLD)], job=f"memory-{kind}")
+    memory = (
+        phase("memory", [f"m{i}" for i in range(SHARDED_WORLD)], job=f"memory-{kind}")
+        if conn is None
+        else None
+    )
     total = saved["total_mib"]
     print(f"\n== {kind}, sharded: {total:.0f} MiB of DTensors over {SHARDED_WORLD} processes ==")
     ours_b, copy = saved["ours_blocked"], saved["copy"]
@@ -452,7 +459,8 @@ def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str
             f"persisted   {persisted:8.0f} MiB/s   upload_blob {theirs:6.0f} MiB/s"
             f"   ratio {persisted / theirs:.2f}"
         )
-    print(f"peak memory {memory['peak_rss_x']:.2f}x a rank's state over 3 saves (worst rank)")
+    if memory is not None:
+        print(f"peak memory {memory['peak_rss_x']:.2f}x a rank's state, 3 saves (worst rank)")
     version = int(saved["version"])
     anchor = "FileSystemReader" if conn is None else "download_blob"
     for world in (SHARDED_WORLD, SHARDED_WORLD // 2):
