@@ -395,8 +395,7 @@ def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str
         "tensors": 16,
         "repeat": args.repeat,
         # Azurite keeps the space of overwritten and deleted blobs past a run this size
-        # (a 12 GiB in-memory cap), and its saves reuse no disk blocks: 1 warm-up, at
-        # most 2 rounds there.
+        # (a 12 GiB in-memory cap), and its saves reuse no disk blocks: 1 warm-up there.
         "warmup": KEEP + 1 if conn is None else 1,
         "work": str(work),
         "conn": conn,
