@@ -143,15 +143,28 @@ def run(client, a):
     try:
         m.save({"w": torch.ones(4), "seed": torch.tensor([a.rank])}, 1, blocking=True)
     except StateNotReplicated as exc:
-        return {"refused": str(exc), "versions": len(client.checkpoints())}
-    return {"refused": None}
+        refused = {"refused": str(exc), "versions": len(client.checkpoints())}
+    else:
+        return {"refused": None}
+    # if_busy="skip": every rank skips while the save before is uploading, and none hangs.
+    m = CheckpointManager(client, progress=False, if_busy="skip")
+    big = {"w": torch.zeros(16 << 20)}
+    first = m.save(big, 2)
+    second = m.save(big, 3)
+    first.result()
+    third = m.save(big, 4, blocking=True)
+    m.close()
+    return {**refused, "skipped": second is None, "then": third is not None}
 """
 
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
-def test_a_plain_tensor_that_differs_across_ranks_is_refused(start: Start, tmp_path: Path) -> None:
+def test_a_plain_tensor_that_differs_across_ranks_is_refused_and_skips_are_unanimous(
+    start: Start, tmp_path: Path
+) -> None:
     results = run_ranks(start().url, "job", ["a", "b"], SAVE_DIVERGED, tmp_path)
     for r in results:
         assert r["refused"] is not None and "seed" in r["refused"], r
         assert "rank_state" in r["refused"] and "w" not in r["refused"].split(":")[1]
         assert r["versions"] == 0  # refused before anything was begun or uploaded
+        assert (r["skipped"], r["then"]) == (True, True)

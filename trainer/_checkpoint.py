@@ -114,8 +114,9 @@ class CheckpointManager:
             checkpoint to resume from).
         assignment: Overrides ``client.assignment``.
         if_busy: What ``save`` does while the previous save is in flight: ``"wait"``
-            for it (the default; training pauses) or ``"skip"`` this save. Staging
-            buffers are never overwritten while they are being uploaded.
+            for it (the default; training pauses) or ``"skip"`` this save (on every
+            rank alike: if any rank is still saving, all skip). Staging buffers are
+            never overwritten while they are being uploaded.
         progress: Show progress of transfers that take more than a second.
         attempts: Tries per upload or download before giving up.
         verify_replicated: Check before every save that each plain (non-DTensor) tensor
@@ -155,6 +156,7 @@ class CheckpointManager:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="rallypoint-save")
         self._inflight: SaveHandle | None = None
         self._group: dist.ProcessGroup | None = None
+        self._control: dist.ProcessGroup | None = None
 
     @property
     def rank(self) -> int:
@@ -208,17 +210,21 @@ class CheckpointManager:
                 not initialized.
             Anything the save raised, if ``blocking``.
         """
-        if self._inflight is not None and not self._inflight.done():
-            if self.if_busy == "skip":
-                log.info("step %d: skipped, step %d is still saving", step, self._inflight.step)
+        rank, world = self.rank, self.world_size
+        busy = self._inflight is not None and not self._inflight.done()
+        if self.if_busy == "skip":
+            # Every rank must skip alike: a rank that went on would wait in DCP's
+            # collectives for the others forever.
+            if self._anyone(busy, world):
+                log.info("step %d: skipped, the previous save is still running", step)
                 return None
+        elif busy:
             self._settle()
         started = time.perf_counter()
         if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
             raise TypeError("state must be a dict with str keys")
         if RESERVED in state:
             raise TypeError(f"state must not hold the key {RESERVED!r}: the manager's own")
-        rank, world = self.rank, self.world_size
         fixups = _check(state, "state")
         own = (RESERVED, "rank", str(rank))
         rank_fixups = _check(rank_state, "rank_state", (*own, "state"))
@@ -260,7 +266,18 @@ class CheckpointManager:
             )
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
+            self._control = dist.new_group(backend="gloo")
         return self._group
+
+    def _anyone(self, flag: bool, world: int) -> bool:
+        """Whether ``flag`` holds on any rank: a collective of the training thread, on
+        a group of its own (the save group may be busy in the background)."""
+        if world == 1:
+            return flag
+        self._save_group(world)
+        votes = torch.tensor([int(flag)])
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(votes.item())
 
     def _persist(
         self,
