@@ -43,6 +43,7 @@ from ._models import (
     StoreReply,
     StoreRequest,
     WaitingNode,
+    check_id,
 )
 from .errors import (
     CheckpointConflict,
@@ -108,4 +109,5 @@ __all__ = [
     "UnknownJob",
     "UnknownNode",
     "WaitingNode",
+    "check_id",
 ]

@@ -16,8 +16,10 @@ reshards), or, without a template, as the state that was saved.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
+import pickle
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -36,7 +38,15 @@ from torch.distributed.tensor import DTensor
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient
 
 from ._bytes import tensor_bytes
-from ._dcp import RallypointReader, RallypointWriter, check_metadata, global_rank
+from ._dcp import (
+    METADATA,
+    RallypointReader,
+    RallypointWriter,
+    Summary,
+    check_metadata,
+    global_rank,
+)
+from ._memory import NodeMemory
 from ._staging import StagedPlanner, Staging
 from .errors import CheckpointError, StateNotReplicated
 
@@ -64,7 +74,8 @@ class Restored:
         rank_state: This global rank's ``rank_state``; None if no process of this rank
             saved one (the world grew).
         metadata: The ``metadata`` passed to ``save``.
-        bytes_from: Bytes read, by source (``"storage"``).
+        bytes_from: Bytes read, by source: ``"memory"`` (this node's memory tier) and
+            ``"storage"`` (blob storage or the local store).
     """
 
     version: int
@@ -157,6 +168,8 @@ class CheckpointManager:
         self._inflight: SaveHandle | None = None
         self._group: dist.ProcessGroup | None = None
         self._control: dist.ProcessGroup | None = None
+        #: This node's memory tier, when a Rallypoint agent runs it.
+        self.memory = NodeMemory.from_env(client.job_id, client.node_id)
 
     @property
     def rank(self) -> int:
@@ -243,6 +256,7 @@ class CheckpointManager:
             metadata=metadata,
             progress=self.progress,
             attempts=self.attempts,
+            memory=self.memory,
         )
         future = self._executor.submit(self._persist, staged, copies, writer, group)
         handle = SaveHandle(step, future, blocked)
@@ -292,7 +306,7 @@ class CheckpointManager:
 
         try:
             with _single_process_quiet():
-                dcp_save(
+                metadata = dcp_save(
                     staged,
                     storage_writer=writer,
                     planner=StagedPlanner(copies),
@@ -307,6 +321,14 @@ class CheckpointManager:
             log.error("checkpoint of step %d failed: %s", writer.step, exc)
             raise
         assert writer.info is not None
+        if self.memory is not None and writer.version:
+            # Every process of the node holds DCP's metadata (dcp.save returned it to
+            # each), so a restarted one needs nothing from storage to find its items.
+            self.memory.write(writer.version, METADATA, [pickle.dumps(metadata)])
+            summary = Summary(
+                writer.version, writer.step, self.generation, writer.world_size, writer.metadata
+            )
+            self.memory.commit(writer.version, dataclasses.asdict(summary))
         return writer.info
 
     def wait(self) -> CheckpointInfo | None:
@@ -357,11 +379,11 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         reader = RallypointReader(
-            self.client, version, progress=self.progress, attempts=self.attempts
+            self.client, version, progress=self.progress, attempts=self.attempts, memory=self.memory
         )
         metadata = reader.read_metadata()
-        assert reader.manifest is not None
-        manifest = reader.manifest
+        assert reader.summary is not None
+        summary = reader.summary
         saved = metadata.state_dict_metadata
         own = f"{RESERVED}.rank.{self.rank}"
         fixups_key = f"{RESERVED}.fixups"
@@ -402,23 +424,25 @@ class CheckpointManager:
             )
             rank_state = ranked[RESERVED]["rank"][str(self.rank)].get("state")
         log.info(
-            "restored checkpoint v%d (step %d, saved by %d ranks) as rank %d of %d: %d bytes",
-            manifest.version,
-            manifest.step,
-            manifest.world_size,
+            "restored checkpoint v%d (step %d, saved by %d ranks) as rank %d of %d: "
+            "%d bytes from this node's memory, %d from storage",
+            summary.version,
+            summary.step,
+            summary.world_size,
             self.rank,
             self.world_size,
-            reader.bytes_read,
+            reader.bytes_from["memory"],
+            reader.bytes_from["storage"],
         )
         return Restored(
-            version=manifest.version,
-            step=manifest.step,
-            generation=manifest.generation,
-            world_size=manifest.world_size,
+            version=summary.version,
+            step=summary.step,
+            generation=summary.generation,
+            world_size=summary.world_size,
             state=restored,
             rank_state=rank_state,
-            metadata=(manifest.metadata or {}).get("user"),
-            bytes_from={"storage": reader.bytes_read},
+            metadata=summary.metadata,
+            bytes_from=dict(reader.bytes_from),
         )
 
     # --- lifecycle ----------------------------------------------------------------------

@@ -53,11 +53,20 @@ from rallypoint.client import (
 )
 
 from ._bytes import as_memoryview, checksum, tensor_bytes
+from ._memory import NodeMemory, map_file
 from ._progress import Progress
 from ._transfer import download, read_object, read_range, upload_parts
 from .errors import CheckpointCorrupt, TransferDenied, TransferError, TransferNotFound
 
-__all__ = ["DATA", "METADATA", "RallypointReader", "RallypointWriter", "StoredItem", "retry"]
+__all__ = [
+    "DATA",
+    "METADATA",
+    "RallypointReader",
+    "RallypointWriter",
+    "StoredItem",
+    "Summary",
+    "retry",
+]
 
 log = logging.getLogger("rallypoint.trainer")
 
@@ -90,6 +99,30 @@ class StoredItem:
     #: For tensors: the dtype's name and the saved chunk's shape; None for bytes items.
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a version is, as its manifest (or this node's memory) records it."""
+
+    version: int
+    step: int
+    generation: int
+    world_size: int
+    #: The ``metadata`` rank 0 passed to the save.
+    metadata: dict[str, Any] | None
+
+
+def _unpickle(raw: bytes, label: str) -> Metadata:
+    # Pickle, as DCP's FileSystemReader reads its own; the bytes are the ones the
+    # coordinator's manifest vouches for, or this node's own copy.
+    try:
+        metadata = pickle.loads(raw)
+    except Exception as exc:
+        raise CheckpointCorrupt(f"{label}: {METADATA} is unreadable: {exc}") from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorrupt(f"{label}: {METADATA} is not DCP metadata")
+    return metadata
 
 
 def retry(action: Callable[[], T], what: str, attempts: int) -> T:
@@ -147,6 +180,7 @@ class RallypointWriter(StorageWriter):
         metadata: Small JSON values kept in the manifest (rank 0's are kept).
         progress: Show progress of uploads that take more than a second.
         attempts: Tries per upload before giving up.
+        memory: This node's memory tier: each file lands there before it is uploaded.
 
     Raises:
         TypeError, ValueError: ``metadata`` is not JSON or is over its limit.
@@ -161,6 +195,7 @@ class RallypointWriter(StorageWriter):
         metadata: dict[str, Any] | None = None,
         progress: bool = False,
         attempts: int = 3,
+        memory: NodeMemory | None = None,
     ) -> None:
         super().__init__()
         check_metadata(metadata)
@@ -170,6 +205,7 @@ class RallypointWriter(StorageWriter):
         self.metadata = metadata
         self.progress = progress
         self.attempts = attempts
+        self.memory = memory
         self.rank, self.world_size = 0, 1
         #: This rank's report's answer, once written.
         self.info: CheckpointInfo | None = None
@@ -177,6 +213,11 @@ class RallypointWriter(StorageWriter):
         self._version = 0
         self._committed = False
         self._data: ShardFile | None = None
+
+    @property
+    def version(self) -> int:
+        """The version being written (0 before the plan)."""
+        return self._version
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """See base class. ``checkpoint_id`` is not used: the coordinator names versions."""
@@ -241,6 +282,8 @@ class RallypointWriter(StorageWriter):
         # The file's checksum covers its items' checksums: hashing the bytes twice would
         # double the cost of the only CPU-bound part of a save.
         digest = checksum([json.dumps([r.storage_data.checksum for r in results]).encode()])
+        if self.memory is not None:
+            self.memory.write(self._version, path, parts)
         self._upload(DATA, parts, offset)
         self._data = ShardFile(name=DATA, size=offset, checksum=digest)
         if self.rank != 0:
@@ -319,6 +362,7 @@ class RallypointReader(StorageReader):
         version: The version to read; see above for None.
         progress: Show progress of downloads that take more than a second.
         attempts: Tries per download before giving up.
+        memory: This node's memory tier: files held there are read from there.
 
     Raises:
         UnknownCheckpoint: ``version`` is None and the job has no checkpoint.
@@ -331,6 +375,7 @@ class RallypointReader(StorageReader):
         *,
         progress: bool = False,
         attempts: int = 3,
+        memory: NodeMemory | None = None,
     ) -> None:
         super().__init__()
         if version is None and client.assignment is not None:
@@ -342,12 +387,14 @@ class RallypointReader(StorageReader):
         self.version = version
         self.progress = progress
         self.attempts = attempts
-        #: Bytes fetched from storage by this reader (the manifest's and metadata's too).
-        self.bytes_read = 0
-        self.manifest: Manifest | None = None
+        self.memory = memory
+        #: Bytes read, by source: ``"memory"`` (this node's) and ``"storage"`` (the
+        #: manifest's and metadata's too).
+        self.bytes_from = {"memory": 0, "storage": 0}
+        #: What the version is: from its manifest, or from this node's memory.
+        self.summary: Summary | None = None
         self._info: CheckpointInfo | None = None
         self._metadata: Metadata | None = None
-        self._verified: set[tuple[str, int]] = set()
 
     @property
     def label(self) -> str:
@@ -364,8 +411,10 @@ class RallypointReader(StorageReader):
         """
         if self._metadata is not None:
             return self._metadata
-        info = self.client.checkpoint(self.version)
-        self.version, self._info = info.version, info
+        held = self._from_memory()
+        if held is not None:
+            return held
+        info = self._checkpoint()
         manifest = self._manifest(info)
         if manifest.format != FORMAT:
             raise CheckpointCorrupt(
@@ -379,13 +428,42 @@ class RallypointReader(StorageReader):
         raw = self._download(f"rank-00000/{METADATA}")
         if len(raw) != meta_file.size or checksum([raw]) != meta_file.checksum:
             raise CheckpointCorrupt(f"{self.label}: {METADATA} fails its checksum")
-        # Pickle, as DCP's FileSystemReader reads its own; these bytes are the ones
-        # the coordinator's manifest vouches for.
-        metadata = pickle.loads(raw)
-        if not isinstance(metadata, Metadata):
-            raise CheckpointCorrupt(f"{self.label}: {METADATA} is not DCP metadata")
-        self.manifest, self._metadata = manifest, metadata
+        self.summary = Summary(
+            manifest.version,
+            manifest.step,
+            manifest.generation,
+            manifest.world_size,
+            (manifest.metadata or {}).get("user"),
+        )
+        self._metadata = _unpickle(raw, self.label)
+        return self._metadata
+
+    def _from_memory(self) -> Metadata | None:
+        """DCP's metadata and the summary from this node's memory, if it holds the
+        version (a committed one: its summary is written after the commit)."""
+        if self.memory is None or self.version is None:
+            return None
+        summary = self.memory.summary(self.version)
+        path = self.memory.find(self.version, METADATA)
+        if summary is None or path is None:
+            return None
+        raw = path.read_bytes()
+        try:
+            metadata = _unpickle(raw, self.label)
+            self.summary = Summary(**summary)
+        except (CheckpointCorrupt, TypeError):
+            log.warning("%s: this node's memory copy is unreadable; reading storage", self.label)
+            return None
+        self.bytes_from["memory"] += len(raw)
+        self._metadata = metadata
         return metadata
+
+    def _checkpoint(self) -> CheckpointInfo:
+        """The version's record, read URLs included (asked for once)."""
+        if self._info is None:
+            self._info = self.client.checkpoint(self.version)
+            self.version = self._info.version
+        return self._info
 
     def _manifest(self, info: CheckpointInfo) -> Manifest:
         try:
@@ -401,8 +479,7 @@ class RallypointReader(StorageReader):
         return manifest
 
     def _url(self, name: str) -> str:
-        assert self._info is not None
-        url = self._info.urls.get(name)
+        url = self._checkpoint().urls.get(name)
         if url is None:
             raise CheckpointCorrupt(f"{self.label}: {name} is missing from storage")
         return url
@@ -413,7 +490,7 @@ class RallypointReader(StorageReader):
             raw = retry(lambda: download(url), f"reading {self.label} {name}", self.attempts)
         except TransferNotFound:
             raise CheckpointCorrupt(f"{self.label}: {name} is missing from storage") from None
-        self.bytes_read += len(raw)
+        self.bytes_from["storage"] += len(raw)
         return raw
 
     def set_up_storage_reader(
@@ -446,10 +523,9 @@ class RallypointReader(StorageReader):
                 raise CheckpointCorrupt(f"{self.label}: {req.storage_index.fqn} has no place")
             per_file.setdefault(stored.path, []).append((req, stored))
         for path, reqs in per_file.items():
-            fetched = self._fetch(path, [s for _, s in reqs])
+            fetched = self._checked(path, [s for _, s in reqs])
             for req, stored in reqs:
                 raw = fetched(stored)
-                self._verify(stored, raw)
                 if req.type == LoadItemType.BYTE_IO:
                     planner.load_bytes(req, io.BytesIO(bytes(as_memoryview(raw))))
                     continue
@@ -485,7 +561,7 @@ class RallypointReader(StorageReader):
                     raise CheckpointCorrupt(
                         f"{what} holds {whole.numel()} bytes; items end at {end}"
                     )
-                self.bytes_read += sum(n for _, n in wanted)
+                self.bytes_from["storage"] += sum(n for _, n in wanted)
                 return lambda s: whole[s.offset : s.offset + s.length]
             spans: list[list[int]] = []
             for offset, length in wanted:
@@ -505,7 +581,7 @@ class RallypointReader(StorageReader):
                 )
                 if data.numel() != stop - start:
                     raise CheckpointCorrupt(f"{what} is shorter than its items")
-                self.bytes_read += data.numel()
+                self.bytes_from["storage"] += data.numel()
                 fetched.append((start, data))
             progress.close()
         except TransferNotFound:
@@ -545,23 +621,52 @@ class RallypointReader(StorageReader):
             per_file.setdefault(stored.path, []).append((fqn, stored))
         out: dict[str, torch.Tensor] = {}
         for path, items in per_file.items():
-            fetched = self._fetch(path, [s for _, s in items])
+            fetched = self._checked(path, [s for _, s in items])
             for fqn, stored in items:
                 raw = fetched(stored)
-                self._verify(stored, raw)
                 assert stored.dtype is not None and stored.shape is not None
                 out[fqn] = raw.view(_dtype(stored.dtype)).view(stored.shape)
         return out
 
-    def _verify(self, stored: StoredItem, raw: torch.Tensor) -> None:
-        key = (stored.path, stored.offset)
-        if key in self._verified:
-            return
-        if raw.numel() != stored.length or checksum([as_memoryview(raw)]) != stored.checksum:
-            raise CheckpointCorrupt(
-                f"{self.label}: {stored.path} at {stored.offset} fails its checksum"
-            )
-        self._verified.add(key)
+    def _checked(
+        self, path: str, items: Sequence[StoredItem]
+    ) -> Callable[[StoredItem], torch.Tensor]:
+        """The bytes of ``items`` of one file, each checked against its checksum: from
+        this node's memory if it holds the file and every item checks out there, else
+        from storage.
+
+        Raises:
+            CheckpointCorrupt: An item fails its checksum in storage.
+        """
+        unique = list({(s.offset, s.length): s for s in items}.values())
+        held = None
+        if self.memory is not None and self.version is not None:
+            held = self.memory.find(self.version, path)
+        if held is not None:
+            data = map_file(held)
+
+            def mapped(s: StoredItem) -> torch.Tensor:
+                return data[s.offset : s.offset + s.length]
+
+            try:
+                self._verify(unique, mapped, f"{self.label} {path} in this node's memory")
+            except CheckpointCorrupt as exc:
+                log.warning("%s; reading it from storage", exc)
+            else:
+                self.bytes_from["memory"] += sum(s.length for s in unique)
+                return mapped
+        fetched = self._fetch(path, unique)
+        self._verify(unique, fetched, f"{self.label}: {path}")
+        return fetched
+
+    @staticmethod
+    def _verify(
+        items: Sequence[StoredItem], fetched: Callable[[StoredItem], torch.Tensor], what: str
+    ) -> None:
+        for stored in items:
+            raw = fetched(stored)
+            if raw.numel() != stored.length or checksum([as_memoryview(raw)]) != stored.checksum:
+                raise CheckpointCorrupt(f"{what} at {stored.offset} fails its checksum")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
@@ -53,6 +54,7 @@ from rallypoint.client import (
 )
 
 from ._launch import WORKER_ENV_FILE
+from ._memory import MEMORY_ENV, NodeMemory, default_root
 from ._store import CoordinatorStore
 
 __all__ = ["BACKEND", "RallypointRendezvousHandler", "RendezvousSettings", "create_handler"]
@@ -222,6 +224,15 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._beats: _Beats | None = None
         self._closed = False
         self._left = False
+        # This node's memory tier (the workers' checkpoint copies): the agent owns it,
+        # so it outlives a worker, and goes when the agent does.
+        root = os.environ.get(MEMORY_ENV)
+        chosen = Path(root) if root else default_root()
+        self._memory = (
+            None if chosen is None else NodeMemory(chosen, settings.job_id, settings.node_id)
+        )
+        if self._memory is not None:
+            self._memory.claim()
         # torchrun does not call shutdown() when a signal kills the agent; leaving is
         # still right (it is this node's departure, not the job's end).
         atexit.register(self._leave, "agent exited")
@@ -307,6 +318,8 @@ class RallypointRendezvousHandler(RendezvousHandler):
         }
         if self.settings.token:
             values[TOKEN_ENV] = self.settings.token
+        if self._memory is not None:
+            values[MEMORY_ENV] = str(self._memory.root)
         os.environ.update(values)
         # Warm workers fork from a server started before this generation: they read
         # the variables from this file rather than from an environment that is stale.
@@ -355,6 +368,8 @@ class RallypointRendezvousHandler(RendezvousHandler):
 
     def _leave(self, reason: str) -> None:
         self._stop_beats()
+        if self._memory is not None:
+            self._memory.remove()
         if self._left or self._assignment is None:
             return
         self._left = True

@@ -1,0 +1,142 @@
+"""The memory tier: each node's copies of its ranks' checkpoint files in host shared memory.
+
+Under a Rallypoint agent (``torchrun --rdzv-backend=rallypoint`` or ``rallypoint run``)
+every save writes this node's ranks' files to ``ROOT/JOB/NODE/vVVVVVVVVVV/`` before it
+uploads them, and a version's ``version.json`` is written once the version committed.
+A worker restarted on the same node (torchrun restarts every worker after one fails)
+reads them from there instead of from blob storage; every item is still checked against
+its checksum, and a file that fails falls back to storage.
+
+The agent owns the folder: it creates it, tells its workers where it is
+(``RALLYPOINT_MEMORY_DIR``), removes it when it exits, and at its start removes the
+folders of agents on this machine that died without doing so. Workers keep the newest
+``KEEP`` committed versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rallypoint.client import check_id
+
+__all__ = ["KEEP", "MEMORY_ENV", "NodeMemory", "default_root", "map_file"]
+
+#: Where the agent's memory tier is; set by the agent for its workers.
+MEMORY_ENV = "RALLYPOINT_MEMORY_DIR"
+#: Committed versions a node keeps in memory.
+KEEP = 2
+_OWNER = "owner"
+_DONE = "version.json"
+
+
+def default_root() -> Path | None:
+    """``/dev/shm/rallypoint`` where shared memory is mounted and writable, else None."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / "rallypoint"
+    return None
+
+
+def map_file(path: Path) -> torch.Tensor:
+    """A file's bytes as a copy-on-write mapping (a uint8 tensor; nothing is copied)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mapped = mmap.mmap(
+            f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+class NodeMemory:
+    """One node's copies of one job's checkpoint versions.
+
+    Args:
+        root: The machine's memory-tier folder.
+        job_id: The job.
+        node_id: This node (every process of the node shares the folder).
+        keep: Committed versions to keep.
+    """
+
+    def __init__(self, root: Path, job_id: str, node_id: str, keep: int = KEEP) -> None:
+        self.root = root
+        self.folder = root / check_id(job_id) / check_id(node_id)
+        self.keep = keep
+
+    @classmethod
+    def from_env(cls, job_id: str, node_id: str) -> NodeMemory | None:
+        """The agent's memory tier for this node, or None if no agent set one up."""
+        root = os.environ.get(MEMORY_ENV)
+        return cls(Path(root), job_id, node_id) if root else None
+
+    def _version(self, version: int) -> Path:
+        return self.folder / f"v{version:010d}"
+
+    def write(self, version: int, name: str, parts: Sequence[bytes | memoryview]) -> None:
+        """Writes a file of ``version`` (``name`` may hold one ``/``), whole or not at all."""
+        target = self._version(version) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        with open(partial, "wb") as f:
+            for part in parts:
+                f.write(part)
+        os.replace(partial, target)
+
+    def find(self, version: int, name: str) -> Path | None:
+        """A file of a committed version held here, if there is one."""
+        path = self._version(version) / name
+        return path if (self._version(version) / _DONE).is_file() and path.is_file() else None
+
+    def summary(self, version: int) -> dict[str, Any] | None:
+        """What :meth:`commit` recorded of ``version``, if it is held here."""
+        try:
+            found: dict[str, Any] = json.loads((self._version(version) / _DONE).read_text())
+        except (OSError, ValueError):
+            return None
+        return found
+
+    def commit(self, version: int, summary: dict[str, Any]) -> None:
+        """Marks ``version`` committed (its files are all here) and drops the versions
+        beyond the newest ``keep``."""
+        self.write(version, _DONE, [json.dumps(summary).encode()])
+        done = sorted(int(p.name[1:]) for p in self.folder.glob("v*") if (p / _DONE).is_file())
+        kept = done[-self.keep :]
+        for path in self.folder.glob("v*"):
+            number = int(path.name[1:])
+            if number not in kept and number < kept[0]:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def claim(self) -> None:
+        """Makes this process (the agent) the folder's owner and removes the folders of
+        owners on this machine that are gone."""
+        for owner in self.root.glob(f"*/*/{_OWNER}"):
+            with contextlib.suppress(OSError, ValueError):
+                if not _alive(int(owner.read_text())):
+                    shutil.rmtree(owner.parent, ignore_errors=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / _OWNER).write_text(str(os.getpid()))
+
+    def remove(self) -> None:
+        """Removes this node's copies (the agent's exit)."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            self.folder.parent.rmdir()  # the job's folder, if no other node's is left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
