@@ -74,6 +74,22 @@ def test_a_node_keeps_its_newest_versions_only(start: Start, memory: Path) -> No
     ]
 
 
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_a_memory_tier_that_cannot_take_a_copy_never_fails_a_save(
+    start: Start, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As when a container's 64 MiB /dev/shm is full: the save goes on to storage."""
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv(MEMORY_ENV, str(blocked / "shm"))
+    (m,) = managers(start().url, ["a"], 1, 1)
+    handle = m.save({"w": torch.ones(1024)}, 1, blocking=True)
+    assert handle is not None and handle.result().state == "committed"
+    assert "no copy in this node's memory" in caplog.text
+    restored = m.load(handle.result().version)
+    assert restored.bytes_from["memory"] == 0 and torch.equal(restored.state["w"], torch.ones(1024))
+
+
 def test_an_agent_reclaims_what_dead_agents_left(tmp_path: Path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -94,6 +110,7 @@ def test_an_agent_reclaims_what_dead_agents_left(tmp_path: Path) -> None:
 WORKER = r"""
 import json, os, torch, torch.distributed as dist
 from rallypoint.client import ElasticClient
+from rallypoint.trainer import CheckpointManager
 client = ElasticClient.from_env(); client.join()
 dist.init_process_group("gloo")
 g = dist.get_rank()

@@ -8,15 +8,17 @@ reads them from there instead of from blob storage; every item is still checked 
 its checksum, and a file that fails falls back to storage.
 
 The agent owns the folder: it creates it, tells its workers where it is
-(``RALLYPOINT_MEMORY_DIR``), removes it when it exits, and at its start removes the
-folders of agents on this machine that died without doing so. Workers keep the newest
-``KEEP`` committed versions.
+(``RALLYPOINT_MEMORY_DIR``; ``none`` turns the tier off), removes it when it exits, and
+at its start removes the folders of agents on this machine that died without doing so.
+Workers keep the newest ``KEEP`` committed versions. A copy that cannot be written
+(shared memory full) is skipped with a warning: the tier never fails a save.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -28,10 +30,14 @@ import torch
 
 from rallypoint.client import check_id
 
-__all__ = ["KEEP", "MEMORY_ENV", "NodeMemory", "default_root", "map_file"]
+__all__ = ["KEEP", "MEMORY_ENV", "OFF", "NodeMemory", "default_root", "map_file"]
+
+log = logging.getLogger("rallypoint.trainer")
 
 #: Where the agent's memory tier is; set by the agent for its workers.
 MEMORY_ENV = "RALLYPOINT_MEMORY_DIR"
+#: ``RALLYPOINT_MEMORY_DIR=none`` turns the memory tier off.
+OFF = "none"
 #: Committed versions a node keeps in memory.
 KEEP = 2
 _OWNER = "owner"
@@ -76,20 +82,39 @@ class NodeMemory:
     def from_env(cls, job_id: str, node_id: str) -> NodeMemory | None:
         """The agent's memory tier for this node, or None if no agent set one up."""
         root = os.environ.get(MEMORY_ENV)
-        return cls(Path(root), job_id, node_id) if root else None
+        return cls(Path(root), job_id, node_id) if root and root != OFF else None
 
     def _version(self, version: int) -> Path:
         return self.folder / f"v{version:010d}"
 
-    def write(self, version: int, name: str, parts: Sequence[bytes | memoryview]) -> None:
-        """Writes a file of ``version`` (``name`` may hold one ``/``), whole or not at all."""
+    def write(self, version: int, name: str, parts: Sequence[bytes | memoryview]) -> bool:
+        """Writes a file of ``version`` (``name`` may hold one ``/``), whole or not at all.
+
+        Returns:
+            False if it could not (shared memory full, as a container's 64 MiB default
+            soon is): the save goes on to storage, with a warning.
+        """
         target = self._version(version) / name
-        target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        with open(partial, "wb") as f:
-            for part in parts:
-                f.write(part)
-        os.replace(partial, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(partial, "wb") as f:
+                for part in parts:
+                    f.write(part)
+            os.replace(partial, target)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)
+            log.warning(
+                "checkpoint v%d: no copy in this node's memory (%s): %s; restarts will read "
+                "storage. Give the node more shared memory, or set %s=none",
+                version,
+                self.folder,
+                exc.strerror or exc,
+                MEMORY_ENV,
+            )
+            return False
+        return True
 
     def find(self, version: int, name: str) -> Path | None:
         """A file of a committed version held here, if there is one."""
@@ -107,7 +132,8 @@ class NodeMemory:
     def commit(self, version: int, summary: dict[str, Any]) -> None:
         """Marks ``version`` committed (its files are all here) and drops the versions
         beyond the newest ``keep``."""
-        self.write(version, _DONE, [json.dumps(summary).encode()])
+        if not self.write(version, _DONE, [json.dumps(summary).encode()]):
+            return
         done = sorted(int(p.name[1:]) for p in self.folder.glob("v*") if (p / _DONE).is_file())
         kept = done[-self.keep :]
         for path in self.folder.glob("v*"):

@@ -54,7 +54,7 @@ from rallypoint.client import (
 )
 
 from ._launch import WORKER_ENV_FILE
-from ._memory import MEMORY_ENV, NodeMemory, default_root
+from ._memory import MEMORY_ENV, OFF, NodeMemory, default_root
 from ._store import CoordinatorStore
 
 __all__ = ["BACKEND", "RallypointRendezvousHandler", "RendezvousSettings", "create_handler"]
@@ -227,12 +227,16 @@ class RallypointRendezvousHandler(RendezvousHandler):
         # This node's memory tier (the workers' checkpoint copies): the agent owns it,
         # so it outlives a worker, and goes when the agent does.
         root = os.environ.get(MEMORY_ENV)
-        chosen = Path(root) if root else default_root()
+        chosen = None if root == OFF else Path(root) if root else default_root()
         self._memory = (
             None if chosen is None else NodeMemory(chosen, settings.job_id, settings.node_id)
         )
         if self._memory is not None:
-            self._memory.claim()
+            try:
+                self._memory.claim()
+            except OSError as exc:
+                log.warning("rallypoint: no memory tier in %s: %s", chosen, exc)
+                self._memory = None
         # torchrun does not call shutdown() when a signal kills the agent; leaving is
         # still right (it is this node's departure, not the job's end).
         atexit.register(self._leave, "agent exited")
@@ -318,8 +322,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
         }
         if self.settings.token:
             values[TOKEN_ENV] = self.settings.token
-        if self._memory is not None:
-            values[MEMORY_ENV] = str(self._memory.root)
+        values[MEMORY_ENV] = OFF if self._memory is None else str(self._memory.root)
         os.environ.update(values)
         # Warm workers fork from a server started before this generation: they read
         # the variables from this file rather than from an environment that is stale.
