@@ -4,6 +4,10 @@ Four torchrun agents, one CPU worker each (gloo), train the example CNN
 (``trainer/examples/train_ddp.py``; 50 ms of extra work per step). Mid-training one node
 goes, and the clock runs until rank 0 completes a training step at world size 3:
 
+- ``worker``: SIGKILL of rank 2's worker process alone (its agent lives on and
+  restarts it; the others restart theirs). Rallypoint runs twice: with its memory tier
+  (the restarted workers read the node's copy) and with ``RALLYPOINT_MEMORY_DIR=none``
+  (blob storage only); bytes read from storage by the restarted workers are printed.
 - ``kill``: SIGKILL of a whole node (agent and worker, as when a VM vanishes), rank 2.
 - ``preempt``: for rallypoint an Azure Scheduled Events ``Preempt`` notice (a stand-in
   for IMDS on loopback); stock torchrun has no notice to act on, so it gets what the
@@ -17,11 +21,15 @@ authoritative checkpoint to resume from); "steps lost" is rallypoint's only.
 Usage::
 
     python bench/recovery.py [--limit 100] [--only rallypoint|c10d]
+        [--kind worker|kill|preempt] [--repeat 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 import tempfile
 import textwrap
@@ -30,8 +38,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rallypoint._demo import Cluster, Coordinator, free_port, judge
+from rallypoint._demo import Cluster, Coordinator, descendants, free_port, judge
 from rallypoint._fake_imds import FakeImds
+from rallypoint.trainer._memory import MEMORY_ENV
 
 STEP_TIME = 0.05
 AGENTS = ("n0", "n1", "n2", "n3")
@@ -90,13 +99,18 @@ def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
                 cluster.add(node)
             cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
             victim = _member_of_rank(coordinator.url, cluster.job, 2)
+            world = 4 if kind == "worker" else 3
             started = time.time()
-            if kind == "kill":
+            if kind == "worker":
+                os.kill(_worker_of_rank(cluster, 2), signal.SIGKILL)
+            elif kind == "kill":
                 cluster.kill(victim)
             else:
                 imds.schedule(victim)
             try:
-                recovered = cluster.wait_for(step_with(3, started), timeout=limit)["t"] - started
+                recovered = (
+                    cluster.wait_for(step_with(world, started), timeout=limit)["t"] - started
+                )
             except TimeoutError:
                 recovered = None
             history = _history(coordinator.url, cluster.job)
@@ -108,16 +122,15 @@ def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
     lost = max(verdict.steps_lost.values(), default=None)
     # When the new workers' processes started: the rest of the time is their start-up
     # (importing torch, three at once on this machine's CPUs) and the first step.
-    spawned = [
-        e["started"] - started
-        for e in events
-        if e["event"] == "resumed" and e["world_size"] == 3 and e.get("started")
-    ]
+    resumed = [e for e in events if e["event"] == "resumed" and e["t"] > started]
+    spawned = [e["started"] - started for e in resumed if e.get("started")]
+    storage = [(e.get("bytes_from") or {}).get("storage", 0) for e in resumed]
     return {
         "seconds": recovered,
         "workers_started": min(spawned) if spawned else None,
         "steps_lost": lost,
         "consistent": verdict.consistent,
+        "storage_bytes": sum(storage) if resumed else None,
     }
 
 
@@ -146,17 +159,30 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
         victim = AGENTS[-1]  # not the store's host: that one takes the job down with it
         started = time.time()
-        if kind == "kill":
+        if kind == "worker":
+            # The anchor's workers log no pid: the agent's child that runs the script.
+            for pid in descendants(cluster.agents[victim].proc.pid):
+                with contextlib.suppress(OSError):
+                    if b"anchor.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        os.kill(pid, signal.SIGKILL)
+        elif kind == "kill":
             cluster.kill(victim)
         else:
             cluster.terminate(victim)
+        world = 4 if kind == "worker" else 3
         try:
-            recovered = cluster.wait_for(step_with(3, started), timeout=limit)["t"] - started
+            recovered = cluster.wait_for(step_with(world, started), timeout=limit)["t"] - started
         except TimeoutError:
             recovered = None
     finally:
         cluster.stop()
     return {"seconds": recovered, "workers_started": None, "steps_lost": None, "consistent": None}
+
+
+def _worker_of_rank(cluster: Cluster, rank: int) -> int:
+    """The pid of the worker that runs ``rank`` now (from its latest ``resumed`` event)."""
+    resumed = [e for e in cluster.events() if e["event"] == "resumed" and e["rank"] == rank]
+    return int(resumed[-1]["pid"])
 
 
 def _member_of_rank(url: str, job: str, rank: int) -> str:
@@ -189,14 +215,19 @@ def main() -> int:
     parser.add_argument("--limit", type=float, default=100, help="give up after this many s")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--only", choices=["rallypoint", "c10d"])
+    parser.add_argument("--kind", choices=["worker", "kill", "preempt"], help="one event only")
     args = parser.parse_args()
-    runners = {"rallypoint": rallypoint, "c10d": c10d}
+    runners = {"rallypoint": rallypoint, "rallypoint-blob": rallypoint, "c10d": c10d}
     if args.only:
-        runners = {args.only: runners[args.only]}
+        runners = {k: v for k, v in runners.items() if k.split("-")[0] == args.only}
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.repeat):
-        for kind in ("kill", "preempt"):
+        for kind in [args.kind] if args.kind else ["worker", "kill", "preempt"]:
             for name, run in runners.items():
+                if name == "rallypoint-blob" and kind != "worker":
+                    continue  # the memory tier only serves restarts on the same node
+                # Blob storage only: the agents give their workers no memory tier.
+                os.environ[MEMORY_ENV] = "none" if name == "rallypoint-blob" else ""
                 with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
                     result = run(kind, Path(tmp), args.limit)
                 results.setdefault((kind, name), []).append(result)
@@ -204,12 +235,14 @@ def main() -> int:
 
     print(f"\n{'event':34} {'rallypoint':>16} {'stock c10d':>18} {'steps lost':>11}")
     labels = {
+        "worker": "SIGKILL of a worker (rank 2)",
         "kill": "SIGKILL of a node (rank 2)",
         "preempt": "preemption notice / SIGTERM",
     }
     for kind, label in labels.items():
         ours = results.get((kind, "rallypoint"), [])
         theirs = results.get((kind, "c10d"), [])
+        blob = results.get((kind, "rallypoint-blob"), [])
         lost = [r["steps_lost"] for r in ours if r["steps_lost"] is not None]
         spawned = [r["workers_started"] for r in ours if r["workers_started"] is not None]
         # Every run, not a median: a run of the anchor may not recover at all.
@@ -219,6 +252,15 @@ def main() -> int:
         )
         if spawned:
             print(f"  rallypoint: new worker processes started after {min(spawned):.2f} s")
+        read = [r["storage_bytes"] for r in ours if r.get("storage_bytes") is not None]
+        if kind == "worker" and read:
+            print(f"  rallypoint: restarted workers read {max(read)} bytes from storage")
+        if blob:
+            blob_read = [r["storage_bytes"] for r in blob if r.get("storage_bytes") is not None]
+            print(
+                f"  rallypoint, blob storage only: {_runs(blob, args.limit)}, "
+                f"{max(blob_read) if blob_read else '-'} bytes from storage"
+            )
         if ours and not all(r["consistent"] for r in ours):
             print(f"  rallypoint ranks resumed from different checkpoints after {kind}!")
     return 0

@@ -122,6 +122,8 @@ def main() -> None:
         step=step,
         pointer=assignment.checkpoint.version if assignment.checkpoint else None,
         started=process_started(),
+        pid=os.getpid(),
+        bytes_from=restored.bytes_from if restored else None,
     )
 
     def state() -> dict[str, object]:
