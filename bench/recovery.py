@@ -78,6 +78,14 @@ def step_with(world: int, after: float = 0.0) -> Callable[[dict[str, Any]], bool
     return lambda e: e["event"] == "step" and e["world_size"] == world and e["t"] > after
 
 
+def restarted(
+    world: int, after: float, where: Callable[[dict[str, Any]], bool]
+) -> Callable[[dict[str, Any]], bool]:
+    """A step at ``world`` by restarted workers (``where``): after a worker's kill the
+    others may still finish a step or two before they notice."""
+    return lambda e: step_with(world, after)(e) and where(e)
+
+
 def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
     storage = ["--storage", f"local:{workdir / 'storage'}"]
     coordinator = Coordinator(storage, log=workdir / "coordinator.log")
@@ -100,6 +108,7 @@ def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
             cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
             victim = _member_of_rank(coordinator.url, cluster.job, 2)
             world = 4 if kind == "worker" else 3
+            generation = max(e["generation"] for e in cluster.events())
             started = time.time()
             if kind == "worker":
                 os.kill(_worker_of_rank(cluster, 2), signal.SIGKILL)
@@ -107,10 +116,9 @@ def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
                 cluster.kill(victim)
             else:
                 imds.schedule(victim)
+            later = restarted(world, started, lambda e: e["generation"] > generation)
             try:
-                recovered = (
-                    cluster.wait_for(step_with(world, started), timeout=limit)["t"] - started
-                )
+                recovered = cluster.wait_for(later, timeout=limit)["t"] - started
             except TimeoutError:
                 recovered = None
             history = _history(coordinator.url, cluster.job)
@@ -158,6 +166,7 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
         cluster.wait_for(step_with(4), timeout=120)
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
         victim = AGENTS[-1]  # not the store's host: that one takes the job down with it
+        at_kill = max(e["step"] for e in cluster.events() if e["event"] == "step")
         started = time.time()
         if kind == "worker":
             # The anchor's workers log no pid: the agent's child that runs the script.
@@ -171,7 +180,9 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
             cluster.terminate(victim)
         world = 4 if kind == "worker" else 3
         try:
-            recovered = cluster.wait_for(step_with(world, started), timeout=limit)["t"] - started
+            # The anchor keeps no checkpoint: restarted workers count their steps from 0.
+            later = restarted(world, started, lambda e: e["step"] < at_kill)
+            recovered = cluster.wait_for(later, timeout=limit)["t"] - started
         except TimeoutError:
             recovered = None
     finally:
