@@ -150,6 +150,10 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
     ("ckpt-negative-step", "POST", CKPT, {**BEGIN, "step": -1}, 422, "invalid_request"),
     ("ckpt-path-trick", "POST", CKPT, {**BEGIN, "files": ["../x"]}, 422, "invalid_request"),
     ("ckpt-same-file-twice", "POST", CKPT, {**BEGIN, "files": ["a", "a"]}, 422, "invalid_request"),
+    ("ckpt-rank-alone", "POST", CKPT, {**BEGIN, "rank": 0}, 422, INVALID),
+    ("ckpt-rank-past-world", "POST", CKPT, {**BEGIN, "rank": 2, "world_size": 2}, 422, INVALID),
+    ("ckpt-empty-world", "POST", CKPT, {**BEGIN, "rank": 0, "world_size": 0}, 422, INVALID),
+    ("ckpt-huge-world", "POST", CKPT, {**BEGIN, "rank": 0, "world_size": 10**6}, 422, INVALID),
     ("ckpt-no-upload", "POST", f"{CKPT}/1/shards", REPORT, 409, "incomplete_upload"),
     ("ckpt-report-unknown", "POST", f"{CKPT}/42/shards", REPORT, 404, "unknown_checkpoint"),
     (

@@ -314,7 +314,9 @@ def test_a_rank_belongs_to_the_node_that_claimed_it(
     assert ckpts.versions("job")[0].reported == 0
 
 
-def test_world_size_is_fixed_by_the_first_begin(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
+def test_world_size_is_fixed_by_the_first_begin(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
     gen = seal(rdzv, ["a", "b", "c"])
     ckpts.begin("job", begin_as("a", gen, 0, 6))
     with pytest.raises(CheckpointConflict, match="begun by 6 ranks, not 4"):
@@ -323,3 +325,5 @@ def test_world_size_is_fixed_by_the_first_begin(ckpts: Checkpoints, rdzv: Rendez
         ckpts.begin("job", begin_as("c", gen, 1, 2, step=2))
     with pytest.raises(ValueError, match="not below world_size"):
         begin_as("c", gen, 6, 6)
+    with pytest.raises(InvalidRequest, match="rank 6 is not a rank of version 1"):
+        report_as(ckpts, blobs, "c", gen, 1, 6)
