@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 from collections.abc import Iterable
 
 import torch
 import xxhash
 
-__all__ = ["CHECKSUM", "as_memoryview", "checksum", "tensor_bytes"]
+__all__ = ["CHECKSUM", "as_memoryview", "checksum", "map_private", "tensor_bytes"]
 
 CHECKSUM = "xxh3-128"
 
@@ -34,3 +36,13 @@ def checksum(parts: Iterable[bytes | memoryview]) -> str:
     for part in parts:
         h.update(part)
     return f"{CHECKSUM}:{h.hexdigest()}"
+
+
+def map_private(fd: int) -> torch.Tensor:
+    """An open file's bytes as a copy-on-write mapping (``MAP_PRIVATE``), a uint8 tensor:
+    nothing is copied, pages come from the page cache as they are read, and writing to
+    the tensor never reaches the file. The mapping outlives ``fd``."""
+    if os.fstat(fd).st_size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    mapped = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapped, dtype=torch.uint8)

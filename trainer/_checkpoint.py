@@ -489,20 +489,6 @@ def _cause(exc: CheckpointException, rank: int) -> BaseException:
     return cause if isinstance(cause, BaseException) else exc
 
 
-def _is_terminal(value: Any) -> bool:
-    """Whether DCP's flattening stores ``value`` whole (see
-    ``torch.distributed.checkpoint`` ``traverse_state_dict``): everything but dicts, and
-    lists holding no tensor, dict or such list."""
-    if isinstance(value, Mapping):
-        return False
-    if not isinstance(value, list):
-        return True
-    return not any(
-        isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not _is_terminal(v))
-        for v in value
-    )
-
-
 def _check(
     value: Any, where: str, prefix: tuple[str | int, ...] = ()
 ) -> list[tuple[tuple[str | int, ...], str]]:

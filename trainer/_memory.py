@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import mmap
 import os
 import shutil
 from collections.abc import Sequence
@@ -29,6 +28,8 @@ from typing import Any
 import torch
 
 from rallypoint.client import check_id
+
+from ._bytes import map_private
 
 __all__ = ["KEEP", "MEMORY_ENV", "OFF", "NodeMemory", "default_root", "map_file"]
 
@@ -55,12 +56,7 @@ def default_root() -> Path | None:
 def map_file(path: Path) -> torch.Tensor:
     """A file's bytes as a copy-on-write mapping (a uint8 tensor; nothing is copied)."""
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        mapped = mmap.mmap(
-            f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
-    return torch.frombuffer(mapped, dtype=torch.uint8)
+        return map_private(f.fileno())
 
 
 class NodeMemory:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
-import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +20,7 @@ from rallypoint.client._fileurl import SourceError, verify_file_url, write_atomi
 from rallypoint.client._recycle import pin
 from rallypoint.client.errors import SignedUrlError
 
-from ._bytes import as_memoryview
+from ._bytes import as_memoryview, map_private
 from ._progress import Progress
 from .errors import TransferDenied, TransferError, TransferNotFound
 
@@ -231,12 +230,7 @@ def read_object(url: str, size: int, progress: Progress | None = None) -> torch.
             _, path = verify_file_url(url, "r")
             with open(path, "rb") as f:
                 pin(f.fileno())  # the mapping keeps the lock: the store never reuses the file
-                if os.fstat(f.fileno()).st_size == 0:
-                    return torch.empty(0, dtype=torch.uint8)
-                mapped = mmap.mmap(
-                    f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
-        return torch.frombuffer(mapped, dtype=torch.uint8)
+                return map_private(f.fileno())
     return _azure_read(url, None, size, progress)
 
 
