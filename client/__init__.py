@@ -22,6 +22,7 @@ from ._client import (
     Heartbeats,
     RetryPolicy,
 )
+from ._grants import GrantClaims, new_signing_key, public_key, sign_grant, verify_grant
 from ._models import (
     MAX_METADATA_BYTES,
     Assignment,
@@ -39,6 +40,8 @@ from ._models import (
     MemberInfo,
     MemberStatus,
     NodeInfo,
+    PeerGrant,
+    PeerKey,
     ShardFile,
     StoreReply,
     StoreRequest,
@@ -79,6 +82,7 @@ __all__ = [
     "CheckpointPointer",
     "ElasticClient",
     "GenerationInfo",
+    "GrantClaims",
     "HeartbeatReply",
     "Heartbeats",
     "IncompleteUpload",
@@ -95,6 +99,8 @@ __all__ = [
     "MemberInfo",
     "MemberStatus",
     "NodeInfo",
+    "PeerGrant",
+    "PeerKey",
     "RallypointError",
     "RetryPolicy",
     "ServerError",
@@ -110,4 +116,8 @@ __all__ = [
     "UnknownNode",
     "WaitingNode",
     "check_id",
+    "new_signing_key",
+    "public_key",
+    "sign_grant",
+    "verify_grant",
 ]

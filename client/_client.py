@@ -35,6 +35,7 @@ from ._models import (
     JoinRequest,
     LeaveRequest,
     NodeInfo,
+    PeerKey,
     ReportShard,
     ShardFile,
     StoreReply,
@@ -302,6 +303,7 @@ class ElasticClient:
         *,
         timeout: timedelta | None = None,
         spec: JobSpec | None = None,
+        peer: str | None = None,
     ) -> Assignment:
         """Joins the job's next generation and blocks until it seals.
 
@@ -318,6 +320,8 @@ class ElasticClient:
             timeout: Give up after this long; defaults to the job's ``join_timeout``,
                 which the coordinator enforces too.
             spec: Creates the job with these parameters if it does not exist yet.
+            peer: The base URL of this node's replica server (the agent's memory tier
+                runs one), where other nodes copy their checkpoint files.
 
         Returns:
             The assignment: generation, rank, world size, master address and port,
@@ -345,6 +349,7 @@ class ElasticClient:
             spec=spec,
             wait=wait_for(),
             join_id=uuid.uuid4().hex,  # retries of this request are the same join
+            peer=peer,
         )
         reply = JoinReply.model_validate_json(
             self._request("POST", f"{self._job}/join", request, read_timeout=request.wait).content
@@ -449,6 +454,10 @@ class ElasticClient:
         generation: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        persist: bool = False,
+        persist_every: int = 1,
+        persist_after: float | None = None,
+        memory: bool = False,
     ) -> CheckpointBegun:
         """The version of ``step`` in this node's generation (every rank gets the same one)
         and write URLs for this rank's ``files``.
@@ -460,6 +469,10 @@ class ElasticClient:
             rank: This process's global rank (torchrun's ``RANK``); with ``world_size``.
                 None: the node's rank, for one process per node.
             world_size: The job's number of processes, the same for every rank.
+            persist, persist_every, persist_after: The persistence policy the version is
+                created with (see :class:`~rallypoint.client.BeginCheckpoint`).
+            memory: This rank keeps its files in its node's memory tier: the reply
+                names the peer to copy them to.
 
         Raises:
             StaleGeneration: The generation ended; re-join before saving.
@@ -473,6 +486,10 @@ class ElasticClient:
             files=list(files),
             rank=rank,
             world_size=world_size,
+            persist=persist,
+            persist_every=persist_every,
+            persist_after=persist_after,
+            memory=memory,
         )
         reply = self._request("POST", f"{self._job}/checkpoints", body)
         return CheckpointBegun.model_validate_json(reply.content)
@@ -486,6 +503,8 @@ class ElasticClient:
         rank_metadata: dict[str, Any] | None = None,
         generation: int | None = None,
         rank: int | None = None,
+        storage: bool = True,
+        memory: Sequence[str] = (),
     ) -> CheckpointInfo:
         """Reports this rank's uploaded files of ``version``; the last rank's report
         commits it. Safe to retry.
@@ -497,6 +516,8 @@ class ElasticClient:
             rank_metadata: This rank's own non-tensor state.
             generation: Defaults to this node's.
             rank: The global rank given to :meth:`begin_checkpoint`, if any.
+            storage: Whether the files were uploaded to blob storage.
+            memory: The nodes whose memory tier holds them (this one, its replica).
 
         Raises:
             StaleGeneration: The generation ended: this version will never commit.
@@ -510,6 +531,8 @@ class ElasticClient:
             metadata=metadata,
             rank_metadata=rank_metadata,
             rank=rank,
+            storage=storage,
+            memory=list(memory),
         )
         reply = self._request("POST", f"{self._job}/checkpoints/{version}/shards", body)
         return CheckpointInfo.model_validate_json(reply.content)
@@ -523,6 +546,11 @@ class ElasticClient:
         """
         path = f"{self._job}/checkpoints/{'latest' if version is None else version}"
         return CheckpointInfo.model_validate_json(self._request("GET", path).content)
+
+    def peer_key(self) -> str:
+        """The job's public key that replica servers check peer grants with."""
+        reply = self._request("GET", f"{self._job}/checkpoints/peer-key")
+        return PeerKey.model_validate_json(reply.content).public_key
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """Every version of the job, committed or being written, oldest first."""

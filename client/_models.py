@@ -43,6 +43,8 @@ __all__ = [
     "MemberInfo",
     "MemberStatus",
     "NodeInfo",
+    "PeerGrant",
+    "PeerKey",
     "ReportShard",
     "ShardFile",
     "StoreReply",
@@ -111,6 +113,10 @@ class JoinRequest(_Model):
     #: Makes retries of one join idempotent: a repeated request with the same key is
     #: the same join, where a new key from a running member starts a new generation.
     join_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    #: The base URL of this node's replica server (its agent's memory tier), which
+    #: other nodes' ranks copy their checkpoint files to. A new URL per agent start:
+    #: the coordinator counts copies only on the agent that received them.
+    peer: str | None = Field(None, max_length=512, pattern=r"^https?://[^\s?#]+$")
 
 
 class WaitRequest(_Model):
@@ -126,6 +132,9 @@ class CheckpointPointer(_Model):
     step: int
     #: The generation that saved it.
     generation: int
+    #: Whether every rank's files are in blob storage; else some are only in the
+    #: memory of live nodes.
+    durable: bool = True
 
 
 #: Files a rank may write per checkpoint version.
@@ -151,6 +160,15 @@ class BeginCheckpoint(_Model):
     #: Processes in the job (torchrun's ``WORLD_SIZE``), the same for every rank of the
     #: version. None: the generation's number of nodes.
     world_size: int | None = Field(None, ge=1, le=MAX_RANKS)
+    #: The persistence policy, read when the version is created (by the first rank to
+    #: begin it): it is written to blob storage if this is set, or if ``persist_every``
+    #: versions passed since the last one that was, or ``persist_after`` seconds.
+    persist: bool = False
+    persist_every: int = Field(1, ge=1, le=1_000_000)
+    persist_after: float | None = Field(None, gt=0, le=7 * 86400)
+    #: Whether this rank keeps its files in its node's memory tier and wants a peer
+    #: replica: then ``CheckpointBegun.replica`` names the node to copy them to.
+    memory: bool = False
 
     @model_validator(mode="after")
     def _unique(self) -> BeginCheckpoint:
@@ -161,6 +179,23 @@ class BeginCheckpoint(_Model):
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
         return self
+
+
+class PeerGrant(_Model):
+    """A coordinator-signed permission to write or read one version's files on one
+    node's replica server: ``{url}/v/{version}/{path}?token={token}``."""
+
+    node_id: str
+    url: str
+    token: str
+    expires_at: float
+
+
+class PeerKey(_Model):
+    """The key replica servers check the coordinator's grants with (Ed25519, raw,
+    base64url)."""
+
+    public_key: str
 
 
 class CheckpointBegun(_Model):
@@ -177,6 +212,12 @@ class CheckpointBegun(_Model):
     upload_urls: dict[str, str]
     #: When the URLs expire and an unfinished version is collected (epoch seconds).
     expires_at: float
+    #: Whether the version goes to blob storage; else its files stay in memory on two
+    #: nodes (the writer's and its peer's) unless a copy to the peer fails.
+    persist: bool = True
+    #: The node this rank copies its files to (the next member of the generation), if
+    #: it asked for one and the generation has another node with a replica server.
+    replica: PeerGrant | None = None
 
 
 class ShardFile(_Model):
@@ -198,11 +239,21 @@ class ReportShard(_Model):
     metadata: dict[str, Any] | None = None
     #: This rank's own metadata (its rank-specific state).
     rank_metadata: dict[str, Any] | None = None
+    #: Whether the files were uploaded to blob storage.
+    storage: bool = True
+    #: The nodes whose memory tier holds the files: the reporter's own and its
+    #: replica's. A version commits once every rank's files are in storage or on two
+    #: nodes (on one, in a one-node job).
+    memory: list[Id] = Field(default_factory=list, max_length=8)
 
     @model_validator(mode="after")
     def _unique(self) -> ReportShard:
         if len({f.name for f in self.files}) != len(self.files):
             raise ValueError("file names must be unique")
+        if len(set(self.memory)) != len(self.memory):
+            raise ValueError("memory must name each node once")
+        if not self.storage and not self.memory:
+            raise ValueError("files must be in storage or in some node's memory")
         return self
 
 
@@ -221,7 +272,17 @@ class CheckpointInfo(_Model):
     reported: int = 0
     #: Whether this is the job's authoritative latest.
     latest: bool = False
+    #: Whether every rank's files are in blob storage (``"durable"``), else
+    #: ``"memory"``: some ranks' files are only in nodes' memory tiers.
+    durability: Literal["pending", "memory", "durable"] = "durable"
     urls: dict[str, str] = Field(default_factory=dict)
+    #: Global rank (as a string) to the live nodes whose memory holds its files; with
+    #: ``urls``, for a committed version.
+    holders: dict[str, list[str]] = Field(default_factory=dict)
+    #: Read grants on those nodes' replica servers, by node id.
+    peers: dict[str, PeerGrant] = Field(default_factory=dict)
+    #: The global ranks whose files are in blob storage; with ``urls``.
+    in_storage: list[int] = Field(default_factory=list)
 
 
 class ManifestFile(_Model):
@@ -260,6 +321,8 @@ class MemberInfo(_Model):
     rank: int
     addr: str
     port: int
+    #: The node's replica server, if its agent runs one.
+    peer: str | None = None
 
 
 class Assignment(_Model):

@@ -9,7 +9,16 @@ latest-pointer moves in one atomic batch with the version's commit:
                                  for the same step of a generation gets the same version.
 - ``ckrep:VVVVVVVVVV:RRRRR``     one per global rank: claimed by a node at ``begin`` (only
                                  that node may write and report the rank's files), then
-                                 its files and metadata once it reported.
+                                 its files and metadata once it reported, and where they
+                                 are: in blob storage, in which nodes' memory tiers.
+- ``peerkey``                    the job's Ed25519 key for peer grants.
+
+Tiers: a version is created ``persist`` or not by the job's policy (every Nth version,
+or after T seconds). A rank's files are safe once they are in blob storage or in the
+memory of two nodes (its own node's and the peer's the coordinator named; one node in a
+one-node job). A version commits when every rank's files are safe, and is durable when
+all are in blob storage. At a seal, :meth:`Checkpoints.resume` names the newest version
+every rank of which the new members' memory or blob storage still holds.
 
 Ranks are global: every process of the job (torchrun's ``RANK``) saves its own files,
 and a version commits when all ``world_size`` processes reported. A node may run several.
@@ -22,6 +31,7 @@ that is latest is always complete.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 from collections.abc import Callable, Mapping
@@ -29,6 +39,7 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal
 
+from rallypoint.client import GrantClaims, new_signing_key, public_key, sign_grant
 from rallypoint.client._models import (
     MAX_METADATA_BYTES,
     BeginCheckpoint,
@@ -38,12 +49,13 @@ from rallypoint.client._models import (
     Manifest,
     ManifestFile,
     ManifestShard,
+    PeerGrant,
     ReportShard,
     ShardFile,
 )
 
 from ._packed import MAX_PACKED, pack, unpack
-from ._rendezvous import Job, Rendezvous, job_entity
+from ._rendezvous import Generation, Job, Member, Rendezvous, job_entity
 from .errors import (
     AlreadyExists,
     CheckpointConflict,
@@ -62,6 +74,7 @@ CKSEQ = "ckseq"
 CKPT = "ckpt:"
 CKSTEP = "ckstep:"
 CKREP = "ckrep:"
+PEERKEY = "peerkey"
 MANIFEST = "manifest.json"
 
 State = Literal["pending", "committed", "deleting"]
@@ -80,10 +93,20 @@ class Version:
     created_at: float
     committed_at: float | None
     etag: str = ""
+    #: Whether the policy sends this version to blob storage.
+    persist: bool = True
+    #: Whether every rank's files are in blob storage (once committed).
+    durable: bool = True
 
     @property
     def folder(self) -> str:
         return f"{self.job_id}/v{self.version:010d}/"
+
+    @property
+    def pointer(self) -> CheckpointPointer:
+        return CheckpointPointer(
+            version=self.version, step=self.step, generation=self.generation, durable=self.durable
+        )
 
 
 @dataclass(frozen=True)
@@ -93,6 +116,29 @@ class Report:
     files: list[ShardFile]
     metadata: dict[str, Any] | None
     rank_metadata: dict[str, Any] | None
+    holding: Holding
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Where one rank's files of a version are."""
+
+    storage: bool
+    #: (node id, its replica server's URL when it reported): the URL tells a node's
+    #: later agent, whose memory starts empty, from the one that held the files.
+    memory: tuple[tuple[str, str | None], ...]
+
+    def alive(self, members: Mapping[str, str | None]) -> list[str]:
+        """The holders among ``members`` (node id to replica server URL)."""
+        return [n for n, peer in self.memory if n in members and members[n] == peer]
+
+
+def _holding(data: Mapping[str, Value | None]) -> Holding:
+    memory = json.loads(str(data.get("memory") or "[]"))
+    return Holding(
+        storage=bool(data.get("storage", True)),  # rows from before tiers were in storage
+        memory=tuple((str(n), None if p is None else str(p)) for n, p in memory),
+    )
 
 
 def _step_key(generation: int, step: int) -> str:
@@ -110,6 +156,7 @@ def _rank_folder(version: Version, rank: int) -> str:
 def _version(job_id: str, e: Entity) -> Version:
     d = e.data
     committed_at = d.get("committed_at")
+    persist, durable = d.get("persist"), d.get("durable")
     state = str(d["state"])
     if state not in ("pending", "committed", "deleting"):
         raise TypeError(f"stored checkpoint state {state!r} is unknown")
@@ -123,6 +170,9 @@ def _version(job_id: str, e: Entity) -> Version:
         created_at=float(str(d["created_at"])),
         committed_at=None if committed_at is None else float(str(committed_at)),
         etag=e.etag or "",
+        # Rows from before tiers: every version went to storage.
+        persist=True if persist is None else bool(persist),
+        durable=True if durable is None else bool(durable),
     )
 
 
@@ -140,6 +190,8 @@ def _entity(v: Version) -> Entity:
             "state": v.state,
             "created_at": v.created_at,
             "committed_at": v.committed_at,
+            "persist": v.persist,
+            "durable": v.durable,
         },
     )
 
@@ -152,6 +204,7 @@ def _report(data: Mapping[str, Value | None]) -> Report:
         files=[ShardFile.model_validate(f) for f in payload["files"]],
         metadata=payload.get("metadata"),
         rank_metadata=payload.get("rank_metadata"),
+        holding=_holding(data),
     )
 
 
@@ -191,6 +244,8 @@ class Checkpoints:
         self.timeout = timeout.total_seconds()
         self.read_ttl = read_ttl
         self.on_commit = on_commit
+        self._keys: dict[str, bytes] = {}
+        rdzv.resume = self.resume
 
     # --- writing ------------------------------------------------------------------------
 
@@ -213,7 +268,7 @@ class Checkpoints:
                     f"world_size {world_size} is below the {len(gen.members)} nodes of "
                     f"generation {request.generation}: every node runs at least one rank"
                 )
-        version = self._version_for(job_id, request.generation, request.step, world_size)
+        version = self._version_for(job_id, request, world_size)
         if version.state == "deleting":
             raise CheckpointConflict(
                 f"version {version.version} (step {version.step}) expired and is being "
@@ -225,6 +280,7 @@ class Checkpoints:
                 f"{version.world_size} ranks, not {world_size}"
             )
         urls: dict[str, str] = {}
+        replica = None
         expires_at = version.created_at + self.timeout
         if version.state == "pending":
             self._claim(version, rank, request.node_id)
@@ -233,6 +289,8 @@ class Checkpoints:
             urls = self.blobs.grant(
                 _rank_folder(version, rank), request.files, access="write", ttl=ttl
             )
+            if request.memory:
+                replica = self._replica(gen, request.node_id, version, rank, expires_at)
         return CheckpointBegun(
             version=version.version,
             step=version.step,
@@ -242,9 +300,72 @@ class Checkpoints:
             state="committed" if version.state == "committed" else "pending",
             upload_urls=urls,
             expires_at=expires_at,
+            persist=version.persist,
+            replica=replica,
         )
 
-    def _version_for(self, job_id: str, generation: int, step: int, world_size: int) -> Version:
+    def _replica(
+        self, gen: Generation, node_id: str, version: Version, rank: int, expires_at: float
+    ) -> PeerGrant | None:
+        """A grant to copy ``rank``'s files to the next member (in rank order) with a
+        replica server: a ring, so every node holds one other node's files and two
+        adjacent nodes are what it takes to lose a version's only copies."""
+        members = gen.members
+        start = gen.ranks[node_id]
+        for i in range(1, len(members)):
+            holder = members[(start + i) % len(members)]
+            if holder.peer:
+                claims = GrantClaims(
+                    job=version.job_id,
+                    gen=gen.generation,
+                    node=holder.node_id,
+                    peer=holder.peer,
+                    version=version.version,
+                    op="write",
+                    exp=expires_at,
+                    ranks=[rank],
+                )
+                return self._grant(holder, claims)
+        return None
+
+    def _grant(self, holder: Member, claims: GrantClaims) -> PeerGrant:
+        assert holder.peer is not None
+        return PeerGrant(
+            node_id=holder.node_id,
+            url=holder.peer,
+            token=sign_grant(self._key(claims.job), claims),
+            expires_at=claims.exp,
+        )
+
+    def _key(self, job_id: str) -> bytes:
+        """The job's grant-signing key, made by the first coordinator that needs it."""
+        key = self._keys.get(job_id)
+        if key is None:
+            try:
+                entity = self.table.get(job_id, PEERKEY)
+            except NotFound:
+                fresh = base64.b64encode(new_signing_key()).decode()
+                try:
+                    entity = self.table.insert(
+                        Entity(job_id, PEERKEY, {"kind": "peerkey", "private": fresh})
+                    )
+                except AlreadyExists:  # another replica made it first: use that one
+                    entity = self.table.get(job_id, PEERKEY)
+            key = base64.b64decode(str(entity.data["private"]))
+            self._keys[job_id] = key
+        return key
+
+    def peer_key(self, job_id: str) -> str:
+        """The public half of the job's grant-signing key.
+
+        Raises:
+            UnknownJob: No such job.
+        """
+        self.rdzv.get_job(job_id)
+        return public_key(self._key(job_id))
+
+    def _version_for(self, job_id: str, request: BeginCheckpoint, world_size: int) -> Version:
+        generation, step = request.generation, request.step
         key = _step_key(generation, step)
         for _ in range(100):
             try:
@@ -258,14 +379,46 @@ class Checkpoints:
                 self.collect(job_id)
                 continue
             now = self.rdzv.clock()
+            last: int | None = None
+            last_at = 0.0
             try:
                 seq = self.table.get(job_id, CKSEQ)
                 number = int(str(seq.data["next"]))
-                seq_op = BatchOp("replace", Entity(job_id, CKSEQ, {"next": number + 1}), seq.etag)
+                if seq.data.get("persisted") is not None:
+                    last = int(str(seq.data["persisted"]))
+                    last_at = float(str(seq.data["persisted_at"]))
             except NotFound:
-                number = 1
-                seq_op = BatchOp("insert", Entity(job_id, CKSEQ, {"next": 2}))
-            version = Version(job_id, number, generation, step, world_size, "pending", now, None)
+                seq, number = None, 1
+            # The policy: the first version goes to storage, so there is always a
+            # durable one to fall back to; then every Nth, or after T seconds.
+            persist = (
+                request.persist
+                or last is None
+                or number - last >= request.persist_every
+                or (request.persist_after is not None and now - last_at >= request.persist_after)
+            )
+            counter = {
+                "next": number + 1,
+                "persisted": number if persist else last,
+                "persisted_at": now if persist else last_at,
+            }
+            seq_op = (
+                BatchOp("insert", Entity(job_id, CKSEQ, counter))
+                if seq is None
+                else BatchOp("replace", Entity(job_id, CKSEQ, counter), seq.etag)
+            )
+            version = Version(
+                job_id,
+                number,
+                generation,
+                step,
+                world_size,
+                "pending",
+                now,
+                None,
+                persist=persist,
+                durable=False,
+            )
             try:
                 stored = self.table.batch(
                     [
@@ -317,11 +470,12 @@ class Checkpoints:
             UnknownCheckpoint: No such version.
             CheckpointConflict: The version belongs to another generation, or expired.
             IncompleteUpload: A file is not in storage at its reported size.
-            InvalidRequest: The metadata is too large.
+            InvalidRequest: The metadata is too large, a node named in ``memory`` is not
+                a member, or the files are neither in storage nor on enough nodes.
         """
         version = self._get(job_id, number)
         job = self.rdzv.get_job(job_id)
-        _, rank = self.rdzv.member(job, request.node_id, request.generation)
+        gen, rank = self.rdzv.member(job, request.node_id, request.generation)
         rank = rank if request.rank is None else request.rank
         if version.generation != request.generation:
             raise CheckpointConflict(
@@ -334,6 +488,18 @@ class Checkpoints:
             raise CheckpointConflict(f"version {number} expired before every rank reported")
         if rank >= version.world_size:
             raise InvalidRequest(f"rank {rank} is not a rank of version {number}")
+        strangers = [n for n in request.memory if n not in gen.ranks]
+        if strangers:
+            raise InvalidRequest(
+                f"{', '.join(strangers)} not a member of generation {gen.generation}: only "
+                "members hold replicas"
+            )
+        needed = min(2, len(gen.members))
+        if not request.storage and len(request.memory) < needed:
+            raise InvalidRequest(
+                f"rank {rank}'s files are in memory on {len(request.memory)} node(s) and not "
+                f"in storage: a version needs each rank's in storage or on {needed} nodes"
+            )
         self._claim(version, rank, request.node_id)
         payload = {
             "files": [f.model_dump() for f in request.files],
@@ -347,7 +513,7 @@ class Checkpoints:
         if sum(len(chunk) for chunk in packed.values()) > MAX_PACKED:
             raise InvalidRequest("metadata does not compress to fit a report")
         folder = _rank_folder(version, rank)
-        for f in request.files:
+        for f in request.files if request.storage else ():
             try:
                 stored = self.blobs.info(folder + f.name)
             except NotFound:
@@ -367,6 +533,12 @@ class Checkpoints:
                     "rank": rank,
                     "node_id": request.node_id,
                     "reported": True,
+                    "storage": request.storage,
+                    # With each node's replica server as it is now: a later agent of the
+                    # node starts with empty memory, and must not count as a holder.
+                    "memory": json.dumps(
+                        [[n, gen.members[gen.ranks[n]].peer] for n in request.memory]
+                    ),
                     **packed,
                 },
             )
@@ -378,6 +550,7 @@ class Checkpoints:
         return self._info(job, version, reports)
 
     def _commit(self, version: Version, reports: dict[int, Report]) -> Version:
+        version = replace(version, durable=all(r.holding.storage for r in reports.values()))
         manifest = Manifest(
             job_id=version.job_id,
             version=version.version,
@@ -402,18 +575,15 @@ class Checkpoints:
             job = self.rdzv.get_job(version.job_id)
             committed = replace(version, state="committed", committed_at=self.rdzv.clock())
             ops = [BatchOp("replace", _entity(committed), if_match=version.etag)]
-            # Fencing: only the running generation moves the pointer, and only forwards.
-            if (
-                job.generation == version.generation
-                and job.status == "sealed"
-                and (job.checkpoint is None or version.step > job.checkpoint.step)
-            ):
-                pointer = CheckpointPointer(
-                    version=version.version, step=version.step, generation=version.generation
-                )
-                ops.append(
-                    BatchOp("replace", job_entity(replace(job, checkpoint=pointer)), job.etag)
-                )
+            # Fencing: only the running generation moves the pointers, and only forwards.
+            if job.generation == version.generation and job.status == "sealed":
+                moved = job
+                if job.checkpoint is None or version.step > job.checkpoint.step:
+                    moved = replace(moved, checkpoint=version.pointer)
+                if version.durable and (job.durable is None or version.step > job.durable.step):
+                    moved = replace(moved, durable=version.pointer)
+                if moved is not job:
+                    ops.append(BatchOp("replace", job_entity(moved), job.etag))
             try:
                 stored = self.table.batch(ops)
             except Modified:
@@ -452,8 +622,67 @@ class Checkpoints:
         info = self._info(job, version)
         if urls and version.state == "committed":
             grant = self.blobs.grant(version.folder, None, access="read", ttl=self.read_ttl)
-            info = info.model_copy(update={"urls": grant})
+            info = info.model_copy(update={"urls": grant, **self._copies(job, version)})
         return info
+
+    def _copies(self, job: Job, version: Version) -> dict[str, Any]:
+        """Where a committed version's files are: ranks in storage, and the live holders
+        of the others (members of the running generation, as they were when they took
+        the copies), with read grants for their replica servers."""
+        holdings = self._holdings(version)
+        members: dict[str, Member] = {}
+        if job.status == "sealed" and job.generation:
+            members = {m.node_id: m for m in self.rdzv.sealed(job.job_id, job.generation).members}
+        peers = {n: m.peer for n, m in members.items()}
+        holders = {str(r): h.alive(peers) for r, h in sorted(holdings.items())}
+        grants: dict[str, PeerGrant] = {}
+        expires = self.rdzv.clock() + self.read_ttl.total_seconds()
+        for node in sorted({n for alive in holders.values() for n in alive}):
+            member = members[node]
+            assert member.peer is not None
+            claims = GrantClaims(
+                job=job.job_id,
+                gen=job.generation,
+                node=node,
+                peer=member.peer,
+                version=version.version,
+                op="read",
+                exp=expires,
+            )
+            grants[node] = self._grant(member, claims)
+        return {
+            "holders": {r: alive for r, alive in holders.items() if alive},
+            "peers": grants,
+            "in_storage": sorted(r for r, h in holdings.items() if h.storage),
+        }
+
+    def resume(self, job: Job, members: tuple[Member, ...]) -> CheckpointPointer | None:
+        """The version a generation of ``members`` resumes from: the newest, by step and
+        no newer than the job's pointer, whose every rank's files are in blob storage or
+        in the memory of one of ``members``. A version whose only holders are gone is
+        never named; the durable pointer always qualifies.
+        """
+        if job.checkpoint is None:
+            return None
+        peers = {m.node_id: m.peer for m in members}
+        candidates = sorted(
+            (
+                v
+                for v in self._rows(job.job_id)
+                if v.state == "committed" and v.step <= job.checkpoint.step
+            ),
+            key=lambda v: (v.step, v.version),
+            reverse=True,
+        )
+        for version in candidates:
+            if version.durable:
+                return version.pointer
+            holdings = self._holdings(version)
+            if len(holdings) == version.world_size and all(
+                h.storage or h.alive(peers) for h in holdings.values()
+            ):
+                return version.pointer
+        return job.durable  # None only if nothing durable was ever committed
 
     def versions(self, job_id: str) -> list[CheckpointInfo]:
         """Every version not being collected, oldest first (no URLs)."""
@@ -477,6 +706,11 @@ class Checkpoints:
             committed_at=version.committed_at,
             reported=version.world_size if reports is None else len(reports),
             latest=job.checkpoint is not None and job.checkpoint.version == version.version,
+            durability=(
+                "pending"
+                if version.state != "committed"
+                else ("durable" if version.durable else "memory")
+            ),
         )
 
     def _get(self, job_id: str, number: int) -> Version:
@@ -491,6 +725,11 @@ class Checkpoints:
     def _report_rows(self, version: Version) -> list[Entity]:
         where = [Cond("kind", "eq", "ckrep"), Cond("version", "eq", version.version)]
         return list(self.table.query(version.job_id, where))
+
+    def _holdings(self, version: Version) -> dict[int, Holding]:
+        """Where each reported rank's files are (without unpacking their metadata)."""
+        rows = (e.data for e in self._report_rows(version) if e.data.get("reported", True))
+        return {int(str(d["rank"])): _holding(d) for d in rows}
 
     def _reports(self, version: Version) -> dict[int, Report]:
         # Claims (``reported`` False) hold no files yet; rows from before claims existed
@@ -514,8 +753,10 @@ class Checkpoints:
         job = self.rdzv.get_job(job_id)
         versions = self._rows(job_id)
         latest = job.checkpoint.version if job.checkpoint else None
+        durable = job.durable.version if job.durable else None
         committed = [v.version for v in versions if v.state == "committed"]
-        keep = set(committed[-self.keep :]) | {latest}
+        # The durable pointer is what a job falls back to when memory copies are lost.
+        keep = set(committed[-self.keep :]) | {latest, durable}
         doomed = [
             v
             for v in versions

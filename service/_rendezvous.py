@@ -79,8 +79,11 @@ class Job:
     created_at: float
     changed_at: float
     etag: str
-    #: The authoritative latest checkpoint; the next seal snapshots it.
+    #: The authoritative latest checkpoint; the next seal names it if it can still be
+    #: recovered from the new members or from blob storage.
     checkpoint: CheckpointPointer | None = None
+    #: The newest checkpoint whose every file is in blob storage.
+    durable: CheckpointPointer | None = None
 
     @property
     def round(self) -> int:
@@ -94,6 +97,8 @@ class Member:
     rank: int
     addr: str
     port: int
+    #: The node agent's replica server, if it runs one.
+    peer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class Generation:
         return json.dumps(
             [
                 {"node_id": m.node_id, "rank": m.rank, "addr": m.addr, "port": m.port}
+                | ({"peer": m.peer} if m.peer else {})
                 for m in self.members
             ],
             separators=(",", ":"),
@@ -148,6 +154,7 @@ class Node:
     joined_at: float
     state: Literal["waiting", "left"]
     join_id: str | None = None
+    peer: str | None = None
 
 
 def _int(d: Mapping[str, Value | None], key: str) -> int:
@@ -200,16 +207,30 @@ def _job(job_id: str, e: Entity) -> Job:
         created_at=_float(d, "created_at"),
         changed_at=_float(d, "changed_at"),
         etag=e.etag or "",
-        checkpoint=(
-            CheckpointPointer(
-                version=_int(d, "ckpt_version"),
-                step=_int(d, "ckpt_step"),
-                generation=_int(d, "ckpt_generation"),
-            )
-            if d.get("ckpt_version") is not None
-            else None
-        ),
+        checkpoint=_pointer(d, "ckpt"),
+        durable=_pointer(d, "durable"),
     )
+
+
+def _pointer(d: Mapping[str, Value | None], prefix: str) -> CheckpointPointer | None:
+    if d.get(f"{prefix}_version") is None:
+        return None
+    durable = d.get(f"{prefix}_durable")
+    return CheckpointPointer(
+        version=_int(d, f"{prefix}_version"),
+        step=_int(d, f"{prefix}_step"),
+        generation=_int(d, f"{prefix}_generation"),
+        durable=True if durable is None else bool(durable),  # rows from before tiers
+    )
+
+
+def _pointer_data(prefix: str, p: CheckpointPointer | None) -> dict[str, Value | None]:
+    return {
+        f"{prefix}_version": p.version if p else None,
+        f"{prefix}_step": p.step if p else None,
+        f"{prefix}_generation": p.generation if p else None,
+        f"{prefix}_durable": p.durable if p else None,
+    }
 
 
 def job_entity(job: Job) -> Entity:
@@ -223,19 +244,21 @@ def job_entity(job: Job) -> Entity:
             "world_size": job.world_size,
             "created_at": job.created_at,
             "changed_at": job.changed_at,
-            "ckpt_version": job.checkpoint.version if job.checkpoint else None,
-            "ckpt_step": job.checkpoint.step if job.checkpoint else None,
-            "ckpt_generation": job.checkpoint.generation if job.checkpoint else None,
+            **_pointer_data("ckpt", job.checkpoint),
+            **_pointer_data("durable", job.durable),
         },
     )
 
 
 def _encode_members(members: Iterable[Member]) -> dict[str, bytes]:
-    return pack([[m.node_id, m.rank, m.addr, m.port] for m in members])
+    # The peer URL is left out where there is none: records from before it stay valid.
+    return pack(
+        [[m.node_id, m.rank, m.addr, m.port, *([m.peer] if m.peer else [])] for m in members]
+    )
 
 
 def _decode_members(data: Mapping[str, Value | None]) -> tuple[Member, ...]:
-    return tuple(Member(n, r, a, p) for n, r, a, p in unpack(data))
+    return tuple(Member(*fields) for fields in unpack(data))
 
 
 def _generation(e: Entity) -> Generation:
@@ -279,6 +302,7 @@ def _node(e: Entity) -> Node:
         joined_at=_float(d, "joined_at"),
         state="left" if d["state"] == "left" else "waiting",
         join_id=str(d["join_id"]) if d.get("join_id") else None,
+        peer=str(d["peer"]) if d.get("peer") else None,
     )
 
 
@@ -295,6 +319,7 @@ def _node_entity(job_id: str, n: Node) -> Entity:
             "joined_at": n.joined_at,
             "state": n.state,
             "join_id": n.join_id,
+            "peer": n.peer,
         },
     )
 
@@ -316,11 +341,20 @@ class Rendezvous:
     Args:
         table: Where the state lives.
         clock: Seconds since the epoch; injectable so tests control time.
+        resume: Names, at a seal, the checkpoint the new members resume from (the
+            checkpoints' :meth:`~Checkpoints.resume`); None: the job's pointer as it is.
+            It may be set after construction, as the checkpoints need the rendezvous.
     """
 
-    def __init__(self, table: Table, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        table: Table,
+        clock: Callable[[], float] = time.time,
+        resume: Callable[[Job, tuple[Member, ...]], CheckpointPointer | None] | None = None,
+    ) -> None:
         self.table = table
         self.clock = clock
+        self.resume = resume
         # A coordinator that was down heard no heartbeats: it gives every member a full
         # timeout from its start before declaring one dead (see _check_members).
         self.started_at = clock()
@@ -456,9 +490,10 @@ class Rendezvous:
         port: int,
         spec: JobSpec | None = None,
         join_id: str | None = None,
+        peer: str | None = None,
     ) -> int:
         """:meth:`register`, returning just the round."""
-        return self.register(job_id, node_id, addr, port, spec, join_id).round
+        return self.register(job_id, node_id, addr, port, spec, join_id, peer).round
 
     def register(
         self,
@@ -468,6 +503,7 @@ class Rendezvous:
         port: int,
         spec: JobSpec | None = None,
         join_id: str | None = None,
+        peer: str | None = None,
     ) -> Node:
         """Registers a node for the job's next generation.
 
@@ -479,6 +515,7 @@ class Rendezvous:
             join_id: Repeating a join with the same key (a client retrying after a lost
                 reply, or after a coordinator restart) registers nothing new and ends
                 nothing: it waits for the round the first request registered for.
+            peer: The node's replica server (see :class:`JoinRequest`).
 
         Returns:
             The node's registration; its ``round`` is the generation it waits for.
@@ -517,7 +554,7 @@ class Rendezvous:
                 job = self.get_job(job_id)
                 continue
             now = self.clock()
-            node = Node(node_id, addr, port, job.round, now, "waiting", join_id)
+            node = Node(node_id, addr, port, job.round, now, "waiting", join_id, peer)
             self.table.batch(  # one write: registration and first heartbeat together
                 [BatchOp("upsert", _node_entity(job_id, node)), _beat_op(job_id, node_id, now, 0)]
             )
@@ -671,12 +708,20 @@ class Rendezvous:
             if waits:
                 return False, min(waits) - now
         chosen = ordered[: spec.max_nodes]
-        members = tuple(Member(n.node_id, i, n.addr, n.port) for i, n in enumerate(chosen))
-        # The checkpoint pointer is snapshotted with the seal, in the same CAS, so every
-        # member of the generation resumes from the same version.
-        gen = Generation(job.round, members, now, None, None, job.checkpoint, "")
+        members = tuple(Member(n.node_id, i, n.addr, n.port, n.peer) for i, n in enumerate(chosen))
+        # The checkpoint is named with the seal, in the same CAS, so every member of the
+        # generation resumes from the same version: the newest that the new members'
+        # memory or blob storage can still give back (nothing commits while the round
+        # is open). It becomes the pointer: the versions after it are lost for good.
+        resume = job.checkpoint if self.resume is None else self.resume(job, members)
+        gen = Generation(job.round, members, now, None, None, resume, "")
         sealed = replace(
-            job, generation=job.round, status="sealed", world_size=len(members), changed_at=now
+            job,
+            generation=job.round,
+            status="sealed",
+            world_size=len(members),
+            changed_at=now,
+            checkpoint=resume,
         )
         try:
             self.table.batch(

@@ -11,7 +11,13 @@ from typing import Annotated
 import anyio.to_thread
 from fastapi import APIRouter, Path
 
-from rallypoint.client._models import BeginCheckpoint, CheckpointBegun, CheckpointInfo, ReportShard
+from rallypoint.client._models import (
+    BeginCheckpoint,
+    CheckpointBegun,
+    CheckpointInfo,
+    PeerKey,
+    ReportShard,
+)
 
 from ..deps import Auth, CheckpointsDep, JobId
 
@@ -52,6 +58,13 @@ async def list_versions(job_id: JobId, checkpoints: CheckpointsDep) -> list[Chec
 async def latest(job_id: JobId, checkpoints: CheckpointsDep) -> CheckpointInfo:
     """The authoritative latest version, with read URLs for its manifest and shards."""
     return await anyio.to_thread.run_sync(checkpoints.get, job_id, None)
+
+
+@router.get("/peer-key")
+async def peer_key(job_id: JobId, checkpoints: CheckpointsDep) -> PeerKey:
+    """The public key nodes' replica servers check peer grants with."""
+    key = await anyio.to_thread.run_sync(checkpoints.peer_key, job_id)
+    return PeerKey(public_key=key)
 
 
 @router.get("/{version}")

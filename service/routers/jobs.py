@@ -76,7 +76,14 @@ async def join(
 ) -> JoinReply | Response:
     """Registers a node for the next generation and waits up to ``wait`` s for its seal."""
     node = await anyio.to_thread.run_sync(
-        rdzv.register, job_id, body.node_id, body.addr, body.port, body.spec, body.join_id
+        rdzv.register,
+        job_id,
+        body.node_id,
+        body.addr,
+        body.port,
+        body.spec,
+        body.join_id,
+        body.peer,
     )
     driver.poke(job_id)
     return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response)
@@ -135,7 +142,14 @@ async def _await_seal(
             if outcome == "missed":
                 # Sealed without this node (it came too late): it wants the next one.
                 node = await anyio.to_thread.run_sync(
-                    rdzv.register, job_id, node_id, node.addr, node.port, None, node.join_id
+                    rdzv.register,
+                    job_id,
+                    node_id,
+                    node.addr,
+                    node.port,
+                    None,
+                    node.join_id,
+                    node.peer,
                 )
                 round = node.round
                 driver.poke(job_id)
