@@ -129,8 +129,10 @@ class Holding:
     memory: tuple[tuple[str, str | None], ...]
 
     def alive(self, members: Mapping[str, str | None]) -> list[str]:
-        """The holders among ``members`` (node id to replica server URL)."""
-        return [n for n, peer in self.memory if n in members and members[n] == peer]
+        """The holders among ``members`` (node id to replica server URL). A holder
+        without a replica server cannot prove it is the agent that took the copy, so
+        it never counts."""
+        return [n for n, peer in self.memory if peer is not None and members.get(n) == peer]
 
 
 def _holding(data: Mapping[str, Value | None]) -> Holding:

@@ -41,7 +41,9 @@ def test_a_restart_reads_this_nodes_memory_and_a_bad_copy_falls_back(
     m.save(state, 1, rank_state={"seed": 7}, metadata={"loss": 0.5}, blocking=True)
     m.close()
     held = sorted(p.name for p in (memory / "job" / "a" / "v0000000001").rglob("*"))
-    assert held == ["data.distcp", "dcp.metadata", "rank-00000", "version.json"]
+    # Rank 0's files (DCP's metadata among them, for peers) and this node's own copy of
+    # the metadata, with the summary written once the version committed.
+    assert held == ["data.distcp", "dcp.metadata", "dcp.metadata", "rank-00000", "version.json"]
     (m,) = managers(url, ["a"], 1, 1)  # the restarted process, same node
     restored = m.load_latest()
     assert restored is not None and restored.bytes_from["storage"] == 0

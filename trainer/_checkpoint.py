@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal
 
@@ -74,8 +75,9 @@ class Restored:
         rank_state: This global rank's ``rank_state``; None if no process of this rank
             saved one (the world grew).
         metadata: The ``metadata`` passed to ``save``.
-        bytes_from: Bytes read, by source: ``"memory"`` (this node's memory tier) and
-            ``"storage"`` (blob storage or the local store).
+        bytes_from: Bytes read, by source: ``"memory"`` (this node's memory tier),
+            ``"peer"`` (another node's) and ``"storage"`` (blob storage or the local
+            store).
     """
 
     version: int
@@ -132,6 +134,11 @@ class CheckpointManager:
         attempts: Tries per upload or download before giving up.
         verify_replicated: Check before every save that each plain (non-DTensor) tensor
             of ``state`` is the same on every rank; DCP writes it from one rank only.
+        persist_every: Under a Rallypoint agent (its memory tier), every save lands in
+            this node's memory and a peer node's; every Nth version also goes to blob
+            storage (1, the default: all of them). The first version always does.
+        persist_after: ... and the first version this long (seconds or a timedelta)
+            after the last one that did, whatever N says.
 
     Raises:
         ValueError: The client has not joined and no assignment was given.
@@ -146,6 +153,8 @@ class CheckpointManager:
         progress: bool = True,
         attempts: int = 3,
         verify_replicated: bool = False,
+        persist_every: int = 1,
+        persist_after: float | timedelta | None = None,
     ) -> None:
         assignment = assignment or client.assignment
         if assignment is None:
@@ -154,6 +163,14 @@ class CheckpointManager:
             raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
         if attempts < 1:
             raise ValueError("attempts must be at least 1")
+        if persist_every < 1:
+            raise ValueError("persist_every must be at least 1 (1: every version)")
+        if isinstance(persist_after, timedelta):
+            persist_after = persist_after.total_seconds()
+        if persist_after is not None and persist_after <= 0:
+            raise ValueError("persist_after must be a positive number of seconds")
+        self.persist_every = persist_every
+        self.persist_after = persist_after
         self.client = client
         self.assignment = assignment
         self.generation = assignment.generation
@@ -191,6 +208,7 @@ class CheckpointManager:
         rank_state: Any = None,
         metadata: dict[str, Any] | None = None,
         blocking: bool = False,
+        persist: bool = False,
     ) -> SaveHandle | None:
         """Saves ``state`` as the checkpoint of ``step``; every process must call it.
 
@@ -209,6 +227,8 @@ class CheckpointManager:
                 restored to the process of the same global rank.
             metadata: Small JSON values to keep in the manifest (loss, epoch).
             blocking: Wait for the upload and the commit.
+            persist: Send this version to blob storage whatever ``persist_every``
+                says (on a preemption notice: the node's copies are about to go).
 
         Returns:
             A handle on the save, or None if ``if_busy="skip"`` skipped it.
@@ -257,6 +277,9 @@ class CheckpointManager:
             progress=self.progress,
             attempts=self.attempts,
             memory=self.memory,
+            persist=persist,
+            persist_every=self.persist_every,
+            persist_after=self.persist_after,
         )
         future = self._executor.submit(self._persist, staged, copies, writer, group)
         handle = SaveHandle(step, future, blocked)
@@ -425,13 +448,14 @@ class CheckpointManager:
             rank_state = ranked[RESERVED]["rank"][str(self.rank)].get("state")
         log.info(
             "restored checkpoint v%d (step %d, saved by %d ranks) as rank %d of %d: "
-            "%d bytes from this node's memory, %d from storage",
+            "%d bytes from this node's memory, %d from peers', %d from storage",
             summary.version,
             summary.step,
             summary.world_size,
             self.rank,
             self.world_size,
             reader.bytes_from["memory"],
+            reader.bytes_from["peer"],
             reader.bytes_from["storage"],
         )
         return Restored(

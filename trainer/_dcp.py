@@ -6,10 +6,15 @@ world size). :class:`RallypointWriter` and :class:`RallypointReader` move those 
 through the coordinator's scoped URLs and commit through its fenced report:
 
     every rank   prepare_local_plan   begin the step's version (fenced: a zombie stops here)
-    every rank   write_data           one file, rank-RRRRR/data.distcp, uploaded and
-                                      reported, with a checksum per item
-    rank 0       finish               DCP's metadata, rank-00000/dcp.metadata, uploaded and
-                                      reported; the version commits once all ranks are in
+    every rank   write_data           one file, rank-RRRRR/data.distcp, with a checksum per
+                                      item: into this node's memory tier, copied to the
+                                      peer the coordinator names, uploaded if the version
+                                      is persisted (or the copy failed), and reported
+    rank 0       finish               DCP's metadata, rank-00000/dcp.metadata, the same
+                                      way; the version commits once all ranks are in
+
+A reader takes each file from the nearest copy: this node's memory, a live peer's, then
+blob storage; every item is checked against its checksum wherever it came from.
 
 A file holds each item's bytes as they lie in memory (a tensor's elements in row-major
 order, a non-tensor value as ``torch.save`` wrote it), 64-byte aligned, at the offsets
@@ -45,6 +50,7 @@ from torch.futures import Future
 
 from rallypoint.client import (
     MAX_METADATA_BYTES,
+    CheckpointBegun,
     CheckpointInfo,
     ElasticClient,
     Manifest,
@@ -54,6 +60,7 @@ from rallypoint.client import (
 
 from ._bytes import as_memoryview, checksum, tensor_bytes
 from ._memory import NodeMemory, map_file
+from ._peers import push, read_peer
 from ._progress import Progress
 from ._transfer import download, read_object, read_range, upload_parts
 from .errors import CheckpointCorrupt, TransferDenied, TransferError, TransferNotFound
@@ -180,7 +187,12 @@ class RallypointWriter(StorageWriter):
         metadata: Small JSON values kept in the manifest (rank 0's are kept).
         progress: Show progress of uploads that take more than a second.
         attempts: Tries per upload before giving up.
-        memory: This node's memory tier: each file lands there before it is uploaded.
+        memory: This node's memory tier: each file lands there first, and is copied to
+            a peer node's.
+        persist: Send this version to blob storage whatever the policy.
+        persist_every: The policy: every Nth version goes to blob storage (1: all).
+        persist_after: ... and any version this many seconds after the last one that
+            did.
 
     Raises:
         TypeError, ValueError: ``metadata`` is not JSON or is over its limit.
@@ -196,9 +208,15 @@ class RallypointWriter(StorageWriter):
         progress: bool = False,
         attempts: int = 3,
         memory: NodeMemory | None = None,
+        persist: bool = False,
+        persist_every: int = 1,
+        persist_after: float | None = None,
     ) -> None:
         super().__init__()
         check_metadata(metadata)
+        self.persist = persist
+        self.persist_every = persist_every
+        self.persist_after = persist_after
         self.client = client
         self.step = step
         self.generation = generation
@@ -213,6 +231,12 @@ class RallypointWriter(StorageWriter):
         self._version = 0
         self._committed = False
         self._data: ShardFile | None = None
+        self._begun: CheckpointBegun | None = None
+        #: Where this rank's files went: blob storage, and the nodes whose memory holds
+        #: them (this one, the replica).
+        self.storage = False
+        self.holders: list[str] = []
+        self._parts: list[memoryview] = []
 
     @property
     def version(self) -> int:
@@ -222,6 +246,7 @@ class RallypointWriter(StorageWriter):
     def reset(self, checkpoint_id: Any = None) -> None:
         """See base class. ``checkpoint_id`` is not used: the coordinator names versions."""
         self.info, self._urls, self._data, self._committed = None, {}, None, False
+        self._begun, self.storage, self.holders, self._parts = None, False, [], []
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """See base class."""
@@ -241,7 +266,12 @@ class RallypointWriter(StorageWriter):
             generation=self.generation,
             rank=self.rank,
             world_size=self.world_size,
+            persist=self.persist,
+            persist_every=self.persist_every,
+            persist_after=self.persist_after,
+            memory=self.memory is not None,
         )
+        self._begun = begun
         self._version, self._urls = begun.version, begun.upload_urls
         self._committed = begun.state == "committed"  # a retried save of a saved step
         return plan
@@ -282,13 +312,59 @@ class RallypointWriter(StorageWriter):
         # The file's checksum covers its items' checksums: hashing the bytes twice would
         # double the cost of the only CPU-bound part of a save.
         digest = checksum([json.dumps([r.storage_data.checksum for r in results]).encode()])
-        if self.memory is not None:
-            self.memory.write(self._version, path, parts)
-        self._upload(DATA, parts, offset)
         self._data = ShardFile(name=DATA, size=offset, checksum=digest)
+        self._parts = parts
+        items = [
+            (r.storage_data.offset, r.storage_data.length, r.storage_data.checksum) for r in results
+        ]
+        self._place(DATA, parts, offset, items)
         if self.rank != 0:
             self.info = self._report([self._data], None)
         return _done(results)
+
+    def _place(
+        self, name: str, parts: list[memoryview], size: int, items: list[tuple[int, int, str]]
+    ) -> None:
+        """Puts one of this rank's files where the version's tier wants it: this node's
+        memory, the peer's, and blob storage if the version is persisted or the copies
+        are too few (a peer that failed, a node without a memory tier)."""
+        begun = self._begun
+        assert begun is not None
+        path = f"rank-{self.rank:05d}/{name}"
+        first = self._data is not None and name == DATA
+        if self.memory is not None and self.memory.write(self._version, path, parts):
+            if first or self.client.node_id in self.holders:
+                self.holders = sorted({*self.holders, self.client.node_id})
+        elif self.client.node_id in self.holders:
+            self.holders.remove(self.client.node_id)
+        replica = begun.replica
+        if replica is not None and (first or replica.node_id in self.holders):
+            try:
+                retry(
+                    lambda: push(replica, self._version, path, parts, items),
+                    f"copying {path} to node {replica.node_id}",
+                    2,
+                )
+            except TransferError as exc:
+                log.warning(
+                    "checkpoint v%d: no copy on node %s (%s); uploading to storage instead",
+                    self._version,
+                    replica.node_id,
+                    exc,
+                )
+                if replica.node_id in self.holders:
+                    self.holders.remove(replica.node_id)
+            else:
+                self.holders = sorted({*self.holders, replica.node_id})
+        nodes = len(self.client.assignment.members) if self.client.assignment else 1
+        wanted = begun.persist or len(self.holders) < min(2, nodes)
+        if wanted and not self.storage and name != DATA and self._data is not None:
+            # Rank 0's data stayed in memory, but its metadata must go to storage: the
+            # two go together, or the rank's report could not say where both are.
+            self._upload(DATA, self._parts, self._data.size)
+        if wanted or self.storage:
+            self._upload(name, parts, size)
+            self.storage = True
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """See base class. Rank 0 uploads DCP's metadata and reports last."""
@@ -300,7 +376,7 @@ class RallypointWriter(StorageWriter):
             storage.update({r.index: r.storage_data for r in rank_results})
         metadata.storage_data = storage
         raw = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        self._upload(METADATA, [memoryview(raw)], len(raw))
+        self._place(METADATA, [memoryview(raw)], len(raw), [(0, len(raw), checksum([raw]))])
         assert self._data is not None
         files = [self._data, ShardFile(name=METADATA, size=len(raw), checksum=checksum([raw]))]
         self.info = self._report(files, self.metadata)
@@ -325,15 +401,19 @@ class RallypointWriter(StorageWriter):
             metadata={"user": metadata} if self.rank == 0 else None,
             generation=self.generation,
             rank=self.rank,
+            storage=self.storage,
+            memory=self.holders,
         )
         log.info(
-            "checkpoint v%d step %d rank %d: %s (%d of %d ranks in)",
+            "checkpoint v%d step %d rank %d: %s (%d of %d ranks in); files %s%s",
             self._version,
             self.step,
             self.rank,
             info.state,
             info.reported,
             info.world_size,
+            "in storage" if self.storage else "in memory",
+            f" on {', '.join(self.holders)}" if self.holders else "",
         )
         return info
 
@@ -388,9 +468,9 @@ class RallypointReader(StorageReader):
         self.progress = progress
         self.attempts = attempts
         self.memory = memory
-        #: Bytes read, by source: ``"memory"`` (this node's) and ``"storage"`` (the
-        #: manifest's and metadata's too).
-        self.bytes_from = {"memory": 0, "storage": 0}
+        #: Bytes read, by source: ``"memory"`` (this node's), ``"peer"`` (another
+        #: node's memory) and ``"storage"`` (the manifest's and metadata's too).
+        self.bytes_from = {"memory": 0, "peer": 0, "storage": 0}
         #: What the version is: from its manifest, or from this node's memory.
         self.summary: Summary | None = None
         self._info: CheckpointInfo | None = None
@@ -425,9 +505,9 @@ class RallypointReader(StorageReader):
         if METADATA not in files:
             raise CheckpointCorrupt(f"{self.label}: rank 0 reported no {METADATA}")
         meta_file = files[METADATA]
-        raw = self._download(f"rank-00000/{METADATA}")
-        if len(raw) != meta_file.size or checksum([raw]) != meta_file.checksum:
-            raise CheckpointCorrupt(f"{self.label}: {METADATA} fails its checksum")
+        whole = StoredItem(f"rank-00000/{METADATA}", 0, meta_file.size, meta_file.checksum)
+        held = self._checked(whole.path, [whole])(whole)  # kept: the view borrows its memory
+        raw = bytes(as_memoryview(held))
         self.summary = Summary(
             manifest.version,
             manifest.step,
@@ -563,37 +643,18 @@ class RallypointReader(StorageReader):
                     )
                 self.bytes_from["storage"] += sum(n for _, n in wanted)
                 return lambda s: whole[s.offset : s.offset + s.length]
-            spans: list[list[int]] = []
-            for offset, length in wanted:
-                if spans and offset - spans[-1][1] <= _MERGE_GAP:
-                    spans[-1][1] = max(spans[-1][1], offset + length)
-                else:
-                    spans.append([offset, offset + length])
-            fetched: list[tuple[int, torch.Tensor]] = []
-            progress = Progress(
-                f"{what}: download", sum(b - a for a, b in spans), enabled=self.progress
-            )
-            for start, stop in spans:
-                data = retry(
-                    lambda: read_range(url, start, stop - start, progress),  # noqa: B023
-                    f"reading {what}",
-                    self.attempts,
-                )
-                if data.numel() != stop - start:
-                    raise CheckpointCorrupt(f"{what} is shorter than its items")
+            progress = Progress(f"{what}: download", end, enabled=self.progress)
+
+            def ranged(start: int, length: int) -> torch.Tensor:
+                data = read_range(url, start, length, progress)
                 self.bytes_from["storage"] += data.numel()
-                fetched.append((start, data))
+                return data
+
+            fetched = self._spans(items, ranged, what)
             progress.close()
         except TransferNotFound:
             raise CheckpointCorrupt(f"{what} is missing from storage") from None
-
-        def item(s: StoredItem) -> torch.Tensor:
-            for start, data in fetched:
-                if start <= s.offset and s.offset + s.length <= start + data.numel():
-                    return data[s.offset - start : s.offset - start + s.length]
-            raise AssertionError("an item outside the fetched spans")
-
-        return item
+        return fetched
 
     def read_whole(self, fqns: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tensors of ``fqns`` that were saved whole (one chunk: replicated state),
@@ -631,14 +692,15 @@ class RallypointReader(StorageReader):
     def _checked(
         self, path: str, items: Sequence[StoredItem]
     ) -> Callable[[StoredItem], torch.Tensor]:
-        """The bytes of ``items`` of one file, each checked against its checksum: from
-        this node's memory if it holds the file and every item checks out there, else
-        from storage.
+        """The bytes of ``items`` of one file, each checked against its checksum, from
+        the nearest copy that checks out: this node's memory, a live peer's memory (the
+        holders the coordinator names), then storage.
 
         Raises:
-            CheckpointCorrupt: An item fails its checksum in storage.
+            CheckpointCorrupt: No copy checks out.
         """
         unique = list({(s.offset, s.length): s for s in items}.values())
+        size = sum(s.length for s in unique)
         held = None
         if self.memory is not None and self.version is not None:
             held = self.memory.find(self.version, path)
@@ -651,13 +713,67 @@ class RallypointReader(StorageReader):
             try:
                 self._verify(unique, mapped, f"{self.label} {path} in this node's memory")
             except CheckpointCorrupt as exc:
-                log.warning("%s; reading it from storage", exc)
+                log.warning("%s; reading another copy", exc)
             else:
-                self.bytes_from["memory"] += sum(s.length for s in unique)
+                self.bytes_from["memory"] += size
                 return mapped
+        info = self._checkpoint()
+        for node in self._holders(info, path):
+            grant = info.peers[node]
+            what = f"{self.label} {path} on node {node}"
+            try:
+                fetched = self._spans(
+                    unique,
+                    lambda a, n: read_peer(grant, info.version, path, a, n),  # noqa: B023
+                    what,
+                )
+                self._verify(unique, fetched, what)
+            except (TransferError, CheckpointCorrupt) as exc:
+                log.warning("%s; reading another copy", exc)
+                continue
+            self.bytes_from["peer"] += size
+            return fetched
         fetched = self._fetch(path, unique)
         self._verify(unique, fetched, f"{self.label}: {path}")
         return fetched
+
+    def _holders(self, info: CheckpointInfo, path: str) -> list[str]:
+        """The live nodes other than this one whose memory holds ``path``'s rank."""
+        if not path.startswith("rank-"):
+            return []
+        rank = str(int(path[5:10]))
+        return [
+            n for n in info.holders.get(rank, []) if n != self.client.node_id and n in info.peers
+        ]
+
+    def _spans(
+        self,
+        items: Sequence[StoredItem],
+        read: Callable[[int, int], torch.Tensor],
+        what: str,
+    ) -> Callable[[StoredItem], torch.Tensor]:
+        """Reads ``items`` through ``read(start, length)`` in ranged reads, items closer
+        than 64 KiB apart in one (a request costs about what 64 KiB of transfer does)."""
+        spans: list[list[int]] = []
+        for offset, length in sorted({(s.offset, s.length) for s in items}):
+            if spans and offset - spans[-1][1] <= _MERGE_GAP:
+                spans[-1][1] = max(spans[-1][1], offset + length)
+            else:
+                spans.append([offset, offset + length])
+        fetched: list[tuple[int, torch.Tensor]] = []
+        for start, stop in spans:
+            data = retry(lambda: read(start, stop - start), f"reading {what}", self.attempts)  # noqa: B023
+            if data.numel() != stop - start:
+                raise CheckpointCorrupt(f"{what} is shorter than its items")
+            fetched.append((start, data))
+
+        def item(s: StoredItem) -> torch.Tensor:
+            for start, data in fetched:
+                if start <= s.offset and s.offset + s.length <= start + data.numel():
+                    return data[s.offset - start : s.offset - start + s.length]
+            raise AssertionError("an item outside the fetched spans")
+
+        return item
 
     @staticmethod
     def _verify(

@@ -7,11 +7,15 @@ A worker restarted on the same node (torchrun restarts every worker after one fa
 reads them from there instead of from blob storage; every item is still checked against
 its checksum, and a file that fails falls back to storage.
 
+Other nodes' files, copied here by their ranks through this node's replica server
+(:mod:`._peers`), live beside them in ``replicas/vVVVVVVVVVV/rank-RRRRR/``.
+
 The agent owns the folder: it creates it, tells its workers where it is
 (``RALLYPOINT_MEMORY_DIR``; ``none`` turns the tier off), removes it when it exits, and
 at its start removes the folders of agents on this machine that died without doing so.
-Workers keep the newest ``KEEP`` committed versions. A copy that cannot be written
-(shared memory full) is skipped with a warning: the tier never fails a save.
+The node keeps the newest ``RALLYPOINT_MEMORY_KEEP`` (default 2) versions of its own and
+as many of the replicas it holds. A copy that cannot be written (shared memory full) is
+skipped with a warning: the tier never fails a save.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from rallypoint.client import check_id
 
 from ._bytes import map_private
 
-__all__ = ["KEEP", "MEMORY_ENV", "OFF", "NodeMemory", "default_root", "map_file"]
+__all__ = ["KEEP", "KEEP_ENV", "MEMORY_ENV", "OFF", "NodeMemory", "default_root", "map_file"]
 
 log = logging.getLogger("rallypoint.trainer")
 
@@ -39,10 +43,26 @@ log = logging.getLogger("rallypoint.trainer")
 MEMORY_ENV = "RALLYPOINT_MEMORY_DIR"
 #: ``RALLYPOINT_MEMORY_DIR=none`` turns the memory tier off.
 OFF = "none"
-#: Committed versions a node keeps in memory.
+#: Versions a node keeps in memory: of its own, and of the replicas it holds.
 KEEP = 2
+#: Overrides :data:`KEEP` (set it for the agent; its workers inherit it).
+KEEP_ENV = "RALLYPOINT_MEMORY_KEEP"
 _OWNER = "owner"
 _DONE = "version.json"
+_REPLICAS = "replicas"
+
+
+def _keep() -> int:
+    raw = os.environ.get(KEEP_ENV)
+    if not raw:
+        return KEEP
+    try:
+        keep = int(raw)
+    except ValueError:
+        keep = 0
+    if keep < 1:
+        raise ValueError(f"{KEEP_ENV} must be a whole number of versions, at least 1: {raw!r}")
+    return keep
 
 
 def default_root() -> Path | None:
@@ -66,13 +86,16 @@ class NodeMemory:
         root: The machine's memory-tier folder.
         job_id: The job.
         node_id: This node (every process of the node shares the folder).
-        keep: Committed versions to keep.
+        keep: Versions to keep, of its own and of replicas each; defaults to
+            ``RALLYPOINT_MEMORY_KEEP``, else 2.
     """
 
-    def __init__(self, root: Path, job_id: str, node_id: str, keep: int = KEEP) -> None:
+    def __init__(self, root: Path, job_id: str, node_id: str, keep: int | None = None) -> None:
         self.root = root
-        self.folder = root / check_id(job_id) / check_id(node_id)
-        self.keep = keep
+        self.job_id = check_id(job_id)
+        self.node_id = check_id(node_id)
+        self.folder = root / self.job_id / self.node_id
+        self.keep = _keep() if keep is None else keep
 
     @classmethod
     def from_env(cls, job_id: str, node_id: str) -> NodeMemory | None:
@@ -83,6 +106,9 @@ class NodeMemory:
     def _version(self, version: int) -> Path:
         return self.folder / f"v{version:010d}"
 
+    def _replica(self, version: int) -> Path:
+        return self.folder / _REPLICAS / f"v{version:010d}"
+
     def write(self, version: int, name: str, parts: Sequence[bytes | memoryview]) -> bool:
         """Writes a file of ``version`` (``name`` may hold one ``/``), whole or not at all.
 
@@ -90,10 +116,31 @@ class NodeMemory:
             False if it could not (shared memory full, as a container's 64 MiB default
             soon is): the save goes on to storage, with a warning.
         """
-        target = self._version(version) / name
+        return self._write(self._version(version) / name, version, parts)
+
+    def replica_path(self, version: int, name: str) -> Path:
+        """Where a file another node's rank copies here goes (the replica server writes
+        it, then calls :meth:`prune_replicas`)."""
+        return self._replica(version) / name
+
+    def prune_replicas(self) -> None:
+        """Drops the replicas of versions beyond the newest ``keep``."""
+        held = sorted(int(p.name[1:]) for p in (self.folder / _REPLICAS).glob("v[0-9]*"))
+        for number in held[: -self.keep]:
+            shutil.rmtree(self._replica(number), ignore_errors=True)
+
+    def _write(self, target: Path, version: int, parts: Sequence[bytes | memoryview]) -> bool:
         partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        size = sum(len(p) for p in parts)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
+            free = shutil.disk_usage(target.parent).free
+            if free < size:
+                # Checked first: a tmpfs that fills up fails the write part-way, after
+                # taking the memory the training process may need.
+                raise OSError(
+                    28, f"{size >> 20} MiB to write, {free >> 20} MiB of shared memory free"
+                )
             with open(partial, "wb") as f:
                 for part in parts:
                     f.write(part)
@@ -113,9 +160,13 @@ class NodeMemory:
         return True
 
     def find(self, version: int, name: str) -> Path | None:
-        """A file of a committed version held here, if there is one."""
+        """A file of a version held here: this node's own, once committed, or a replica
+        another node's rank copied here."""
         path = self._version(version) / name
-        return path if (self._version(version) / _DONE).is_file() and path.is_file() else None
+        if (self._version(version) / _DONE).is_file() and path.is_file():
+            return path
+        replica = self._replica(version) / name
+        return replica if replica.is_file() else None
 
     def summary(self, version: int) -> dict[str, Any] | None:
         """What :meth:`commit` recorded of ``version``, if it is held here."""
@@ -130,9 +181,9 @@ class NodeMemory:
         beyond the newest ``keep``."""
         if not self.write(version, _DONE, [json.dumps(summary).encode()]):
             return
-        done = sorted(int(p.name[1:]) for p in self.folder.glob("v*") if (p / _DONE).is_file())
+        done = sorted(int(p.name[1:]) for p in self.folder.glob("v[0-9]*") if (p / _DONE).is_file())
         kept = done[-self.keep :]
-        for path in self.folder.glob("v*"):
+        for path in self.folder.glob("v[0-9]*"):
             number = int(path.name[1:])
             if number not in kept and number < kept[0]:
                 shutil.rmtree(path, ignore_errors=True)

@@ -55,6 +55,7 @@ from rallypoint.client import (
 
 from ._launch import WORKER_ENV_FILE
 from ._memory import MEMORY_ENV, OFF, NodeMemory, default_root
+from ._peers import ReplicaServer
 from ._store import CoordinatorStore
 
 __all__ = ["BACKEND", "RallypointRendezvousHandler", "RendezvousSettings", "create_handler"]
@@ -231,12 +232,21 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._memory = (
             None if chosen is None else NodeMemory(chosen, settings.job_id, settings.node_id)
         )
+        self._replicas: ReplicaServer | None = None
         if self._memory is not None:
             try:
                 self._memory.claim()
             except OSError as exc:
                 log.warning("rallypoint: no memory tier in %s: %s", chosen, exc)
                 self._memory = None
+        if self._memory is not None:
+            # Other nodes' ranks copy their files here; restarting ranks read them back.
+            self._replicas = ReplicaServer(
+                self._memory,
+                self._client,
+                settings.addr,
+                lambda: self._assignment.generation if self._assignment else 0,
+            ).start()
         # torchrun does not call shutdown() when a signal kills the agent; leaving is
         # still right (it is this node's departure, not the job's end).
         atexit.register(self._leave, "agent exited")
@@ -297,7 +307,12 @@ class RallypointRendezvousHandler(RendezvousHandler):
         while True:
             left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
             try:
-                return self._client.join(self.settings.addr, timeout=left, spec=spec)
+                return self._client.join(
+                    self.settings.addr,
+                    timeout=left,
+                    spec=spec,
+                    peer=None if self._replicas is None else self._replicas.url,
+                )
             except JobFull:
                 # A running generation has max_nodes members: wait as a spare.
                 if time.monotonic() >= deadline:
@@ -371,6 +386,9 @@ class RallypointRendezvousHandler(RendezvousHandler):
 
     def _leave(self, reason: str) -> None:
         self._stop_beats()
+        if self._replicas is not None:
+            self._replicas.stop()
+            self._replicas = None
         if self._memory is not None:
             self._memory.remove()
         if self._left or self._assignment is None:
