@@ -149,6 +149,9 @@ class Cluster:
         script: The training script and its arguments, instead of the example.
         rdzv: torchrun's rendezvous flags, instead of the rallypoint backend's.
         nproc: Worker processes per node (torchrun's ``--nproc-per-node``).
+        memory: A folder in which each node gets a memory tier of its own
+            (``memory/NODE``), as on separate machines; None: the agents' default
+            (``/dev/shm``, shared by the agents of this machine).
     """
 
     def __init__(
@@ -167,9 +170,11 @@ class Cluster:
         script: Sequence[str] | None = None,
         rdzv: Sequence[str] | None = None,
         nproc: int = 1,
+        memory: Path | None = None,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
         self.nproc = nproc
+        self.memory = memory
         self.events_file = workdir / f"{job}.events.jsonl"
         self.nnodes = nnodes
         self.conf = f"heartbeat_timeout={heartbeat_timeout},last_call={last_call}"
@@ -212,6 +217,8 @@ class Cluster:
         }
         if self.imds_url:
             env["RALLYPOINT_IMDS_URL"] = self.imds_url
+        if self.memory is not None:
+            env["RALLYPOINT_MEMORY_DIR"] = str(self.memory / node_id)
         log = self.workdir / f"{self.job}.{node_id}.log"
         # The rallypoint backend through `rallypoint run` (workers start warm); any
         # other rendezvous through stock torchrun.
