@@ -14,7 +14,6 @@ from urllib.parse import quote
 
 import httpx
 import pytest
-import torch
 
 from rallypoint._demo import Cluster, Coordinator
 from rallypoint.client import ElasticClient, JobSpec, ShardFile

@@ -506,8 +506,8 @@ class RallypointReader(StorageReader):
             raise CheckpointCorrupt(f"{self.label}: rank 0 reported no {METADATA}")
         meta_file = files[METADATA]
         whole = StoredItem(f"rank-00000/{METADATA}", 0, meta_file.size, meta_file.checksum)
-        held = self._checked(whole.path, [whole])(whole)  # kept: the view borrows its memory
-        raw = bytes(as_memoryview(held))
+        kept = self._checked(whole.path, [whole])(whole)  # held: the view borrows its memory
+        raw = bytes(as_memoryview(kept))
         self.summary = Summary(
             manifest.version,
             manifest.step,
