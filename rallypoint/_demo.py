@@ -146,6 +146,8 @@ class Cluster:
         last_call: Seconds (``--rdzv-conf``).
         imds_url: The metadata service the workers' PreemptionWatcher polls.
         checkpoint_every: Steps between asynchronous checkpoints.
+        persist_every: Every Nth checkpoint goes to blob storage, the others stay in the
+            nodes' memory tiers (and their peers').
         script: The training script and its arguments, instead of the example.
         rdzv: torchrun's rendezvous flags, instead of the rallypoint backend's.
         nproc: Worker processes per node (torchrun's ``--nproc-per-node``).
@@ -167,6 +169,7 @@ class Cluster:
         last_call: int = 2,
         imds_url: str | None = None,
         checkpoint_every: int = 10,
+        persist_every: int = 1,
         script: Sequence[str] | None = None,
         rdzv: Sequence[str] | None = None,
         nproc: int = 1,
@@ -190,6 +193,8 @@ class Cluster:
                 str(step_time),
                 "--checkpoint-every",
                 str(checkpoint_every),
+                "--persist-every",
+                str(persist_every),
                 "--events",
                 str(self.events_file),
             ]

@@ -108,8 +108,16 @@ def test_a_preemption_notice_and_a_sigterm_lose_no_steps(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
     with FakeImds() as imds:
+        # Checkpoints to memory every 10 steps, to storage every 1,000th: the notice
+        # must put the emergency version in storage.
         cluster = Cluster(
-            coordinator.url, "preempt", tmp_path, nnodes="1:3", steps=150, imds_url=imds.url
+            coordinator.url,
+            "preempt",
+            tmp_path,
+            nnodes="1:3",
+            steps=150,
+            imds_url=imds.url,
+            persist_every=100,
         )
         try:
             for node in ("a", "b", "c"):
@@ -131,6 +139,12 @@ def test_a_preemption_notice_and_a_sigterm_lose_no_steps(
     emergency = [e for e in cluster.events() if e["event"] == "emergency"]
     assert {e["generation"] for e in emergency} == {1, 2}
     assert verdict.steps_lost == {2: 0, 3: 0}
+    # Each regrouped generation resumed from its emergency version, in storage.
+    resumed = [g["checkpoint"] for g in history[1:]]
+    saved = sorted({(e["generation"], e["version"]) for e in emergency})
+    assert [(c["version"], c["durable"]) for c in resumed] == [(v, True) for _, v in saved]
+    versions = httpx.get(f"{coordinator.url}/v1/jobs/preempt/checkpoints", timeout=10).json()
+    assert "memory" in {v["durability"] for v in versions}  # routine ones stayed in memory
 
 
 def test_the_lightning_example_resumes_through_a_preemption(

@@ -73,7 +73,7 @@ class PreemptionWatcher:
             for step in range(start, steps):
                 train_step()
                 if watcher.should_stop():
-                    checkpoints.save(state, step, blocking=True).result()
+                    checkpoints.save(state, step, blocking=True, persist=True)
                     watcher.finish()   # leaves the job or waits for the restart; exits
 
     Under torchrun a SIGTERM also comes from the agent restarting workers after a

@@ -78,6 +78,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps")
+    parser.add_argument(
+        "--persist-every",
+        type=int,
+        default=1,
+        help="every Nth checkpoint goes to blob storage; the rest stay in nodes' memory",
+    )
     parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
     parser.add_argument("--events", help="append JSON lines of what happened to this file")
     args = parser.parse_args()
@@ -107,7 +113,7 @@ def main() -> None:
     sampler = ElasticSampler(
         args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=args.batch_size
     )
-    checkpoints = CheckpointManager(client, progress=False)
+    checkpoints = CheckpointManager(client, progress=False, persist_every=args.persist_every)
 
     step = 0
     restored = checkpoints.load_latest()
@@ -159,7 +165,7 @@ def main() -> None:
                 saved = step
             if watcher.should_stop():
                 if saved != step:
-                    checkpoints.save(state(), step, blocking=True)
+                    checkpoints.save(state(), step, blocking=True, persist=True)
                 info = checkpoints.wait()
                 event("emergency", step=step, version=info.version if info else None)
                 watcher.finish()  # leaves (the notified node) or awaits the restart

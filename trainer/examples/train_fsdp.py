@@ -109,6 +109,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps")
+    parser.add_argument(
+        "--persist-every",
+        type=int,
+        default=1,
+        help="every Nth checkpoint goes to blob storage; the rest stay in nodes' memory",
+    )
     parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
     parser.add_argument("--events", help="append JSON lines of what happened to this file")
     parser.add_argument(
@@ -141,7 +147,7 @@ def main() -> None:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    checkpoints = CheckpointManager(client, progress=False)
+    checkpoints = CheckpointManager(client, progress=False, persist_every=args.persist_every)
 
     def state() -> dict[str, Any]:
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -184,7 +190,9 @@ def main() -> None:
             stop = watcher.should_stop()  # a collective: every rank stops at the same step
             if step % args.checkpoint_every == 0 or stop:
                 now = state()
-                checkpoints.save(now, step, rank_state={"rng": torch.get_rng_state()})
+                # On a preemption notice the version goes to storage whatever the policy:
+                # the notified node's memory goes with it.
+                checkpoints.save(now, step, rank_state={"rng": torch.get_rng_state()}, persist=stop)
                 if args.digests:
                     event("saved", step=step, digests=digests(now))
             if stop:

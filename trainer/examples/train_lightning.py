@@ -107,7 +107,9 @@ class Rallypoint(L.Callback):
             self.saved = step
         if self.watcher.should_stop():
             if self.saved != step:
-                self.checkpoints.save(self.state(trainer, module), step, blocking=True)
+                self.checkpoints.save(
+                    self.state(trainer, module), step, blocking=True, persist=True
+                )
             info = self.checkpoints.wait()
             self.event("emergency", step=step, version=info.version if info else None)
             self.watcher.finish()
