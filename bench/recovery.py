@@ -5,13 +5,21 @@ Four torchrun agents, one CPU worker each (gloo), train the example CNN
 goes, and the clock runs until rank 0 completes a training step at world size 3:
 
 - ``worker``: SIGKILL of rank 2's worker process alone (its agent lives on and
-  restarts it; the others restart theirs). Rallypoint runs twice: with its memory tier
-  (the restarted workers read the node's copy) and with ``RALLYPOINT_MEMORY_DIR=none``
-  (blob storage only); bytes read from storage by the restarted workers are printed.
+  restarts it; the others restart theirs).
 - ``kill``: SIGKILL of a whole node (agent and worker, as when a VM vanishes), rank 2.
 - ``preempt``: for rallypoint an Azure Scheduled Events ``Preempt`` notice (a stand-in
   for IMDS on loopback); stock torchrun has no notice to act on, so it gets what the
   platform sends next, SIGTERM to the agent.
+
+For the SIGKILLs Rallypoint runs twice, each node with a memory tier of its own (as on
+separate machines):
+
+- ``rallypoint``: checkpoints every 10 steps to memory (the node's and its peer's), every
+  10th of them to blob storage too (every 100 steps);
+- ``rallypoint-blob``: ``RALLYPOINT_MEMORY_DIR=none``, a checkpoint every 100 steps to
+  blob storage, the most its bandwidth allows for a large model.
+
+Bytes the new workers read from storage and steps lost are printed for each.
 
 Both sides use ``--nnodes=3:4`` and ``--max-restarts=100``. rallypoint runs with
 ``heartbeat_timeout=3`` and a 2 s last call; stock c10d keeps its defaults. The anchor's
@@ -86,7 +94,7 @@ def restarted(
     return lambda e: step_with(world, after)(e) and where(e)
 
 
-def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
+def rallypoint(kind: str, workdir: Path, limit: float, memory: bool = True) -> dict[str, Any]:
     storage = ["--storage", f"local:{workdir / 'storage'}"]
     coordinator = Coordinator(storage, log=workdir / "coordinator.log")
     with FakeImds() as imds:
@@ -101,6 +109,9 @@ def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
             heartbeat_timeout=3,
             last_call=2,
             imds_url=imds.url,
+            checkpoint_every=10 if memory else 100,
+            persist_every=10 if memory else 1,
+            memory=workdir / "shm" if memory else None,
         )
         try:
             for node in AGENTS:
@@ -133,12 +144,14 @@ def rallypoint(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
     resumed = [e for e in events if e["event"] == "resumed" and e["t"] > started]
     spawned = [e["started"] - started for e in resumed if e.get("started")]
     storage = [(e.get("bytes_from") or {}).get("storage", 0) for e in resumed]
+    peer = [(e.get("bytes_from") or {}).get("peer", 0) for e in resumed]
     return {
         "seconds": recovered,
         "workers_started": min(spawned) if spawned else None,
         "steps_lost": lost,
         "consistent": verdict.consistent,
         "storage_bytes": sum(storage) if resumed else None,
+        "peer_bytes": sum(peer) if resumed else None,
     }
 
 
@@ -228,15 +241,22 @@ def main() -> int:
     parser.add_argument("--only", choices=["rallypoint", "c10d"])
     parser.add_argument("--kind", choices=["worker", "kill", "preempt"], help="one event only")
     args = parser.parse_args()
-    runners = {"rallypoint": rallypoint, "rallypoint-blob": rallypoint, "c10d": c10d}
+    # CPU workers, as above, on a machine with a GPU too: there the example would train on
+    # it with NCCL, which refuses four ranks on one device.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    runners: dict[str, Callable[[str, Path, float], dict[str, Any]]] = {
+        "rallypoint": rallypoint,
+        "rallypoint-blob": lambda k, w, limit: rallypoint(k, w, limit, memory=False),
+        "c10d": c10d,
+    }
     if args.only:
         runners = {k: v for k, v in runners.items() if k.split("-")[0] == args.only}
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.repeat):
         for kind in [args.kind] if args.kind else ["worker", "kill", "preempt"]:
             for name, run in runners.items():
-                if name == "rallypoint-blob" and kind != "worker":
-                    continue  # the memory tier only serves restarts on the same node
+                if name == "rallypoint-blob" and kind == "preempt":
+                    continue  # a notice persists the emergency version either way
                 # Blob storage only: the agents give their workers no memory tier.
                 os.environ[MEMORY_ENV] = "none" if name == "rallypoint-blob" else ""
                 with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
@@ -264,13 +284,19 @@ def main() -> int:
         if spawned:
             print(f"  rallypoint: new worker processes started after {min(spawned):.2f} s")
         read = [r["storage_bytes"] for r in ours if r.get("storage_bytes") is not None]
-        if kind == "worker" and read:
-            print(f"  rallypoint: restarted workers read {max(read)} bytes from storage")
+        peers = [r["peer_bytes"] for r in ours if r.get("peer_bytes") is not None]
+        if kind != "preempt" and read:
+            print(
+                f"  rallypoint: new workers read {max(read)} bytes from storage, "
+                f"{max(peers) if peers else 0} from peers"
+            )
         if blob:
             blob_read = [r["storage_bytes"] for r in blob if r.get("storage_bytes") is not None]
+            blob_lost = [r["steps_lost"] for r in blob if r["steps_lost"] is not None]
             print(
                 f"  rallypoint, blob storage only: {_runs(blob, args.limit)}, "
-                f"{max(blob_read) if blob_read else '-'} bytes from storage"
+                f"{max(blob_read) if blob_read else '-'} bytes from storage, "
+                f"{max(blob_lost) if blob_lost else '-'} steps lost"
             )
         if ours and not all(r["consistent"] for r in ours):
             print(f"  rallypoint ranks resumed from different checkpoints after {kind}!")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import itertools
 import json
 import logging
 import os
@@ -34,11 +35,12 @@ from typing import Any
 from urllib.parse import parse_qs, quote, urlsplit
 
 import torch
+import xxhash
 
 from rallypoint.client import ElasticClient, GrantClaims, PeerGrant, SignedUrlError, verify_grant
 
-from ._bytes import as_memoryview, checksum
-from ._memory import NodeMemory, map_file
+from ._bytes import CHECKSUM, as_memoryview
+from ._memory import NodeMemory
 from .errors import TransferDenied, TransferError, TransferNotFound
 
 __all__ = ["ITEMS_HEADER", "ReplicaServer", "push", "read_peer"]
@@ -53,6 +55,45 @@ _PATH = re.compile(r"^/(?P<id>[0-9a-f]{16})/v/(?P<version>[0-9]{1,10})/(?P<name>
 _RANK = re.compile(r"^rank-(?P<rank>[0-9]{5})/[A-Za-z0-9._-]{1,64}$")
 _CHUNK = 8 << 20
 _TIMEOUT = 60.0
+
+
+class _Checker:
+    """Checks a file's items against their checksums as its bytes stream in."""
+
+    def __init__(self, items: list[tuple[int, int, str]], size: int) -> None:
+        self.items = sorted(items)
+        self.size = size
+        self.position = 0
+        self.index = 0
+        self.hasher = xxhash.xxh3_128()
+        self.bad: int | None = next(
+            (o for o, n, _ in self.items if o < 0 or n < 0 or o + n > size), None
+        )
+        for (o1, n1, _), (o2, _, _) in itertools.pairwise(self.items):
+            if o1 + n1 > o2:
+                self.bad = o2  # overlapping items: refuse rather than guess
+                break
+
+    def feed(self, chunk: memoryview) -> None:
+        start, end = self.position, self.position + len(chunk)
+        self.position = end
+        while self.bad is None and self.index < len(self.items):
+            offset, length, digest = self.items[self.index]
+            lo, hi = max(start, offset), min(end, offset + length)
+            if lo < hi:
+                self.hasher.update(chunk[lo - start : hi - start])
+            if offset + length > end:
+                return  # the item goes on in the next chunk
+            if f"{CHECKSUM}:{self.hasher.hexdigest()}" != digest:
+                self.bad = offset
+            self.hasher.reset()
+            self.index += 1
+
+    def failed(self) -> int | None:
+        """The offset of the first item that failed (or was never complete), if any."""
+        if self.bad is None and self.index < len(self.items):
+            return self.items[self.index][0]
+        return self.bad
 
 
 class ReplicaServer:
@@ -206,25 +247,26 @@ def _handler(server: ReplicaServer) -> type[BaseHTTPRequestHandler]:
                         507, f"{size >> 20} MiB sent, {free >> 20} MiB of shared memory free"
                     )
                     return False
+                checker = _Checker(items, size)
+                buffer = bytearray(min(_CHUNK, max(size, 1)))
+                view = memoryview(buffer)
                 with open(partial, "wb") as f:
                     left = size
                     while left:
-                        chunk = self.rfile.read(min(_CHUNK, left))
-                        if not chunk:
+                        n = self.rfile.readinto(view[: min(len(buffer), left)])
+                        if not n:
                             break
-                        f.write(chunk)
-                        left -= len(chunk)
+                        # Checked as it streams: a second pass would read it all again.
+                        checker.feed(view[:n])
+                        f.write(view[:n])
+                        left -= n
                 if left:
                     self._refuse(400, f"the body ended {left} bytes short")
                     return False
-                if size:
-                    data = map_file(partial)
-                    for offset, length, digest in items:
-                        raw = data[offset : offset + length]
-                        if raw.numel() != length or checksum([as_memoryview(raw)]) != digest:
-                            self._refuse(422, f"{name} at {offset} fails its checksum")
-                            return False
-                    del data
+                bad = checker.failed()
+                if bad is not None:
+                    self._refuse(422, f"{name} at {bad} fails its checksum")
+                    return False
                 os.replace(partial, target)
             except OSError as exc:
                 self._refuse(507, f"cannot keep the replica: {exc}")
