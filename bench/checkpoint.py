@@ -18,6 +18,13 @@ Each figure is the median of ``--repeat`` rounds after one warm-up (for our save
 after four: from then on retention collects a version per save, as in a long job);
 pairs alternate. The first saves' rates are printed too.
 
+With ``--device cuda`` (single mode only) the state is made on the GPU and the same
+anchors run on the same tensors: the copy goes into preallocated pinned host buffers
+(non-blocking, then a synchronize: what DCP's async_save blocks on), ``torch.save`` and
+``dcp.async_save`` take the GPU tensors as they are, and ``load()`` restores into GPU
+tensors of the same shapes (templates; on the CPU it restores the state as saved). Peak
+memory is then the host's, counted from after the CUDA context was made.
+
 The sharded run (``--mode sharded``): 4 processes, each its own node with a gloo
 process group, hold 1 GiB of float32 DTensors in all (16 tensors, ``Shard(0)``).
 Side by side in the same processes: ``dcp.async_save`` with ``FileSystemWriter`` (as it
@@ -34,7 +41,7 @@ default ``torch.save`` per item, and with ``SerializationFormat.SAFETENSORS`` (t
 format of its Hugging Face storage layer); MiB/s to fsynced files and peak RSS.
 
 Usage: python bench/checkpoint.py [--mib 1024] [--tensors 64] [--repeat 3]
-       [--only local|azurite] [--mode single|sharded|both|formats]
+       [--only local|azurite] [--mode single|sharded|both|formats] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -70,9 +77,17 @@ MiB = 1 << 20
 KEEP = 3  # the coordinator's default retention (RALLYPOINT_CHECKPOINT_KEEP)
 
 
-def make_state(mib: int, tensors: int) -> dict[str, torch.Tensor]:
+def make_state(mib: int, tensors: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     per = mib * MiB // tensors // 4
-    return {f"layer{i}.weight": torch.randn(per // 1024, 1024) for i in range(tensors)}
+    return {
+        f"layer{i}.weight": torch.randn(per // 1024, 1024, device=device) for i in range(tensors)
+    }
+
+
+def synchronize(state: dict[str, torch.Tensor]) -> None:
+    """Waits for the GPU's queued work, if the state lives there (else nothing)."""
+    if any(t.device.type == "cuda" for t in state.values()):
+        torch.cuda.synchronize()
 
 
 def median(f: Callable[[], float], repeat: int) -> float:
@@ -110,6 +125,10 @@ class Rallypoint:
         self.blocked: list[float] = []
         self.persisted: list[float] = []
         self.version = 0
+        # On an accelerator, load() restores into tensors of the same shapes there, as a
+        # trainer does; on the CPU, the state as saved.
+        on_cpu = all(t.device.type == "cpu" for t in state.values())
+        self.templates = None if on_cpu else {k: torch.empty_like(v) for k, v in state.items()}
 
     def save(self) -> float:
         self.step += 1
@@ -127,19 +146,25 @@ class Rallypoint:
 
     def load(self) -> float:
         start = time.perf_counter()
-        restored = self.manager.load(self.version)
+        restored = self.manager.load(self.version, self.templates)
+        if self.templates is not None:
+            synchronize(self.templates)
         elapsed = time.perf_counter() - start
         assert restored.state.keys() == self.state.keys()
         return elapsed
 
 
 def copy_anchor(state: dict[str, torch.Tensor]) -> Callable[[], float]:
-    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    """Copies into buffers allocated once: on the CPU, plain ones; from a GPU, pinned host
+    buffers, non-blocking copies and a synchronize, the blocking part of DCP's async_save."""
+    pinned = any(t.device.type != "cpu" for t in state.values())
+    buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pinned) for k, v in state.items()}
 
     def run() -> float:
         start = time.perf_counter()
         for k, v in state.items():
-            buffers[k].copy_(v)
+            buffers[k].copy_(v, non_blocking=pinned)
+        synchronize(state)
         return time.perf_counter() - start
 
     return run
@@ -147,6 +172,7 @@ def copy_anchor(state: dict[str, torch.Tensor]) -> Callable[[], float]:
 
 def torch_save_anchor(state: dict[str, torch.Tensor], work: Path) -> Callable[[], float]:
     def run() -> float:
+        synchronize(state)
         start = time.perf_counter()
         torch.save(state, work / "torch_save.pt")
         return time.perf_counter() - start
@@ -228,20 +254,24 @@ def sdk_blob(conn: str, nbytes: int) -> tuple[Callable[[], float], Callable[[], 
     return put, get
 
 
-def peak_memory(url: str, mib: int, tensors: int) -> float:
-    """Runs three saves in a fresh process; peak RSS growth over the state's size."""
+def peak_memory(url: str, mib: int, tensors: int, device: str) -> float:
+    """Runs three saves in a fresh process; peak RSS growth over the state's size (with
+    a GPU, counted from after its CUDA context was made)."""
     code = f"""
 import sys, warnings
 warnings.filterwarnings("ignore")
 sys.path.insert(0, {str(ROOT)!r})
+import torch
 from bench.checkpoint import joined_manager, make_state
 def rss(field):
     for line in open("/proc/self/status"):
         if line.startswith(field):
             return int(line.split()[1]) * 1024
+if {device!r} != "cpu":
+    torch.ones(1, device={device!r}).sum().item()  # the context is not the checkpoint's
 before = rss("VmRSS:")
 manager = joined_manager({url!r})
-state = make_state({mib}, {tensors})
+state = make_state({mib}, {tensors}, {device!r})
 for step in range(1, 4):
     manager.save(state, 1000 + step, blocking=True)
 print((rss("VmHWM:") - before) / sum(t.numel() * 4 for t in state.values()))
@@ -266,7 +296,9 @@ def bench(
 ) -> None:
     nbytes = sum(t.numel() * 4 for t in state.values())
     rp = Rallypoint(url, state)
-    print(f"\n== {kind}: {nbytes / MiB:.0f} MiB in {len(state)} tensors ==")
+    device = next(iter(state.values())).device.type
+    where = "" if device == "cpu" else f" on {device}"
+    print(f"\n== {kind}: {nbytes / MiB:.0f} MiB in {len(state)} tensors{where} ==")
     if kind == "local":
         assert store is not None
 
@@ -301,8 +333,9 @@ def bench(
         copy = median(copy_anchor(state), repeat)
         dcp = median(dcp_anchor(state, work), repeat)
         tsave = median(torch_save_anchor(state, work), repeat)
+        buffers = "preallocated buffers" if device == "cpu" else "preallocated pinned buffers"
         print(
-            f"blocked     {blocked:8.3f} s      copy into preallocated buffers {copy:.3f} s"
+            f"blocked     {blocked:8.3f} s      copy into {buffers} {copy:.3f} s"
             f"   ratio {blocked / copy:.2f}"
         )
         print(
@@ -311,10 +344,11 @@ def bench(
         )
         first = rp.blocked[0]
         print(f"            first save (allocates the staging buffer) blocked {first:.3f} s")
-        print(
-            f"peak memory {peak_memory(url, nbytes // MiB, len(state)):.2f}x the state"
-            " (state + staging + everything else)"
-        )
+        peak = peak_memory(url, nbytes // MiB, len(state), device)
+        if device == "cpu":
+            print(f"peak memory {peak:.2f}x the state (state + staging + everything else)")
+        else:
+            print(f"peak memory {peak:.2f}x the state in host RSS (pinned staging + the rest)")
     else:
         print(f"blocked     {blocked:8.3f} s")
 
@@ -480,14 +514,21 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--only", choices=["local", "azurite"])
     parser.add_argument("--mode", choices=["single", "sharded", "both", "formats"], default="both")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the state lives"
+    )
     args = parser.parse_args()
+    if args.device != "cpu" and args.mode != "single":
+        parser.error("--device cuda runs the single-process mode only: add --mode single")
     single, shard = args.mode in ("single", "both"), args.mode in ("sharded", "both")
     if args.mode == "formats":
         args.only = "local"
-    state = make_state(args.mib, args.tensors)
+    state = make_state(args.mib, args.tensors, args.device)
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, median of {args.repeat} after a warm-up"
     )
+    if args.device == "cuda":
+        print(f"GPU {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")
     with tempfile.TemporaryDirectory(
         dir=ROOT / "build" if (ROOT / "build").is_dir() else None
     ) as tmp:

@@ -1,0 +1,198 @@
+"""CheckpointManager's round trip of a GPU state, bit for bit (CI has no GPU: run by hand).
+
+One process with a world-1 process group (nccl on CUDA, gloo on the CPU) saves through a
+real coordinator on local storage and loads each version back, into tensors of the same
+shapes on the GPU (templates filled with other values first) and without templates (the
+state as saved, on the CPU), comparing every tensor's bytes, dtype and shape:
+
+- float32, bfloat16, float16, int64, uint8 and bool tensors, a 0-dim one, a transposed
+  (non-contiguous) view, an ``nn.Parameter``, a DTensor on a 1-rank mesh, 64 MiB ones,
+  and a real model's ``state_dict`` with its Adam state (``step`` on the CPU, int keys);
+- the state is changed on the GPU as soon as ``save()`` returns, while the upload runs:
+  the version must hold the values of when ``save()`` was called (the staging copies,
+  non-blocking into pinned buffers, had landed);
+- a second save reuses the staging buffers and must hold the changed values.
+
+Usage: python bench/cuda_roundtrip.py [--device cuda|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import socket
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
+
+from bench.checkpoint import joined_manager  # noqa: E402
+from rallypoint.trainer import CheckpointManager  # noqa: E402
+from tests._coordinator import Coordinator  # noqa: E402
+
+MiB = 1 << 20
+
+
+def make_state(device: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+    ).to(device)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(32, 64, device=device)).square().sum().backward()
+    optim.step()
+    mesh = init_device_mesh(device, (1,))
+    return {
+        "model": model.state_dict(),
+        "optim": optim.state_dict(),
+        "dtypes": {
+            "f32": torch.randn(1000, 3, device=device),
+            "bf16": torch.randn(257, 129, device=device).bfloat16(),
+            "f16": torch.randn(4096, device=device).half(),
+            "i64": torch.randint(-(2**62), 2**62, (333,), device=device),
+            "u8": torch.randint(0, 256, (1, 7, 11), dtype=torch.uint8, device=device),
+            "bool": torch.rand(999, device=device) > 0.5,
+        },
+        "scalar": torch.tensor(3.25, device=device),
+        "transposed": torch.randn(300, 17, device=device).t(),
+        "param": torch.nn.Parameter(torch.randn(128, 64, device=device)),
+        "dtensor": DTensor.from_local(torch.randn(96, 40, device=device), mesh, [Replicate()]),
+        "big": [torch.randn(16 * MiB, device=device) for _ in range(2)],
+        "extra": {"epoch": 3, "name": "cuda", "lr": [0.1, 0.01]},
+    }
+
+
+def tensors(value: Any, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of ``value`` by its path, DTensors as their local data."""
+    if isinstance(value, torch.Tensor):
+        return {path: value.to_local() if isinstance(value, DTensor) else value}
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(tensors(v, f"{path}.{k}" if path else str(k)))
+    return out
+
+
+def mapped(value: Any, f: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by ``f`` of it (DTensors kept as DTensors)."""
+    if isinstance(value, DTensor):
+        return DTensor.from_local(f(value.to_local()), value.device_mesh, value.placements)
+    if isinstance(value, torch.Tensor):
+        return f(value)
+    if isinstance(value, dict):
+        return {k: mapped(v, f) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mapped(v, f) for v in value]
+    if isinstance(value, tuple):
+        return tuple(mapped(v, f) for v in value)
+    return copy.deepcopy(value)
+
+
+@torch.no_grad()
+def change(t: torch.Tensor) -> torch.Tensor:
+    """Changes every element of ``t`` in place (queued on the GPU, not waited for)."""
+    if t.dtype == torch.bool:
+        return t.logical_not_()
+    if t.dtype.is_floating_point:
+        return t.mul_(-2).add_(1)
+    return t.add_(1)
+
+
+def sentinel(t: torch.Tensor) -> torch.Tensor:
+    """A template for ``t``: same shape, dtype, device and strides, other values."""
+    out = torch.empty_like(t)
+    if t.dtype == torch.bool:
+        return out.copy_(t.logical_not())
+    return out.fill_(float("nan") if t.dtype.is_floating_point else 123)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    flat = [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return torch.equal(*flat)
+
+
+def compare(label: str, got: Any, expected: dict[str, torch.Tensor], device: str | None) -> int:
+    """Prints each mismatch; returns how many there were."""
+    found = tensors(got)
+    bad = 0
+    for path, want in expected.items():
+        have = found.get(path)
+        if have is None:
+            print(f"  {label}: {path} missing")
+            bad += 1
+        elif device is not None and have.device.type != torch.device(want.device).type:
+            print(f"  {label}: {path} on {have.device}, saved from {want.device}")
+            bad += 1
+        elif not same_bits(have, want):
+            print(f"  {label}: {path} differs ({have.dtype} {tuple(have.shape)})")
+            bad += 1
+    print(f"{label}: {len(expected) - bad} of {len(expected)} tensors bit for bit")
+    return bad
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    args = parser.parse_args()
+    device = args.device
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {backend}")
+    bad = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        coordinator = Coordinator(["--storage", f"local:{tmp}/store"], {}).start()
+        try:
+            manager: CheckpointManager = joined_manager(coordinator.url)
+            state = make_state(device)
+            first = {k: v.clone() for k, v in tensors(state).items()}
+            handle = manager.save(state, 1)
+            assert handle is not None
+            for t in tensors(state).values():  # while the upload runs
+                change(t)
+            v1 = handle.result().version
+            second = {k: v.clone() for k, v in tensors(state).items()}
+            assert all(not same_bits(first[k], second[k]) for k in first), "change() missed one"
+            v2 = manager.save(state, 2, blocking=True)
+            assert v2 is not None
+            for version, expected in ((v1, first), (v2.result().version, second)):
+                template = mapped(state, sentinel)
+                restored = manager.load(version, template)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                bad += compare(
+                    f"v{version} into templates on {device}", restored.state, expected, device
+                )
+                bad += compare(f"v{version} as saved", manager.load(version).state, expected, None)
+            manager.close()
+        finally:
+            coordinator.stop()
+    dist.destroy_process_group()
+    print("OK" if not bad else f"FAILED: {bad} mismatches")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
