@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from types import TracebackType
 from typing import Any, Literal
@@ -37,6 +37,7 @@ from ._models import (
     NodeInfo,
     PeerKey,
     ReportShard,
+    RestoreReport,
     ShardFile,
     StoreReply,
     StoreRequest,
@@ -536,6 +537,42 @@ class ElasticClient:
         )
         reply = self._request("POST", f"{self._job}/checkpoints/{version}/shards", body)
         return CheckpointInfo.model_validate_json(reply.content)
+
+    def report_restore(
+        self,
+        version: int,
+        bytes_from: Mapping[str, int],
+        *,
+        rank: int,
+        generation: int | None = None,
+    ) -> None:
+        """Tells the coordinator what this rank's restore of ``version`` read, by source
+        (``"memory"``: this node's memory tier, ``"peer"``: another node's, ``"storage"``:
+        blob storage), for its metrics. :class:`~rallypoint.trainer.CheckpointManager`
+        reports each restore itself.
+
+        Args:
+            version: The version restored.
+            bytes_from: Bytes read by source.
+            rank: This process's global rank.
+            generation: Defaults to this node's.
+
+        Raises:
+            ValueError: A source other than those three, or a negative count.
+            StaleGeneration: The generation ended.
+            UnknownCheckpoint: No such version (or it was collected since).
+            CheckpointConflict: The version is not committed.
+        """
+        # Validated from plain data: the sources are checked here, not by the type.
+        body = RestoreReport.model_validate(
+            {
+                "node_id": self.node_id,
+                "generation": self._generation(generation),
+                "rank": rank,
+                "bytes_from": dict(bytes_from),
+            }
+        )
+        self._request("POST", f"{self._job}/checkpoints/{version}/restores", body)
 
     def checkpoint(self, version: int | None = None) -> CheckpointInfo:
         """A version with read URLs for its manifest and files; the authoritative latest

@@ -46,6 +46,8 @@ __all__ = [
     "PeerGrant",
     "PeerKey",
     "ReportShard",
+    "RestoreReport",
+    "RestoreSource",
     "ShardFile",
     "StoreReply",
     "StoreRequest",
@@ -272,6 +274,9 @@ class CheckpointInfo(_Model):
     reported: int = 0
     #: Whether this is the job's authoritative latest.
     latest: bool = False
+    #: Whether this is the job's newest durable version: what it falls back to when the
+    #: memory copies of newer ones are lost.
+    latest_durable: bool = False
     #: Whether every rank's files are in blob storage (``"durable"``), else
     #: ``"memory"``: some ranks' files are only in nodes' memory tiers.
     durability: Literal["pending", "memory", "durable"] = "durable"
@@ -283,6 +288,23 @@ class CheckpointInfo(_Model):
     peers: dict[str, PeerGrant] = Field(default_factory=dict)
     #: The global ranks whose files are in blob storage; with ``urls``.
     in_storage: list[int] = Field(default_factory=list)
+
+
+#: Where a restore read bytes from: this node's memory tier, another node's (a peer
+#: replica), or blob storage.
+RestoreSource = Literal["memory", "peer", "storage"]
+
+
+class RestoreReport(_Model):
+    """What one rank's restore of a version read, by source (for the metrics)."""
+
+    node_id: Id
+    #: The generation the rank restores in (fenced: it must be running).
+    generation: int = Field(ge=1)
+    #: The restoring process's global rank (in today's world, which may differ from
+    #: the version's).
+    rank: int = Field(ge=0, lt=MAX_RANKS)
+    bytes_from: dict[RestoreSource, Annotated[int, Field(ge=0, le=2**63 - 1)]]
 
 
 class ManifestFile(_Model):
@@ -437,6 +459,8 @@ class JobSummary(_Model):
     created_at: float
     #: The authoritative latest checkpoint.
     checkpoint: CheckpointPointer | None = None
+    #: The newest checkpoint whose every file is in blob storage (the latest, if it is).
+    durable: CheckpointPointer | None = None
 
 
 class JobStatus(JobSummary):

@@ -22,6 +22,7 @@ from rallypoint.client import (
     TOKEN_ENV,
     URL_ENV,
     CheckpointInfo,
+    CheckpointPointer,
     ElasticClient,
     JobStatus,
     JobSummary,
@@ -54,6 +55,13 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO)
         out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
+def _pointer(pointer: CheckpointPointer | None) -> str:
+    if pointer is None:
+        return "none"
+    tier = "" if pointer.durable else ", in memory"
+    return f"v{pointer.version} (step {pointer.step}, generation {pointer.generation}{tier})"
+
+
 def _client(args: argparse.Namespace, job: str = "-") -> ElasticClient:
     if not args.url:
         print(f"rallypoint {args.command}: give --url or set {URL_ENV}", file=sys.stderr)
@@ -78,7 +86,10 @@ def print_jobs(jobs: Sequence[JobSummary], out: TextIO) -> None:
             j.generation,
             j.status,
             j.world_size,
-            "-" if j.checkpoint is None else f"v{j.checkpoint.version} step {j.checkpoint.step}",
+            "-"
+            if j.checkpoint is None
+            else f"v{j.checkpoint.version} step {j.checkpoint.step}"
+            + ("" if j.checkpoint.durable else " (memory)"),
             _when(j.created_at),
         )
         for j in jobs
@@ -93,14 +104,11 @@ def print_status(status: JobStatus, out: TextIO) -> None:
         f"job {status.job_id}: generation {status.generation} {status.status}, "
         f"world size {status.world_size} (nodes {spec.min_nodes}:{spec.max_nodes}, "
         f"heartbeat timeout {spec.heartbeat_timeout.total_seconds():g}s)\n"
-        f"latest checkpoint: "
-        + (
-            "none"
-            if latest is None
-            else f"v{latest.version} (step {latest.step}, generation {latest.generation})"
-        )
-        + "\n\nmembers\n"
+        f"latest checkpoint: {_pointer(latest)}\n"
     )
+    if latest is not None and not latest.durable:
+        out.write(f"newest durable: {_pointer(status.durable)}\n")
+    out.write("\nmembers\n")
     members = sorted(status.members, key=lambda m: m.rank)
     _table(
         ["RANK", "NODE", "ADDRESS", "HEARTBEAT", "STATE"],
@@ -129,19 +137,25 @@ def print_status(status: JobStatus, out: TextIO) -> None:
 
 
 def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
+    """One row per version; POINTER marks the job's ``latest`` and its newest
+    ``durable`` version (what it falls back to if the memory copies of newer ones go)."""
     rows = [
         (
             v.version,
             v.step,
             v.generation,
-            f"{v.state}{' (latest)' if v.latest else ''}",
+            v.state,
+            v.durability,
             f"{v.reported}/{v.world_size}",
+            ",".join(p for p, on in (("latest", v.latest), ("durable", v.latest_durable)) if on)
+            or None,
             _when(v.created_at),
             _when(v.committed_at),
         )
         for v in versions
     ]
-    _table(["VERSION", "STEP", "GEN", "STATE", "RANKS", "CREATED", "COMMITTED"], rows, out)
+    header = ["VERSION", "STEP", "GEN", "STATE", "DURABILITY", "RANKS", "POINTER"]
+    _table([*header, "CREATED", "COMMITTED"], rows, out)
 
 
 def _show(args: argparse.Namespace, fetch: Callable[[], str]) -> int:

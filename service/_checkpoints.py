@@ -51,6 +51,8 @@ from rallypoint.client._models import (
     ManifestShard,
     PeerGrant,
     ReportShard,
+    RestoreReport,
+    RestoreSource,
     ShardFile,
 )
 
@@ -78,6 +80,7 @@ PEERKEY = "peerkey"
 MANIFEST = "manifest.json"
 
 State = Literal["pending", "committed", "deleting"]
+Durability = Literal["pending", "memory", "durable"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,14 @@ class Version:
     @property
     def folder(self) -> str:
         return f"{self.job_id}/v{self.version:010d}/"
+
+    @property
+    def durability(self) -> Durability:
+        """``pending`` until committed; then ``durable`` if every rank's files are in
+        blob storage, else ``memory``."""
+        if self.state != "committed":
+            return "pending"
+        return "durable" if self.durable else "memory"
 
     @property
     def pointer(self) -> CheckpointPointer:
@@ -225,6 +236,8 @@ class Checkpoints:
         read_ttl: How long read URLs are valid.
         on_commit: Called with the job and the version's total bytes when this process
             commits a version (metrics).
+        on_restore: Called with the job and the bytes a rank's restore read, by source,
+            when a member reports one (metrics).
     """
 
     def __init__(
@@ -236,6 +249,7 @@ class Checkpoints:
         timeout: timedelta = timedelta(hours=1),
         read_ttl: timedelta = timedelta(hours=1),
         on_commit: Callable[[str, int], None] | None = None,
+        on_restore: Callable[[str, Mapping[RestoreSource, int]], None] | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, not {keep}")
@@ -246,6 +260,7 @@ class Checkpoints:
         self.timeout = timeout.total_seconds()
         self.read_ttl = read_ttl
         self.on_commit = on_commit
+        self.on_restore = on_restore
         self._keys: dict[str, bytes] = {}
         rdzv.resume = self.resume
 
@@ -605,6 +620,27 @@ class Checkpoints:
             self.collect(version.job_id)
             return committed
 
+    def restored(self, job_id: str, number: int, report: RestoreReport) -> None:
+        """Counts what a rank's restore of a version read, by source. Only a member of
+        the running generation is heard: a zombie's numbers would be about a restore
+        that no longer matters.
+
+        Raises:
+            StaleGeneration: The generation is not the job's running one.
+            UnknownNode: The node is not a member of it.
+            UnknownCheckpoint: No such version, or it is being collected.
+            CheckpointConflict: The version is not committed: nothing restores from it.
+        """
+        job = self.rdzv.get_job(job_id)
+        self.rdzv.member(job, report.node_id, report.generation)
+        version = self._get(job_id, number)
+        if version.state == "deleting":
+            raise UnknownCheckpoint(f"version {number} of job {job_id!r} was collected")
+        if version.state != "committed":
+            raise CheckpointConflict(f"version {number} is not committed: nothing restores it")
+        if self.on_restore is not None:
+            self.on_restore(job_id, report.bytes_from)
+
     # --- reading ------------------------------------------------------------------------
 
     def get(self, job_id: str, number: int | None = None, *, urls: bool = True) -> CheckpointInfo:
@@ -691,6 +727,16 @@ class Checkpoints:
         job = self.rdzv.get_job(job_id)
         return [self._info(job, v) for v in self._rows(job_id) if v.state != "deleting"]
 
+    def durabilities(self, job_id: str) -> dict[str, int]:
+        """How many versions not being collected are pending, committed in memory and
+        durable: one query and no rank reports read, for the metrics at every scrape.
+        A job deleted meanwhile has none."""
+        counts = {"pending": 0, "memory": 0, "durable": 0}
+        for version in self._rows(job_id):
+            if version.state != "deleting":
+                counts[version.durability] += 1
+        return counts
+
     def _info(
         self, job: Job, version: Version, reports: Mapping[int, Report] | None = None
     ) -> CheckpointInfo:
@@ -708,11 +754,8 @@ class Checkpoints:
             committed_at=version.committed_at,
             reported=version.world_size if reports is None else len(reports),
             latest=job.checkpoint is not None and job.checkpoint.version == version.version,
-            durability=(
-                "pending"
-                if version.state != "committed"
-                else ("durable" if version.durable else "memory")
-            ),
+            latest_durable=job.durable is not None and job.durable.version == version.version,
+            durability=version.durability,
         )
 
     def _get(self, job_id: str, number: int) -> Version:

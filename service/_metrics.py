@@ -1,5 +1,6 @@
-"""Prometheus metrics: request counts and latency, heartbeats, checkpoint commits, and
-each job's generation and membership read at scrape time.
+"""Prometheus metrics: request counts and latency, heartbeats, checkpoint commits and
+restores, and each job's generation, membership and versions by durability read at
+scrape time.
 
 Every series is bounded: routes are labelled by their template (``/v1/jobs/{job_id}``),
 never by the path a caller sent, and jobs by id (a coordinator serves a handful).
@@ -9,14 +10,14 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rallypoint.client._models import JobStatus
+from rallypoint.client._models import JobStatus, RestoreSource
 
 __all__ = ["Metrics"]
 
@@ -24,11 +25,21 @@ __all__ = ["Metrics"]
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+# Every source a restore reads from, each counted even at 0 so the series exist at once.
+_SOURCES: tuple[RestoreSource, ...] = ("memory", "peer", "storage")
+_DURABILITIES = ("pending", "memory", "durable")
+
+
 class _Jobs(Collector):
     """Each job's state, read when Prometheus scrapes (no per-request bookkeeping)."""
 
-    def __init__(self, read: Callable[[], Iterable[JobStatus]]) -> None:
+    def __init__(
+        self,
+        read: Callable[[], Iterable[JobStatus]],
+        versions: Callable[[str], Mapping[str, int]] | None,
+    ) -> None:
         self.read = read
+        self.versions = versions
 
     def collect(self) -> Iterator[Metric]:
         generation = GaugeMetricFamily(
@@ -53,6 +64,17 @@ class _Jobs(Collector):
             "Step of the latest committed checkpoint",
             labels=["job"],
         )
+        durable_step = GaugeMetricFamily(
+            "rallypoint_job_durable_checkpoint_step",
+            "Step of the newest checkpoint whose every file is in blob storage",
+            labels=["job"],
+        )
+        versions = GaugeMetricFamily(
+            "rallypoint_checkpoint_versions",
+            "Checkpoint versions kept, by durability: pending, committed with some files "
+            "only in nodes' memory, or all in blob storage",
+            labels=["job", "durability"],
+        )
         for job in self.read():
             generation.add_metric([job.job_id], job.generation)
             world.add_metric([job.job_id], job.world_size)
@@ -69,7 +91,13 @@ class _Jobs(Collector):
                 ended.add_metric([job.job_id, kind], count)
             if job.checkpoint is not None:
                 step.add_metric([job.job_id], job.checkpoint.step)
-        yield from (generation, world, members, waiting, ended, step)
+            if job.durable is not None:
+                durable_step.add_metric([job.job_id], job.durable.step)
+            if self.versions is not None:
+                counts = self.versions(job.job_id)
+                for durability in _DURABILITIES:
+                    versions.add_metric([job.job_id, durability], counts.get(durability, 0))
+        yield from (generation, world, members, waiting, ended, step, durable_step, versions)
 
 
 # "node b left: preempted" -> "left": the kind of ending, not the node (bounded labels).
@@ -86,9 +114,15 @@ class Metrics:
 
     Args:
         jobs: Returns every job's status; called at each scrape, from a worker thread.
+        versions: Returns a job's checkpoint versions by durability (``pending``,
+            ``memory``, ``durable``); called for each job at each scrape.
     """
 
-    def __init__(self, jobs: Callable[[], Iterable[JobStatus]]) -> None:
+    def __init__(
+        self,
+        jobs: Callable[[], Iterable[JobStatus]],
+        versions: Callable[[str], Mapping[str, int]] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "rallypoint_http_requests",
@@ -118,12 +152,24 @@ class Metrics:
             ["job"],
             registry=self.registry,
         )
-        self.registry.register(_Jobs(jobs))
+        self.restore_bytes = Counter(
+            "rallypoint_checkpoint_restore_bytes",
+            "Bytes ranks' restores read, by source: the node's own memory tier, a peer "
+            "node's, or blob storage (as the ranks reported them to this process)",
+            ["job", "source"],
+            registry=self.registry,
+        )
+        self.registry.register(_Jobs(jobs, versions))
 
     def committed(self, job_id: str, size: int) -> None:
         """Counts a version this process committed, of ``size`` bytes in all."""
         self.commits.labels(job_id).inc()
         self.committed_bytes.labels(job_id).inc(size)
+
+    def restored(self, job_id: str, bytes_from: Mapping[RestoreSource, int]) -> None:
+        """Counts the bytes one rank's restore read, by source."""
+        for source in _SOURCES:
+            self.restore_bytes.labels(job_id, source).inc(bytes_from.get(source, 0))
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
         """Wraps ``app`` to count and time every HTTP request."""

@@ -845,6 +845,7 @@ class Rendezvous:
             world_size=job.world_size if job.status == "sealed" else 0,
             created_at=job.created_at,
             checkpoint=job.checkpoint,
+            durable=job.durable,
         )
 
     def status(self, job_id: str) -> JobStatus:

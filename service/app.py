@@ -60,6 +60,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
             keep=settings.checkpoint_keep,
             timeout=timedelta(seconds=settings.checkpoint_timeout),
             on_commit=metrics.committed,
+            on_restore=metrics.restored,
         )
         yield
         await app.state.driver.close()
@@ -74,7 +75,11 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
                 states.append(rdzv.status(job.job_id))
         return states
 
-    metrics = Metrics(job_states)
+    def versions(job_id: str) -> dict[str, int]:
+        checkpoints: Checkpoints = app.state.checkpoints
+        return checkpoints.durabilities(job_id)
+
+    metrics = Metrics(job_states, versions)
     app = FastAPI(title="Rallypoint coordinator", version=rallypoint.__version__, lifespan=lifespan)
     app.state.settings = settings
     app.state.metrics = metrics

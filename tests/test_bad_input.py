@@ -57,6 +57,13 @@ REPORT = {
     "generation": 1,
     "files": [{"name": "shard.safetensors", "size": 10, "checksum": "xxh3-128:0"}],
 }
+RESTORE = {
+    "node_id": "a",
+    "generation": 1,
+    "rank": 0,
+    "bytes_from": {"memory": 0, "peer": 0, "storage": 10},
+}
+RESTORES = f"{CKPT}/1/restores"
 
 CASES: list[tuple[str, str, str, Any, int, str]] = [
     # (id, method, path, body (bytes = raw), status, code)
@@ -172,6 +179,28 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
         413,
         "body_too_large",
     ),
+    (
+        "restore-other-source",
+        "POST",
+        RESTORES,
+        {**RESTORE, "bytes_from": {"disk": 1}},
+        422,
+        INVALID,
+    ),
+    ("restore-negative", "POST", RESTORES, {**RESTORE, "bytes_from": {"peer": -1}}, 422, INVALID),
+    ("restore-no-rank", "POST", RESTORES, {**RESTORE, "rank": None}, 422, INVALID),
+    ("restore-not-member", "POST", RESTORES, {**RESTORE, "node_id": "b"}, 404, "unknown_node"),
+    ("restore-stale", "POST", RESTORES, {**RESTORE, "generation": 2}, 409, "stale_generation"),
+    (
+        "restore-unknown-version",
+        "POST",
+        f"{CKPT}/42/restores",
+        RESTORE,
+        404,
+        "unknown_checkpoint",
+    ),
+    # Version 1 is still being written: nothing can have been restored from it.
+    ("restore-pending", "POST", RESTORES, RESTORE, 409, "checkpoint_conflict"),
     ("wrong-method", "DELETE", "/v1/jobs/job", None, 405, "method_not_allowed"),
     ("envelope-in-envelope", "POST", ENVELOPE, {"method": "GET", "path": ENVELOPE}, 422, INVALID),
     ("envelope-outside-v1", "POST", ENVELOPE, {"method": "GET", "path": "/healthz"}, 422, INVALID),

@@ -13,13 +13,14 @@ import httpx
 import pytest
 import torch
 
-from rallypoint.client import CheckpointInfo, ElasticClient, JobStatus, JobSummary
-from rallypoint.trainer import CheckpointManager
+from rallypoint.client import CheckpointInfo, ElasticClient, JobStatus, JobSummary, ShardFile
+from rallypoint.trainer import CheckpointManager, upload
 
 from ._coordinator import Coordinator
 from .test_coordinator import join_all, spec
 
 TOKEN = "cli-token"
+FILE = "data.distcp"
 COMMAND = [sys.executable, "-m", "rallypoint"]
 
 
@@ -47,6 +48,20 @@ def nodes(url: str, job: str, names: list[str]) -> list[ElasticClient]:
     members = [ElasticClient(url, job, n, TOKEN) for n in names]
     join_all(members, spec(len(names), len(names)))
     return members
+
+
+def save_by_hand(node: ElasticClient, step: int, *, every: int) -> CheckpointInfo:
+    """A one-node job's rank saves ``step`` as a trainer under an agent does: its file in
+    the node's memory tier, and in storage too if the policy (every ``every``-th
+    version) persists the version. Committed in memory, the version is not durable."""
+    begun = node.begin_checkpoint(step, [FILE], persist_every=every, memory=True)
+    data = f"{node.node_id}@{step}".encode()
+    if begun.persist:
+        upload(begun.upload_urls[FILE], data)
+    shard = ShardFile(name=FILE, size=len(data), checksum="xxh3-128:0")
+    return node.report_checkpoint(
+        begun.version, [shard], storage=begun.persist, memory=[node.node_id]
+    )
 
 
 def test_jobs_and_status_show_the_members(url: str) -> None:
@@ -80,26 +95,52 @@ def test_jobs_and_status_show_the_members(url: str) -> None:
     assert "table" in {j.job_id for j in listed}
 
 
-def test_checkpoints_lists_versions_and_the_latest(url: str) -> None:
+def test_checkpoints_lists_versions_their_durability_and_the_pointers(url: str) -> None:
     (node,) = nodes(url, "ckpts", ["solo"])
     manager = CheckpointManager(node, progress=False)
     for step in (5, 10):
         handle = manager.save({"w": torch.arange(4.0)}, step, blocking=True)
         assert handle is not None and handle.result().state == "committed"
-    node.begin_checkpoint(15)  # begun, never reported
     flags = ["--url", url, "--token", TOKEN]
+    status = cli("status", "ckpts", *flags).stdout
+    assert "latest checkpoint: v2 (step 10, generation 1)\n" in status
+    assert "newest durable" not in status  # the latest is durable itself
+    assert save_by_hand(node, 12, every=5).durability == "memory"
+    node.begin_checkpoint(15)  # begun, never reported
     table = cli("checkpoints", "ckpts", *flags)
     assert table.returncode == 0, table.stderr
-    rows = [r.split() for r in table.stdout.splitlines()[1:]]
-    assert [r[:2] for r in rows] == [["1", "5"], ["2", "10"], ["3", "15"]]
-    assert rows[1][3:5] == ["committed", "(latest)"] and rows[2][3] == "pending"
+    header, *lines = table.stdout.splitlines()
+    assert header.split()[:7] == [
+        "VERSION",
+        "STEP",
+        "GEN",
+        "STATE",
+        "DURABILITY",
+        "RANKS",
+        "POINTER",
+    ]
+    rows = [r.split()[:7] for r in lines]
+    assert rows == [
+        ["1", "5", "1", "committed", "durable", "1/1", "-"],
+        ["2", "10", "1", "committed", "durable", "1/1", "durable"],
+        ["3", "12", "1", "committed", "memory", "1/1", "latest"],
+        ["4", "15", "1", "pending", "pending", "0/1", "-"],
+    ]
     versions = [
         CheckpointInfo.model_validate(v)
         for v in json.loads(cli("checkpoints", "ckpts", "--json", *flags).stdout)
     ]
-    assert [(v.step, v.latest) for v in versions] == [(5, False), (10, True), (15, False)]
+    assert [(v.step, v.durability, v.latest, v.latest_durable) for v in versions] == [
+        (5, "durable", False, False),
+        (10, "durable", False, True),
+        (12, "memory", True, False),
+        (15, "pending", False, False),
+    ]
     status = cli("status", "ckpts", *flags).stdout
-    assert "latest checkpoint: v2 (step 10, generation 1)" in status
+    assert "latest checkpoint: v3 (step 12, generation 1, in memory)\n" in status
+    assert "newest durable: v2 (step 10, generation 1)\n" in status
+    jobs = cli("jobs", *flags).stdout
+    assert any(r.split()[0] == "ckpts" and "v3 step 12 (memory)" in r for r in jobs.splitlines())
 
 
 def test_watch_prints_each_change(url: str) -> None:

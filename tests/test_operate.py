@@ -14,10 +14,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from rallypoint.client import ElasticClient, HeartbeatReply, Manifest
+from rallypoint.client import ElasticClient, HeartbeatReply, Manifest, StaleGeneration
 from rallypoint.trainer import CheckpointManager, download
 
 from ._coordinator import Coordinator
+from .test_cli import save_by_hand
 from .test_coordinator import join_all, spec
 
 TOKEN = "ops-token"
@@ -65,12 +66,18 @@ def test_metrics_follow_the_job(coordinator: Coordinator) -> None:
     for step in (1, 2):
         handle = saver.save({"w": torch.arange(1000.0)}, step, blocking=True)
         assert handle is not None and handle.result().state == "committed"
+    assert save_by_hand(solo, 3, every=5).durability == "memory"
     written = 0
     for info in solo.checkpoints():
         manifest = Manifest.model_validate_json(
             download(solo.checkpoint(info.version).urls[MANIFEST])
         )
         written += sum(f.size for shard in manifest.shards for f in shard.files)
+    solo.begin_checkpoint(4)  # begun, never reported
+    # The manager reports its restore; a node without a memory tier reads from storage.
+    restored = saver.load(2)
+    assert restored.bytes_from["storage"] > 0
+    solo.report_restore(3, {"memory": 100, "peer": 20}, rank=0)
     for _ in range(2):
         httpx.get(f"{url}/scanner/probe/{time.time()}")
 
@@ -94,13 +101,36 @@ def test_metrics_follow_the_job(coordinator: Coordinator) -> None:
         )
         == 2
     )
-    assert value(found, "rallypoint_checkpoint_commits_total", job="one") == 2
-    assert value(found, "rallypoint_job_checkpoint_step", job="one") == 2
+    assert value(found, "rallypoint_checkpoint_commits_total", job="one") == 3
+    assert value(found, "rallypoint_job_checkpoint_step", job="one") == 3
+    assert value(found, "rallypoint_job_durable_checkpoint_step", job="one") == 2
     assert value(found, "rallypoint_checkpoint_committed_bytes_total", job="one") == written
+    restores = {
+        source: value(found, "rallypoint_checkpoint_restore_bytes_total", job="one", source=source)
+        for source in ("memory", "peer", "storage")
+    }
+    assert restores == {"memory": 100, "peer": 20, "storage": restored.bytes_from["storage"]}
+    versions = {
+        durability: value(found, "rallypoint_checkpoint_versions", job="one", durability=durability)
+        for durability in ("pending", "memory", "durable")
+    }
+    assert versions == {"pending": 1, "memory": 1, "durable": 2}
+    assert value(found, "rallypoint_checkpoint_versions", job="m", durability="durable") == 0
 
     b.leave("scaled in")
     found = samples(url)
     assert value(found, "rallypoint_job_generations_ended", job="m", reason="left") == 1
+
+    # A restore in a generation that ended still restores; its report is refused (a
+    # zombie's numbers), and the manager does not fail for it.
+    solo.leave("done")
+    with pytest.raises(StaleGeneration):
+        solo.report_restore(2, {"storage": 1}, rank=0)
+    assert saver.load(2).bytes_from == restored.bytes_from
+    found = samples(url)
+    counted = value(found, "rallypoint_checkpoint_restore_bytes_total", job="one", source="storage")
+    assert counted == restored.bytes_from["storage"]
+    saver.close()
 
 
 def test_logs_are_json_lines(coordinator: Coordinator) -> None:

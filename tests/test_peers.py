@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rallypoint._demo import Cluster, Coordinator
 from rallypoint.client import ElasticClient, JobSpec, ShardFile
@@ -122,6 +123,17 @@ def test_a_killed_node_is_restored_from_its_peer_replica(
     reader = next(e for e in resumed if e["node"] == by_rank["0"])
     assert reader["bytes"]["peer"] > 0
     assert history[-1]["checkpoint"]["durable"] is False
+    # Each worker reported its restore: the coordinator counts the bytes by source.
+    scraped = httpx.get(f"{coordinator.url}/metrics", timeout=10).text
+    counted = {
+        s.labels["source"]: s.value
+        for family in text_string_to_metric_families(scraped)
+        for s in family.samples
+        if s.name == "rallypoint_checkpoint_restore_bytes_total" and s.labels["job"] == "peer1"
+    }
+    assert counted == {
+        source: sum(e["bytes"][source] for e in resumed) for source in ("memory", "peer", "storage")
+    }
     # The survivors' agents exited cleanly: their memory tiers are gone.
     for node in (by_rank["0"], by_rank["2"]):
         assert list((memory / node).glob("*/*")) == []

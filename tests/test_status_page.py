@@ -20,6 +20,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from rallypoint.client import ElasticClient, JobSpec
 
 from ._coordinator import Coordinator
+from .test_cli import save_by_hand
 
 TOKEN = "page-token"
 # Debian's packages (.ci/run installs them): nothing is downloaded at test time.
@@ -147,6 +148,45 @@ def test_the_page_shows_members_and_follows_a_node_dying(
         for proc in nodes.values():
             proc.kill()
             proc.wait()
+
+
+def sign_in(driver: WebDriver, url: str) -> None:
+    driver.get(f"{url}/")
+    driver.find_element(By.ID, "token").send_keys(TOKEN)
+    driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    WebDriverWait(driver, 10, poll_frequency=0.1).until(lambda d: d.find_elements(By.ID, "jobs"))
+
+
+def test_the_page_shows_each_versions_durability_and_the_pointers(
+    coordinator: Coordinator, browser: WebDriver
+) -> None:
+    url = coordinator.url
+    node = ElasticClient(url, "tiers", "n", TOKEN)
+    node.join("127.0.0.1", 1, spec=JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0)))
+    for step in (1, 2, 3):  # only the first persisted: every 3rd after it
+        save_by_hand(node, step, every=3)
+    node.begin_checkpoint(4)  # begun, never reported
+    sign_in(browser, url)
+    jobs = text_of(browser, "jobs")
+    assert "v3 step 3 (memory)" in jobs
+    browser.get(f"{url}/jobs/tiers")
+    # One script: the page swaps its content every 2 s.
+    rows: list[list[object]] = browser.execute_script(
+        "return [...document.querySelectorAll('#checkpoints tbody tr')].map(tr => ["
+        "  tr.className, tr.cells[0].innerText,"
+        "  [...tr.querySelectorAll('.badge')].map(b => b.className + ':' + b.innerText)"
+        "])"
+    )
+    assert rows == [
+        ["pending", "4", ["badge pending:pending"]],
+        ["memory", "3", ["badge memory:memory", "badge pointer latest:latest"]],
+        ["memory", "2", ["badge memory:memory"]],
+        ["durable", "1", ["badge durable:durable", "badge pointer fallback:newest durable"]],
+    ]
+    assert text_of(browser, "summary").endswith(
+        "latest checkpoint: v3 (step 3, generation 1, in memory only); "
+        "newest durable: v1 (step 1, generation 1)"
+    )
 
 
 def test_pages_need_the_token_and_escape_what_nodes_send(coordinator: Coordinator) -> None:

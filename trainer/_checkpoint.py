@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from rallypoint.client import Assignment, CheckpointInfo, ElasticClient
+from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, RallypointError
 
 from ._bytes import tensor_bytes
 from ._dcp import (
@@ -458,6 +458,13 @@ class CheckpointManager:
             reader.bytes_from["peer"],
             reader.bytes_from["storage"],
         )
+        try:
+            self.client.report_restore(
+                summary.version, reader.bytes_from, rank=self.rank, generation=self.generation
+            )
+        except RallypointError as exc:
+            # Only the coordinator's metrics miss it: the state is restored already.
+            log.debug("could not report the restore of v%d: %s", summary.version, exc)
         return Restored(
             version=summary.version,
             step=summary.step,

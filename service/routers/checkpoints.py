@@ -17,6 +17,7 @@ from rallypoint.client._models import (
     CheckpointInfo,
     PeerKey,
     ReportShard,
+    RestoreReport,
 )
 
 from ..deps import Auth, CheckpointsDep, JobId
@@ -46,6 +47,15 @@ async def report(
     """Reports the caller's uploaded files; the last rank's report commits the version,
     which becomes the latest if its generation still runs and its step is newer."""
     return await anyio.to_thread.run_sync(checkpoints.report, job_id, version, body)
+
+
+@router.post("/{version}/restores", status_code=204)
+async def restored(
+    job_id: JobId, version: VersionNumber, body: RestoreReport, checkpoints: CheckpointsDep
+) -> None:
+    """Counts what a rank's restore of the version read from this node's memory, a
+    peer's and blob storage (``/metrics``); fenced like every report of a member."""
+    await anyio.to_thread.run_sync(checkpoints.restored, job_id, version, body)
 
 
 @router.get("")

@@ -15,8 +15,9 @@ router = APIRouter(tags=["metrics"], dependencies=[Auth])
 
 @router.get("/metrics", response_class=Response)
 async def metrics(request: Request) -> Response:
-    """Requests, latency, heartbeats, checkpoint commits and bytes, and every job's
-    generation, world size, members by state and waiting nodes."""
+    """Requests, latency, heartbeats, checkpoint commits and bytes, restored bytes by
+    source, and every job's generation, world size, members by state, waiting nodes and
+    checkpoint versions by durability."""
     # Job gauges read storage: off the event loop, like every other storage call.
     body = await anyio.to_thread.run_sync(generate_latest, request.app.state.metrics.registry)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -20,7 +20,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Cookie, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from rallypoint.client._models import CheckpointInfo, JobStatus, JobSummary
+from rallypoint.client._models import CheckpointInfo, CheckpointPointer, JobStatus, JobSummary
 
 from .._http import check_token
 from ..deps import CheckpointsDep, JobId, RdzvDep, SettingsDep
@@ -39,6 +39,9 @@ h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.6em}
 table{border-collapse:collapse}td,th{padding:.2em .9em;text-align:left;border-bottom:1px solid #ddd}
 th{font-weight:600}.alive{color:#080}.late{color:#b60}.dead,.error{color:#c00}.left{color:#888}
 .muted{color:#777}code{font-size:.95em}
+.badge{display:inline-block;padding:0 .45em;margin-right:.3em;border-radius:.7em;font-size:.85em}
+.badge.durable{background:#d4f0d4}.badge.memory{background:#fde9b0}.badge.pending{background:#eee}
+.badge.pointer{background:#dde6f7}
 """
 # Re-fetches the page and swaps <main>: no flicker, scroll position kept.
 _SCRIPT = f"""
@@ -76,6 +79,28 @@ def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f} s ago"
 
 
+class _Html(str):
+    """A table cell that is markup already (built here from escaped parts)."""
+
+
+def _cell(value: object) -> str:
+    return value if isinstance(value, _Html) else escape(str(value))
+
+
+def _badges(*names: tuple[str, str]) -> _Html:
+    """Badges of (text, class), e.g. a version's durability and the pointers at it."""
+    return _Html(
+        "".join(f"<span class='badge {escape(c)}'>{escape(text)}</span>" for text, c in names)
+    )
+
+
+def _pointer(pointer: CheckpointPointer | None) -> str:
+    if pointer is None:
+        return "none"
+    tier = "" if pointer.durable else ", in memory only"
+    return f"v{pointer.version} (step {pointer.step}, generation {pointer.generation}{tier})"
+
+
 def _table(
     name: str, header: Sequence[str], rows: Iterable[Sequence[object]], classes: Iterable[str] = ()
 ) -> str:
@@ -83,7 +108,7 @@ def _table(
     classes = list(classes)
     body = "".join(
         f"<tr class='{escape(classes[i]) if i < len(classes) else ''}'>"
-        + "".join(f"<td>{escape(str(c))}</td>" for c in row)
+        + "".join(f"<td>{_cell(c)}</td>" for c in row)
         + "</tr>"
         for i, row in enumerate(rows)
     )
@@ -119,7 +144,9 @@ def _job_row(job: JobSummary) -> tuple[object, ...]:
         job.generation,
         job.status,
         job.world_size,
-        "-" if latest is None else f"v{latest.version} step {latest.step}",
+        "-"
+        if latest is None
+        else f"v{latest.version} step {latest.step}" + ("" if latest.durable else " (memory)"),
     )
 
 
@@ -198,10 +225,11 @@ async def job_page(
         f"<p id='summary'>generation <b>{status.generation}</b> {escape(status.status)}, "
         f"world size <b>{status.world_size}</b> (nodes {spec.min_nodes}:{spec.max_nodes}, "
         f"heartbeat timeout {spec.heartbeat_timeout.total_seconds():g} s); latest checkpoint: "
+        f"{escape(_pointer(latest))}"
         + (
-            "none"
-            if latest is None
-            else f"v{latest.version} (step {latest.step}, generation {latest.generation})"
+            f"; newest durable: {escape(_pointer(status.durable))}"
+            if latest is not None and not latest.durable
+            else ""
         )
         + "</p>"
     )
@@ -241,18 +269,24 @@ async def job_page(
         + "<h2>Checkpoints</h2>"
         + _table(
             "checkpoints",
-            ["version", "step", "generation", "state", "ranks reported", "committed"],
+            ["version", "step", "generation", "state", "durability", "ranks reported", "committed"],
             [
                 (
                     v.version,
                     v.step,
                     v.generation,
-                    v.state + (" (latest)" if v.latest else ""),
+                    v.state,
+                    _badges(
+                        (v.durability, v.durability),
+                        *([("latest", "pointer latest")] if v.latest else []),
+                        *([("newest durable", "pointer fallback")] if v.latest_durable else []),
+                    ),
                     f"{v.reported}/{v.world_size}",
                     _when(v.committed_at),
                 )
                 for v in reversed(versions)
             ],
+            [v.durability for v in reversed(versions)],
         )
         + f"<p class='muted'>updated {_when(rdzv.clock())}</p>"
     )
