@@ -63,11 +63,12 @@ def saves(url: str, shm: Path, mib: int, tensors: int, repeat: int) -> dict[str,
         os.environ[MEMORY_ENV] = str(shm) if memory else "none"
         client = ElasticClient(url, f"blocked-{name}", "n0")
         client.join("127.0.0.1", spec=JobSpec(min_nodes=1, max_nodes=1))
-        # The first version always goes to storage: save it before timing.
-        manager = CheckpointManager(client, progress=False, persist_every=10**6)
-        manager.save(state, 0, blocking=True)
-        out[f"{name}_blocked"], out[f"{name}_committed"] = timed(manager, state, repeat)
-        manager.close()
+        with client.heartbeats():
+            # The first version always goes to storage: save it before timing.
+            manager = CheckpointManager(client, progress=False, persist_every=10**6)
+            manager.save(state, 0, blocking=True)
+            out[f"{name}_blocked"], out[f"{name}_committed"] = timed(manager, state, repeat)
+            manager.close()
         client.close()
     return out
 
@@ -110,8 +111,9 @@ SERVER = textwrap.dedent(
                            lambda: box["a"].generation if box else 0).start()
     box["a"] = client.join("127.0.0.1", spec=JobSpec(min_nodes=2, max_nodes=2),
                            peer=server.url)
-    print("ready", flush=True)
-    sys.stdin.read()
+    with client.heartbeats():
+        print("ready", flush=True)
+        sys.stdin.read()
     """
 )
 
@@ -144,7 +146,12 @@ SINK = textwrap.dedent(
 
 def copies(url: str, shm: Path, mib: int, tensors: int, repeat: int) -> dict[str, float]:
     """MiB/s of a peer copy and of a plain socket copy of the same bytes."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    # The server's node must be up before the sender's join can seal; a child that
+    # cannot start would otherwise leave the sender waiting.
     server = subprocess.Popen(
         [sys.executable, "-c", SERVER, url, str(shm / "b")],
         stdin=subprocess.PIPE,
@@ -158,6 +165,7 @@ def copies(url: str, shm: Path, mib: int, tensors: int, repeat: int) -> dict[str
     try:
         client = ElasticClient(url, "peers", "a")
         client.join("127.0.0.1", spec=JobSpec(min_nodes=2, max_nodes=2))
+        beats = client.heartbeats().__enter__()
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         assert sink.stdout is not None
         port = int(sink.stdout.readline())
@@ -190,6 +198,7 @@ def copies(url: str, shm: Path, mib: int, tensors: int, repeat: int) -> dict[str
             return size / MiB / (time.perf_counter() - started)
 
         out = {"plain": median(plain, repeat), "peer": median(peer, repeat)}
+        beats.__exit__(None, None, None)
         client.close()
         return out
     finally:
