@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup browser test lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery clean
+.PHONY: setup browser test lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers clean
 
 setup: $(VENV)/.installed node_modules/.installed browser
 
@@ -56,6 +56,9 @@ bench-checkpoint: setup
 
 bench-recovery: setup
 	$(BIN)/python bench/recovery.py
+
+bench-tiers: setup
+	$(BIN)/python bench/tiers.py
 
 clean:
 	rm -rf $(VENV) node_modules build .rallypoint .pytest_cache .mypy_cache .ruff_cache

@@ -117,19 +117,22 @@ SERVER = textwrap.dedent(
     """
 )
 
-# The anchor's receiver: a plain socket into a file in the same folder.
+# The anchor's receiver: a plain socket into a new file in the same folder, keeping as
+# many as the replica server keeps (2), so both take fresh shared memory alike (on a VM,
+# memory the guest never touched is slow to take: reusing one file would hide that).
 SINK = textwrap.dedent(
     """
     import socket, sys
     from pathlib import Path
-    target = Path(sys.argv[1])
+    folder = Path(sys.argv[1])
     listener = socket.create_server(("127.0.0.1", 0))
     print(listener.getsockname()[1], flush=True)
     buf = bytearray(8 << 20)
     view = memoryview(buf)
-    while True:
+    for i in range(10**9):
         conn, _ = listener.accept()
         size = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "big")
+        target = folder / f"sink-{i}.bin"
         with open(target, "wb") as f:
             left = size
             while left:
@@ -138,6 +141,7 @@ SINK = textwrap.dedent(
                     break
                 f.write(view[:n])
                 left -= n
+        (folder / f"sink-{i - 2}.bin").unlink(missing_ok=True)
         conn.sendall(b"k")
         conn.close()
     """
@@ -160,7 +164,7 @@ def copies(url: str, shm: Path, mib: int, tensors: int, repeat: int) -> dict[str
         env=env,
     )
     sink = subprocess.Popen(
-        [sys.executable, "-c", SINK, str(shm / "sink.bin")], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SINK, str(shm)], stdout=subprocess.PIPE, text=True
     )
     try:
         client = ElasticClient(url, "peers", "a")
