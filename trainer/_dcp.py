@@ -331,7 +331,8 @@ class RallypointWriter(StorageWriter):
         begun = self._begun
         assert begun is not None
         path = f"rank-{self.rank:05d}/{name}"
-        first = self._data is not None and name == DATA
+        # The data file goes first; a later one (rank 0's metadata) goes where it went.
+        first = name == DATA
         if self.memory is not None and self.memory.write(self._version, path, parts):
             if first or self.client.node_id in self.holders:
                 self.holders = sorted({*self.holders, self.client.node_id})
@@ -358,9 +359,10 @@ class RallypointWriter(StorageWriter):
                 self.holders = sorted({*self.holders, replica.node_id})
         nodes = len(self.client.assignment.members) if self.client.assignment else 1
         wanted = begun.persist or len(self.holders) < min(2, nodes)
-        if wanted and not self.storage and name != DATA and self._data is not None:
+        if wanted and not self.storage and not first:
             # Rank 0's data stayed in memory, but its metadata must go to storage: the
             # two go together, or the rank's report could not say where both are.
+            assert self._data is not None
             self._upload(DATA, self._parts, self._data.size)
         if wanted or self.storage:
             self._upload(name, parts, size)
