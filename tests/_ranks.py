@@ -24,13 +24,24 @@ from rallypoint.client import ElasticClient, JobSpec
 url, job, node, n, body, out = sys.argv[1:7]
 client = ElasticClient(url, job, node)
 spec = JobSpec(min_nodes=1, max_nodes=64, last_call=timedelta(seconds=3))
-a = client.join(spec=spec, timeout=timedelta(seconds=60))
+server, box = None, {}
+if os.environ.get("RANKS_MEMORY"):  # a memory tier and replica server, as an agent runs
+    from pathlib import Path
+    from rallypoint.trainer._memory import MEMORY_ENV, NodeMemory
+    from rallypoint.trainer._peers import ReplicaServer
+    root = Path(os.environ["RANKS_MEMORY"]) / node
+    os.environ[MEMORY_ENV] = str(root)
+    server = ReplicaServer(NodeMemory(root, job, node), client, "127.0.0.1",
+                           lambda: box["a"].generation if box else 0).start()
+a = client.join(spec=spec, timeout=timedelta(seconds=60),
+                peer=None if server is None else server.url)
+box["a"] = a
 assert a.world_size == int(n), f"a generation of {a.world_size}, not {n}: joins too far apart"
 import torch, torch.distributed as dist
 with client.heartbeats():
     dist.init_process_group("gloo", init_method=f"tcp://{a.master_addr}:{a.master_port}",
                             rank=a.rank, world_size=a.world_size)
-    scope = {"__name__": "ranks_body"}
+    scope = {"__name__": "ranks_body", "server": server}
     exec(compile(open(body).read(), body, "exec"), scope)
     try:
         result = scope["run"](client, a)
@@ -46,11 +57,21 @@ with open(out, "w") as f:
 
 
 def run_ranks(
-    url: str, job: str, nodes: list[str], body: str, tmp: Path, *, timeout: float = 180
+    url: str,
+    job: str,
+    nodes: list[str],
+    body: str,
+    tmp: Path,
+    *,
+    timeout: float = 180,
+    memory: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Runs ``body`` (Python source defining ``run(client, assignment) -> dict``) in one
     process per node of ``nodes``, which form one generation of exactly that size (the
     job admits 1 to 64 nodes and seals 3 s after the first join).
+
+    With ``memory``, each process gets a memory tier of its own (``memory/NODE``) and a
+    replica server, as its agent would give it; ``body`` sees the server as ``server``.
 
     Returns:
         Each process's dict, ``rank`` added, in rank order.
@@ -59,6 +80,8 @@ def run_ranks(
     source = tmp / f"body-{nodes[0]}.py"
     source.write_text(body)
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if memory is not None:
+        env["RANKS_MEMORY"] = str(memory)
     n = str(len(nodes))
     procs = []
     for node in nodes:

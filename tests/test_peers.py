@@ -25,6 +25,7 @@ from rallypoint.trainer._transfer import upload_parts
 from rallypoint.trainer.errors import TransferDenied, TransferError, TransferNotFound
 
 from . import test_torchrun
+from ._ranks import run_ranks
 from .test_torchrun import status
 
 #: The torchrun tests' coordinator (local storage, logged), as a fixture here too.
@@ -151,6 +152,43 @@ def test_two_adjacent_nodes_lost_fall_back_to_the_newest_durable_version(
     assert len({e["version"] for e in resumed}) == 1
     assert all(e["equal"] and e["bytes"]["storage"] > 0 for e in resumed)
     assert history[-1]["checkpoint"]["durable"] is True
+
+
+FAILED_COPY = r"""
+import torch
+from rallypoint.trainer import CheckpointManager
+
+def run(client, a):
+    if a.rank == 1:
+        server.stop()  # rank 0's copy to this node will fail
+    import torch.distributed as dist
+    dist.barrier()
+    m = CheckpointManager(client, progress=False, persist_every=100)
+    m.save({"w": torch.arange(1024.0)}, 1, blocking=True)  # the first: to storage
+    info = m.save({"w": torch.arange(1024.0) * 2}, 2, blocking=True).result()
+    dist.barrier()
+    got = client.checkpoint(info.version)
+    m.close()
+    return {"durability": got.durability, "in_storage": got.in_storage,
+            "holders": got.holders, "node": client.node_id}
+"""
+
+
+def test_a_copy_that_fails_goes_to_storage_instead(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """Rank 1's replica server is gone: rank 0's copy to it fails, so rank 0 uploads its
+    files; rank 1's copy to rank 0 works and stays in memory. The version commits, in
+    memory (rank 1's files are not in storage)."""
+    rows = run_ranks(
+        coordinator.url, "failed", ["f0", "f1"], FAILED_COPY, tmp_path, memory=tmp_path / "shm"
+    )
+    assert all("error" not in r for r in rows), rows
+    seen = rows[0]
+    assert seen["durability"] == "memory" and seen["in_storage"] == [0]
+    # Rank 0's files are on its own node (and in storage), rank 1's on both nodes.
+    first, second = rows[0]["node"], rows[1]["node"]
+    assert seen["holders"] == {"0": [first], "1": sorted([first, second])}
 
 
 # --- the replica server's rules ----------------------------------------------------------

@@ -341,11 +341,9 @@ class RallypointWriter(StorageWriter):
         replica = begun.replica
         if replica is not None and (first or replica.node_id in self.holders):
             try:
-                retry(
-                    lambda: push(replica, self._version, path, parts, items),
-                    f"copying {path} to node {replica.node_id}",
-                    2,
-                )
+                # One try: storage is the fallback, and waiting to retry a peer that
+                # refused the connection would only delay the save.
+                push(replica, self._version, path, parts, items)
             except TransferError as exc:
                 log.warning(
                     "checkpoint v%d: no copy on node %s (%s); uploading to storage instead",
