@@ -107,6 +107,10 @@ class RetryPolicy(BaseModel):
             cap = min(cap * 2, self.maximum.total_seconds())
 
 
+#: For reports that only feed the coordinator's metrics.
+_REPORT_RETRY = RetryPolicy(deadline=timedelta(seconds=2))
+
+
 def _default_node_id() -> str:
     name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:64].strip(".")
     return name or "node"
@@ -208,9 +212,17 @@ class ElasticClient:
     # --- plumbing -----------------------------------------------------------------------
 
     def _request(
-        self, method: str, path: str, body: BaseModel | None = None, *, read_timeout: float = 0
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None = None,
+        *,
+        read_timeout: float = 0,
+        retry: RetryPolicy | None = None,
     ) -> httpx.Response:
-        """Sends a request, retrying transport errors and 429/5xx; raises error replies."""
+        """Sends a request, retrying transport errors and 429/5xx (by ``retry``, else the
+        client's policy); raises error replies."""
+        retry = retry or self.retry
         content = body.model_dump_json(exclude_none=True) if body is not None else None
         url = path
         if self.transport == "envelope":
@@ -218,7 +230,7 @@ class ElasticClient:
             content = f'{operation[:-1]}, "body": {content or "null"}}}'
             method, url = "POST", self._envelope_url
         timeout = httpx.Timeout(self._timeout, read=self._timeout + read_timeout)
-        delays = self.retry.delays()
+        delays = retry.delays()
         while True:
             try:
                 response = self._http.request(
@@ -239,7 +251,7 @@ class ElasticClient:
             delay = next(delays, None)
             if delay is None:
                 raise TransportError(
-                    f"{method} {self.url}{path} failed for {self.retry.deadline}: {problem}"
+                    f"{method} {self.url}{path} failed for {retry.deadline}: {problem}"
                 )
             log.info("%s %s: %s; retrying in %.2f s", method, path, problem, delay)
             time.sleep(delay)
@@ -572,7 +584,11 @@ class ElasticClient:
                 "bytes_from": dict(bytes_from),
             }
         )
-        self._request("POST", f"{self._job}/checkpoints/{version}/restores", body)
+        # Metrics only: a coordinator out of reach must not hold up the restored trainer
+        # for the client's whole retry deadline.
+        self._request(
+            "POST", f"{self._job}/checkpoints/{version}/restores", body, retry=_REPORT_RETRY
+        )
 
     def checkpoint(self, version: int | None = None) -> CheckpointInfo:
         """A version with read URLs for its manifest and files; the authoritative latest

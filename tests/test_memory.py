@@ -66,6 +66,21 @@ def test_a_restart_reads_this_nodes_memory_and_a_bad_copy_falls_back(
 
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_a_restore_from_memory_needs_no_coordinator(start: Start, memory: Path) -> None:
+    """The coordinator is down when a worker restarts: the version its assignment names
+    is in the node's memory, so the restore goes on; only its metrics report is lost."""
+    coordinator = start()
+    (m,) = managers(coordinator.url, ["a"], 1, 1)
+    m.save({"w": torch.arange(4096.0)}, 1, blocking=True)
+    m.close()
+    (m,) = managers(coordinator.url, ["a"], 1, 1)
+    coordinator.stop()
+    restored = m.load_latest()
+    assert restored is not None and restored.bytes_from["storage"] == 0
+    assert torch.equal(restored.state["w"], torch.arange(4096.0))
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
 def test_a_node_keeps_its_newest_versions_only(start: Start, memory: Path) -> None:
     (m,) = managers(start().url, ["a"], 1, 1)
     for step in range(1, 6):
