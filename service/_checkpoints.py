@@ -332,21 +332,31 @@ class Checkpoints:
         for i in range(1, len(members)):
             holder = members[(start + i) % len(members)]
             if holder.peer:
-                claims = GrantClaims(
-                    job=version.job_id,
-                    gen=gen.generation,
-                    node=holder.node_id,
-                    peer=holder.peer,
-                    version=version.version,
-                    op="write",
-                    exp=expires_at,
-                    ranks=[rank],
-                )
-                return self._grant(holder, claims)
+                return self._grant(holder, gen.generation, version, "write", expires_at, [rank])
         return None
 
-    def _grant(self, holder: Member, claims: GrantClaims) -> PeerGrant:
+    def _grant(
+        self,
+        holder: Member,
+        generation: int,
+        version: Version,
+        op: Literal["read", "write"],
+        expires_at: float,
+        ranks: list[int] | None = None,
+    ) -> PeerGrant:
+        """A grant, issued in ``generation``, to ``op`` ``version``'s files (for writes,
+        ``ranks``' only) on ``holder``'s replica server."""
         assert holder.peer is not None
+        claims = GrantClaims(
+            job=version.job_id,
+            gen=generation,
+            node=holder.node_id,
+            peer=holder.peer,
+            version=version.version,
+            op=op,
+            exp=expires_at,
+            ranks=ranks or [],
+        )
         return PeerGrant(
             node_id=holder.node_id,
             url=holder.peer,
@@ -676,18 +686,7 @@ class Checkpoints:
         grants: dict[str, PeerGrant] = {}
         expires = self.rdzv.clock() + self.read_ttl.total_seconds()
         for node in sorted({n for alive in holders.values() for n in alive}):
-            member = members[node]
-            assert member.peer is not None
-            claims = GrantClaims(
-                job=job.job_id,
-                gen=job.generation,
-                node=node,
-                peer=member.peer,
-                version=version.version,
-                op="read",
-                exp=expires,
-            )
-            grants[node] = self._grant(member, claims)
+            grants[node] = self._grant(members[node], job.generation, version, "read", expires)
         return {
             "holders": {r: alive for r, alive in holders.items() if alive},
             "peers": grants,

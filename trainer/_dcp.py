@@ -643,14 +643,16 @@ class RallypointReader(StorageReader):
                     )
                 self.bytes_from["storage"] += sum(n for _, n in wanted)
                 return lambda s: whole[s.offset : s.offset + s.length]
-            progress = Progress(f"{what}: download", end, enabled=self.progress)
+            spans = _merged(items)
+            total = sum(stop - start for start, stop in spans)
+            progress = Progress(f"{what}: download", total, enabled=self.progress)
 
             def ranged(start: int, length: int) -> torch.Tensor:
                 data = read_range(url, start, length, progress)
                 self.bytes_from["storage"] += data.numel()
                 return data
 
-            fetched = self._spans(items, ranged, what)
+            fetched = self._spans(spans, ranged, what)
             progress.close()
         except TransferNotFound:
             raise CheckpointCorrupt(f"{what} is missing from storage") from None
@@ -723,7 +725,7 @@ class RallypointReader(StorageReader):
             what = f"{self.label} {path} on node {node}"
             try:
                 fetched = self._spans(
-                    unique,
+                    _merged(unique),
                     lambda a, n: read_peer(grant, info.version, path, a, n),  # noqa: B023
                     what,
                 )
@@ -748,18 +750,12 @@ class RallypointReader(StorageReader):
 
     def _spans(
         self,
-        items: Sequence[StoredItem],
+        spans: Sequence[tuple[int, int]],
         read: Callable[[int, int], torch.Tensor],
         what: str,
     ) -> Callable[[StoredItem], torch.Tensor]:
-        """Reads ``items`` through ``read(start, length)`` in ranged reads, items closer
-        than 64 KiB apart in one (a request costs about what 64 KiB of transfer does)."""
-        spans: list[list[int]] = []
-        for offset, length in sorted({(s.offset, s.length) for s in items}):
-            if spans and offset - spans[-1][1] <= _MERGE_GAP:
-                spans[-1][1] = max(spans[-1][1], offset + length)
-            else:
-                spans.append([offset, offset + length])
+        """Reads each ``(start, stop)`` of :func:`_merged` through ``read(start, length)``;
+        the result gives an item's bytes from the span that holds it."""
         fetched: list[tuple[int, torch.Tensor]] = []
         for start, stop in spans:
             data = retry(lambda: read(start, stop - start), f"reading {what}", self.attempts)  # noqa: B023
@@ -788,6 +784,18 @@ class RallypointReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         """See base class: versions are named by the coordinator, never by an id."""
         return False
+
+
+def _merged(items: Sequence[StoredItem]) -> list[tuple[int, int]]:
+    """The byte spans that cover ``items``, items closer than 64 KiB apart in one (a
+    ranged request costs about what 64 KiB of transfer does)."""
+    spans: list[list[int]] = []
+    for offset, length in sorted({(s.offset, s.length) for s in items}):
+        if spans and offset - spans[-1][1] <= _MERGE_GAP:
+            spans[-1][1] = max(spans[-1][1], offset + length)
+        else:
+            spans.append([offset, offset + length])
+    return [(start, stop) for start, stop in spans]
 
 
 def check_metadata(metadata: dict[str, Any] | None) -> None:
