@@ -21,6 +21,7 @@ from .errors import InvalidId, Unauthorized
 from .settings import Settings
 
 __all__ = [
+    "AdminOnly",
     "Auth",
     "CheckpointsDep",
     "DriverDep",
@@ -88,3 +89,5 @@ NodeId = Annotated[str, Depends(_node_id)]
 GenerationNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
 #: Declared on the /v1 router: every route under it needs the token when one is set.
 Auth = Depends(_authorized)
+#: Declared on routes only the operator may call (the admin token).
+AdminOnly = Depends(_authorized)

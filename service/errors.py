@@ -11,6 +11,8 @@ Hierarchy::
     │   ├── InvalidRequest      400: well-formed JSON that makes no sense
     │   │   └── InvalidId       400: a job or node id outside [A-Za-z0-9._-]{1,64}
     │   ├── Unauthorized        401: no or a wrong bearer token
+    │   ├── Forbidden           403: the token's job or role does not cover the request
+    │   ├── InvalidCredential   403: a request acting for a node lacks its credential
     │   ├── UnknownJob          404: no job has this id
     │   ├── UnknownNode         404: the node never joined this job
     │   ├── JobConflict         409: the job exists with other parameters
@@ -38,7 +40,9 @@ __all__ = [
     "AlreadyExists",
     "BadRequest",
     "CheckpointConflict",
+    "Forbidden",
     "IncompleteUpload",
+    "InvalidCredential",
     "InvalidId",
     "InvalidName",
     "InvalidRequest",
@@ -88,6 +92,20 @@ class InvalidId(InvalidRequest):
 class Unauthorized(RequestError):
     code = "unauthorized"
     status = 401
+
+
+class Forbidden(RequestError):
+    """A valid token whose job or role does not cover the request."""
+
+    code = "forbidden"
+    status = 403
+
+
+class InvalidCredential(RequestError):
+    """A request that acts for a node without that node's credential (from its join)."""
+
+    code = "invalid_credential"
+    status = 403
 
 
 class UnknownJob(RequestError):
