@@ -8,7 +8,17 @@ version) rather than against an attacker who can read the storage directory anyw
 
 Format::
 
-    file:///STORE/blobs/CONTAINER/NAME?sn=CONTAINER/NAME&sp=r|w&se=EXPIRY&sig=HEX
+    file:///STORE/blobs/CONTAINER/NAME?sn=CONTAINER/NAME&sp=r|w&se=EXPIRY[&sk=SCOPE]&sig=HEX
+
+A write URL may be *scoped* (``sk``, a folder ``CONTAINER/FOLDER/`` holding the object):
+then it is signed with that scope's own key, ``STORE/scopes/<sha256 of the scope>``,
+which the coordinator makes at the first signing and turns into an empty tombstone when
+it revokes the scope (a checkpoint version committed or collected). Verification reads
+the scope's key, so a revoked scope's URLs fail at once, whatever their expiry: the
+signature itself is checked against the version's state. A tombstone rather than a
+deleted file, so that a coordinator signing after the revocation (a request that read
+the version as open a moment earlier) cannot bring the scope back; it is removed with
+the version's objects.
 """
 
 from __future__ import annotations
@@ -28,73 +38,154 @@ from .errors import SignedUrlError
 
 __all__ = [
     "KEY_FILE",
+    "SCOPES",
     "SourceError",
+    "forget_scope",
     "load_key",
+    "revoke_scope",
+    "scope_key",
     "sign_file_url",
     "verify_file_url",
     "write_atomically",
 ]
 
 KEY_FILE = "url.key"
+#: The folder of the scopes' keys and tombstones, in the storage directory.
+SCOPES = "scopes"
+
+
+def _create(path: Path) -> None:
+    """Writes a fresh 32-byte key (mode 0600) at ``path`` unless a file is there."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # atomic create-if-absent: two processes agree on one key
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
 
 
 def load_key(store: Path, *, create: bool = False) -> bytes:
     """Reads the store's URL-signing key, creating it (mode 0600) if asked."""
     path = store / KEY_FILE
     if create and not path.exists():
-        tmp = store / f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(secrets.token_bytes(32))
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # atomic create-if-absent: two processes agree on one key
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
+        _create(path)
     try:
         return path.read_bytes()
     except OSError as exc:
         raise SignedUrlError(f"cannot read the URL key of store {store}: {exc}") from exc
 
 
-def _signature(key: bytes, signed_name: str, permission: str, expiry: int) -> str:
-    message = f"{signed_name}\n{permission}\n{expiry}".encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
+def _scope_path(store: Path, scope: str) -> Path:
+    # Hashed: a flat folder of fixed-length names, whatever the scope's depth or length.
+    return store / SCOPES / hashlib.sha256(scope.encode()).hexdigest()
 
 
-def sign_file_url(store: Path, key: bytes, signed_name: str, permission: str, expiry: int) -> str:
+def scope_key(store: Path, scope: str, *, create: bool = False) -> bytes:
+    """The write key of ``scope`` (``CONTAINER/FOLDER/``), made if asked and absent.
+
+    Raises:
+        SignedUrlError: The scope was revoked, or has no key and ``create`` is False.
+    """
+    path = _scope_path(store, scope)
+    try:
+        if create and not path.exists():
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            _create(path)
+        key = path.read_bytes()
+    except FileNotFoundError:
+        raise SignedUrlError(
+            f"the writes of {scope} are closed (its version committed or was collected)"
+        ) from None
+    except OSError as exc:
+        raise SignedUrlError(f"cannot read the key of {scope}: {exc}") from exc
+    if not key:
+        raise SignedUrlError(
+            f"the writes of {scope} are closed (its version committed or was collected)"
+        )
+    return key
+
+
+def revoke_scope(store: Path, scope: str) -> None:
+    """Ends every write URL of ``scope`` and any later signing for it: its key becomes an
+    empty tombstone, in one rename, so a verifier reads either the key or the tombstone.
+
+    Raises:
+        OSError: The storage directory cannot be written.
+    """
+    path = _scope_path(store, scope)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def forget_scope(store: Path, scope: str) -> None:
+    """Removes ``scope``'s key or tombstone, once the scope's objects are gone.
+
+    Raises:
+        OSError: The storage directory cannot be written.
+    """
+    _scope_path(store, scope).unlink(missing_ok=True)
+
+
+def _signature(key: bytes, signed_name: str, permission: str, expiry: int, scope: str) -> str:
+    message = f"{signed_name}\n{permission}\n{expiry}"
+    if scope:  # unscoped URLs keep the message they always had
+        message += f"\n{scope}"
+    return hmac.new(key, message.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_file_url(
+    store: Path, key: bytes, signed_name: str, permission: str, expiry: int, scope: str = ""
+) -> str:
     """Builds a URL for ``store/blobs/signed_name``.
 
     Args:
         store: The storage directory (absolute).
-        key: The store's signing key.
+        key: The store's signing key, or for a scoped URL the scope's
+            (:func:`scope_key`).
         signed_name: ``CONTAINER/NAME`` of the object.
         permission: ``r`` or ``w``.
         expiry: Unix time after which the URL is refused.
+        scope: ``CONTAINER/FOLDER/``, a folder holding the object, whose revocation
+            ends the URL; empty for none.
     """
     path = quote(str(store / "blobs" / signed_name))
-    query = urlencode(
-        {
-            "sn": signed_name,
-            "sp": permission,
-            "se": str(expiry),
-            "sig": _signature(key, signed_name, permission, expiry),
-        }
-    )
-    return f"file://{path}?{query}"
+    fields = {"sn": signed_name, "sp": permission, "se": str(expiry)}
+    if scope:
+        fields["sk"] = scope
+    fields["sig"] = _signature(key, signed_name, permission, expiry, scope)
+    return f"file://{path}?{urlencode(fields)}"
 
 
-def verify_file_url(url: str, permission: str) -> tuple[Path, Path]:
+def verify_file_url(url: str, permission: str, *, now: float | None = None) -> tuple[Path, Path]:
     """Checks a signed URL for ``permission``.
+
+    Args:
+        url: The URL.
+        permission: ``r`` or ``w``.
+        now: The time its expiry is judged at (default: now). A write checks its URL
+            again just before the object appears, judged at the time the write began:
+            a write, like one request to Azure, is allowed to finish, but not into a
+            scope revoked meanwhile.
 
     Returns:
         The storage directory and the object's path in it.
 
     Raises:
-        SignedUrlError: Malformed, expired, tampered, or not granting ``permission``.
+        SignedUrlError: Malformed, expired, tampered, revoked, or not granting
+            ``permission``.
     """
     parts = urlsplit(url)
     if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
@@ -105,16 +196,20 @@ def verify_file_url(url: str, permission: str) -> tuple[Path, Path]:
         expiry = int(query["se"])
     except (KeyError, ValueError) as exc:
         raise SignedUrlError("URL lacks its signature fields (sn, sp, se, sig)") from exc
+    scope = query.get("sk", "")
     path = Path(unquote(parts.path))
     suffix = f"/blobs/{signed_name}"
     if not str(path).endswith(suffix) or ".." in signed_name.split("/"):
         raise SignedUrlError("URL path does not match the object it was signed for")
+    if scope and not (scope.endswith("/") and signed_name.startswith(scope)):
+        raise SignedUrlError("URL names an object outside its scope")
     store = Path(str(path)[: -len(suffix)] or "/")
-    if not hmac.compare_digest(sig, _signature(load_key(store), signed_name, granted, expiry)):
+    key = scope_key(store, scope) if scope else load_key(store)
+    if not hmac.compare_digest(sig, _signature(key, signed_name, granted, expiry, scope)):
         raise SignedUrlError("URL signature does not match: it was altered")
     if granted != permission:
         raise SignedUrlError(f"URL grants {granted!r} access, not {permission!r}")
-    if time.time() > expiry:
+    if (time.time() if now is None else now) > expiry:
         raise SignedUrlError("URL has expired")
     return store, path
 
@@ -133,6 +228,7 @@ def write_atomically(
     *,
     if_absent: bool,
     on_write: Callable[[int], None] | None = None,
+    check: Callable[[], object] | None = None,
 ) -> bool:
     """Writes an object of the local store so that no reader ever sees half of it.
 
@@ -149,6 +245,8 @@ def write_atomically(
             buffer per chunk costs a page fault per 4 KiB).
         if_absent: Create only.
         on_write: Called with the bytes written after each chunk (progress).
+        check: Called once the bytes are on disk, before the object appears; what it
+            raises aborts the write (a signed URL's scope revoked meanwhile).
 
     Returns:
         False if ``if_absent`` and the object exists; True once written.
@@ -186,6 +284,8 @@ def write_atomically(
             if recycled:
                 f.truncate()  # at the position: a longer old file's tail goes
             os.fsync(f.fileno())
+        if check is not None:
+            check()
         path.parent.mkdir(parents=True, exist_ok=True)
         if if_absent:
             try:

@@ -2,6 +2,12 @@
 
 ``https://`` URLs are Azure SAS URLs, used through azure-storage-blob so large objects
 go up in parallel blocks; ``file://`` URLs are the local backend's signed paths.
+
+Write URLs live minutes (the coordinator's write-URL lifetime), less than a large
+upload may take: :func:`upload_parts` takes a :class:`UrlSource`, asked before every
+request (it renews ahead of expiry) and once more after a refusal. Blocks already
+staged in Azure stay staged under the renewed URL; a local write is one request, whose
+URL is checked when it starts and, for revocation only, before the object appears.
 """
 
 from __future__ import annotations
@@ -10,9 +16,11 @@ import base64
 import contextlib
 import functools
 import os
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, cast
 
 import torch
 
@@ -24,10 +32,28 @@ from ._bytes import as_memoryview, map_private
 from ._progress import Progress
 from .errors import TransferDenied, TransferError, TransferNotFound
 
-__all__ = ["download", "read_object", "read_range", "upload", "upload_parts"]
+if TYPE_CHECKING:
+    from azure.storage.blob import BlobClient
+
+__all__ = ["UrlSource", "download", "read_object", "read_range", "upload", "upload_parts"]
 
 _PARALLEL = 8
 _CHUNK = 8 << 20
+T = TypeVar("T")
+
+
+class UrlSource(Protocol):
+    """Gives the write URL of one object, valid now: called before each request, and
+    with ``renew=True`` once after storage refused a URL it gave (expired, or closed)."""
+
+    def __call__(self, *, renew: bool = False) -> str: ...
+
+
+def _fixed(url: str) -> UrlSource:
+    def source(*, renew: bool = False) -> str:
+        return url  # nothing to renew from: a refusal stands
+
+    return source
 
 
 def _redacted(url: str) -> str:
@@ -38,6 +64,10 @@ def _azure_error(exc: Exception, url: str) -> TransferError:
     status = getattr(exc, "status_code", None)
     kind = {403: TransferDenied, 404: TransferNotFound}.get(status or 0, TransferError)
     detail = str(getattr(exc, "message", None) or exc).splitlines()[0]
+    code = getattr(exc, "error_code", None)
+    if str(getattr(code, "value", code)) == "LeaseIdMissing":
+        # The coordinator leases a version's objects when it commits or collects it.
+        kind, detail = TransferDenied, f"its version is closed to writes ({detail})"
     return kind(f"{_redacted(url)}: {detail}")
 
 
@@ -66,7 +96,8 @@ def upload(
     if url.startswith("file:"):
         try:
             store, path = verify_file_url(url, "w")
-            write_atomically(store, path, data, if_absent=False)
+            started = time.time()
+            write_atomically(store, path, data, if_absent=False, check=_still(url, started))
         except SourceError as exc:
             raise exc.__cause__ from None  # type: ignore[misc]
         except SignedUrlError as exc:
@@ -110,51 +141,138 @@ def download(url: str) -> bytes:
         raise _azure_error(exc, url) from exc
 
 
-def upload_parts(url: str, parts: Sequence[memoryview], progress: Progress | None = None) -> None:
+def _still(url: str, started: float) -> Callable[[], object]:
+    """The check a local write makes before its object appears: the URL as it was when
+    the write began, so only a revocation since (a commit, a collection) refuses it."""
+    return lambda: verify_file_url(url, "w", now=started)
+
+
+def upload_parts(
+    url: str | UrlSource, parts: Sequence[memoryview], progress: Progress | None = None
+) -> None:
     """Writes the concatenation of ``parts`` as one object through a signed write URL.
 
     Azure gets 8 MiB blocks staged in parallel straight from the buffers; the local
     store gets one sequential, fsynced write.
 
+    Args:
+        url: The URL, or a source that renews it (see :class:`UrlSource`).
+        parts: The object's bytes, in order.
+        progress: Counts the bytes written.
+
     Raises:
-        TransferDenied: The URL does not grant writing.
+        TransferDenied: The URL does not grant writing, even renewed.
         TransferError: Storage failed.
     """
-    if url.startswith("file:"):
+    source = _fixed(url) if isinstance(url, str) else url
+    first = source()
+    if first.startswith("file:"):
+        _write_local(source, first, parts, progress)
+    else:
+        _write_blocks(source, first, parts, progress)
+
+
+def _write_local(
+    source: UrlSource, url: str, parts: Sequence[memoryview], progress: Progress | None
+) -> None:
+    try:
         try:
             store, path = verify_file_url(url, "w")
-            on_write = progress.update if progress is not None else None
-            write_atomically(store, path, parts, if_absent=False, on_write=on_write)
-        except SignedUrlError as exc:
-            raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
-        except OSError as exc:
-            raise TransferError(f"{_redacted(url)}: {exc}") from exc
-        return
-    from azure.core.exceptions import AzureError
-    from azure.storage.blob import BlobBlock, BlobClient
+        except SignedUrlError:
+            url = source(renew=True)
+            store, path = verify_file_url(url, "w")
+        on_write = progress.update if progress is not None else None
+        check = _still(url, time.time())
+        write_atomically(store, path, parts, if_absent=False, on_write=on_write, check=check)
+    except SignedUrlError as exc:
+        raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
+    except OSError as exc:
+        raise TransferError(f"{_redacted(url)}: {exc}") from exc
+
+
+class _Clients:
+    """A client for the URL the source gives now: a renewed URL gets a client of its
+    own, and takes over for the requests still to come."""
+
+    def __init__(self, source: UrlSource, url: str) -> None:
+        self._source = source
+        self._lock = threading.Lock()
+        self._opened: list[BlobClient] = []
+        self._url = ""
+        self._open(url)
+
+    def _open(self, url: str) -> None:
+        from azure.storage.blob import BlobClient
+
+        self._url = url
+        self._opened.append(BlobClient.from_blob_url(url))
+
+    def current(self) -> tuple[int, BlobClient]:
+        """The client to use, and its number (for :meth:`renew`)."""
+        with self._lock:
+            url = self._source()
+            if url != self._url:
+                self._open(url)
+            return len(self._opened), self._opened[-1]
+
+    def renew(self, refused: int) -> None:
+        """Asks for a new URL after client ``refused``'s was refused, unless another
+        request did since (parallel blocks are refused together)."""
+        with self._lock:
+            if refused == len(self._opened):
+                self._open(self._source(renew=True))
+
+    def call(self, action: Callable[[BlobClient], T]) -> T:
+        """Runs ``action`` with the current client; once more, renewed, if refused."""
+        from azure.core.exceptions import AzureError
+
+        number, client = self.current()
+        try:
+            return action(client)
+        except AzureError as exc:
+            error = _azure_error(exc, self._url)
+            if not isinstance(error, TransferDenied):
+                raise error from exc
+        self.renew(number)
+        _, client = self.current()
+        try:
+            return action(client)
+        except AzureError as exc:
+            raise _azure_error(exc, self._url) from exc
+
+    def close(self) -> None:
+        for client in self._opened:
+            client.close()
+
+
+def _write_blocks(
+    source: UrlSource, url: str, parts: Sequence[memoryview], progress: Progress | None
+) -> None:
+    from azure.storage.blob import BlobBlock
 
     blocks = _blocks(parts)
+    clients = _Clients(source, url)
     try:
-        with BlobClient.from_blob_url(url) as blob:
-            if len(blocks) <= 1:
-                data = blocks[0]() if blocks else b""
-                blob.upload_blob(data, overwrite=True)
-                if progress is not None:
-                    progress.update(len(data))
-                return
-            ids = [base64.b64encode(f"{i:08d}".encode()).decode() for i in range(len(blocks))]
+        if len(blocks) <= 1:
+            data = blocks[0]() if blocks else b""
+            clients.call(lambda blob: blob.upload_blob(data, overwrite=True))
+            if progress is not None:
+                progress.update(len(data))
+            return
+        ids = [base64.b64encode(f"{i:08d}".encode()).decode() for i in range(len(blocks))]
 
-            def stage(i: int) -> None:
-                data = blocks[i]()
-                blob.stage_block(ids[i], data, length=len(data))
-                if progress is not None:
-                    progress.update(len(data))
+        def stage(i: int) -> None:
+            data = blocks[i]()
+            # Blocks are the blob's, not the URL's: those staged before a renewal stay.
+            clients.call(lambda blob: blob.stage_block(ids[i], data, length=len(data)))
+            if progress is not None:
+                progress.update(len(data))
 
-            with ThreadPoolExecutor(_PARALLEL) as pool:
-                list(pool.map(stage, range(len(blocks))))
-            blob.commit_block_list([BlobBlock(block_id=i) for i in ids])
-    except AzureError as exc:
-        raise _azure_error(exc, url) from exc
+        with ThreadPoolExecutor(_PARALLEL) as pool:
+            list(pool.map(stage, range(len(blocks))))
+        clients.call(lambda blob: blob.commit_block_list([BlobBlock(block_id=i) for i in ids]))
+    finally:
+        clients.close()
 
 
 def _blocks(parts: Sequence[memoryview]) -> list[Callable[[], bytes]]:

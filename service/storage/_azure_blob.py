@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
 from azure.core.exceptions import AzureError, HttpResponseError
 from azure.storage.blob import (
+    BlobLeaseClient,
     BlobProperties,
     BlobSasPermissions,
     BlobServiceClient,
@@ -18,7 +21,8 @@ from azure.storage.blob import (
     generate_blob_sas,
 )
 
-from ._azure_errors import translate
+from ..errors import NotFound
+from ._azure_errors import lease_held, translate
 from ._blob import Access, BlobInfo, BlobStore, Data
 
 __all__ = ["PARALLEL_TRANSFERS", "AzureBlobStore"]
@@ -52,6 +56,20 @@ def _length_of(data: Data, length: int | None) -> int | None:
     return None
 
 
+def _in_memory(data: Data) -> bool:
+    return isinstance(data, (bytes, bytearray, memoryview))
+
+
+def _position(data: Data) -> int | None:
+    """Where a seekable file object stands, to send it again; None otherwise."""
+    if _in_memory(data):
+        return None
+    with contextlib.suppress(AttributeError, OSError, io.UnsupportedOperation):
+        if data.seekable():  # type: ignore[union-attr]
+            return int(data.tell())  # type: ignore[union-attr]
+    return None
+
+
 class AzureBlobStore(BlobStore):
     """See base class.
 
@@ -78,18 +96,32 @@ class AzureBlobStore(BlobStore):
         self._lock = threading.Lock()
 
     def _put(self, name: str, data: Data, if_absent: bool, length: int | None) -> BlobInfo:
+        at = _position(data)
         length = _length_of(data, length)
         try:
-            meta = self._container.get_blob_client(name).upload_blob(
-                cast(Any, data),
-                length=length,
-                overwrite=not if_absent,
-                max_concurrency=PARALLEL_TRANSFERS,
-            )
-            if length is None:
-                return self._info(name)
+            try:
+                return self._upload(name, data, if_absent, length)
+            except AzureError as exc:
+                # A revoked scope's object (see _revoke): the store itself may still
+                # write it, if the data can be sent again.
+                if not lease_held(exc) or (at is None and not _in_memory(data)):
+                    raise
+            self._break_lease(name)
+            if at is not None:
+                data.seek(at)  # type: ignore[union-attr]
+            return self._upload(name, data, if_absent, length)
         except AzureError as exc:
             raise translate(exc, f"put blob {name!r}") from exc
+
+    def _upload(self, name: str, data: Data, if_absent: bool, length: int | None) -> BlobInfo:
+        meta = self._container.get_blob_client(name).upload_blob(
+            cast(Any, data),
+            length=length,
+            overwrite=not if_absent,
+            max_concurrency=PARALLEL_TRANSFERS,
+        )
+        if length is None:
+            return self._info(name)
         return BlobInfo(name, length, meta["etag"], meta["last_modified"].timestamp())
 
     def _get(self, name: str, offset: int, length: int | None) -> bytes:
@@ -144,9 +176,42 @@ class AzureBlobStore(BlobStore):
 
     def _delete(self, name: str) -> None:
         try:
+            try:
+                self._container.delete_blob(name)
+                return
+            except AzureError as exc:
+                if not lease_held(exc):
+                    raise
+            self._break_lease(name)  # a revoked scope's object: its lease goes with it
             self._container.delete_blob(name)
         except AzureError as exc:
             raise translate(exc, f"delete blob {name!r}") from exc
+
+    def _break_lease(self, name: str) -> None:
+        """Raises the SDK's error: the callers translate it."""
+        BlobLeaseClient(self._container.get_blob_client(name)).break_lease(lease_break_period=0)
+
+    def _revoke(self, scope: str) -> None:
+        # A SAS cannot be revoked one by one (a stored access policy revokes every URL
+        # that names it, and a container holds 5; a user delegation key, every URL it
+        # signed). A blob with a lease refuses every write that does not name the lease,
+        # trainers' uploads included (412 LeaseIdMissing), so the scope's objects get
+        # an infinite one that nobody keeps.
+        def lease(name: str) -> None:
+            try:
+                self._container.get_blob_client(name).acquire_lease(lease_duration=-1)
+            except AzureError as exc:
+                if lease_held(exc):
+                    return  # revoked before
+                found = translate(exc, f"lease blob {name!r}")
+                if not isinstance(found, NotFound):  # deleted meanwhile: nothing to hold
+                    raise found from exc
+
+        names = [info.name for info in self._list(scope)]
+        if not names:
+            return
+        with ThreadPoolExecutor(min(PARALLEL_TRANSFERS, len(names))) as pool:
+            list(pool.map(lease, names))
 
     def _user_delegation_key(self, expiry: datetime) -> UserDelegationKey:
         with self._lock:
@@ -162,7 +227,8 @@ class AzureBlobStore(BlobStore):
                     raise translate(exc, "user delegation key for SAS") from exc
             return self._delegation
 
-    def _sign(self, name: str, access: Access, expiry: int) -> str:
+    def _sign(self, name: str, access: Access, expiry: int, scope: str | None = None) -> str:
+        # ``scope`` needs nothing in the SAS: _revoke acts on the objects themselves.
         expires = datetime.fromtimestamp(expiry, timezone.utc)
         permission = (
             BlobSasPermissions(create=True, write=True)

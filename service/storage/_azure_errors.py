@@ -22,7 +22,7 @@ from ..errors import (
     StorageUnavailable,
 )
 
-__all__ = ["translate"]
+__all__ = ["lease_held", "translate"]
 
 # Azure error codes, per https://learn.microsoft.com/rest/api/storageservices/
 _BY_CODE: dict[str, type[StorageError]] = {
@@ -43,6 +43,19 @@ _BY_CODE: dict[str, type[StorageError]] = {
 }
 
 
+def _code(exc: AzureError) -> str | None:
+    code = getattr(exc, "error_code", None)
+    code = getattr(code, "value", code)
+    return None if code is None else str(code)
+
+
+def lease_held(exc: AzureError) -> bool:
+    """Whether a write or delete failed because the blob has a lease it did not name
+    (what :meth:`BlobStore.revoke` puts on a scope's objects), or a lease was asked
+    for where one is held already."""
+    return _code(exc) in ("LeaseIdMissing", "LeaseAlreadyPresent")
+
+
 def translate(exc: AzureError, what: str, *, op_index: int | None = None) -> StorageError:
     """Maps an Azure SDK exception to a storage error; the caller raises it ``from exc``.
 
@@ -51,9 +64,8 @@ def translate(exc: AzureError, what: str, *, op_index: int | None = None) -> Sto
         what: The object concerned, for the message.
         op_index: For a failed transaction, the operation that failed.
     """
-    code = getattr(exc, "error_code", None)
-    code = getattr(code, "value", code)
-    kind: type[StorageError] | None = _BY_CODE.get(str(code)) if code else None
+    code = _code(exc)
+    kind: type[StorageError] | None = _BY_CODE.get(code) if code else None
     if kind is None:
         if isinstance(exc, ResourceModifiedError):
             kind = Modified

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import abc
+import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import BinaryIO, Literal
 
-from ..errors import BadRequest
+from ..errors import BadRequest, InvalidName
 from ._names import check_blob_name, check_blob_prefix
 
 __all__ = ["Access", "BlobInfo", "BlobStore", "Data"]
@@ -105,18 +106,37 @@ class BlobStore(abc.ABC):
         """
         self._delete(check_blob_name(name))
 
-    def sign(self, name: str, *, access: Access, ttl: timedelta) -> str:
+    def sign(self, name: str, *, access: Access, ttl: timedelta, scope: str | None = None) -> str:
         """A URL through which a trainer reads or writes exactly this one object.
 
         ``https://`` URLs with a SAS for Azure, signed ``file://`` URLs for local storage.
         A URL grants only the access asked for, only to this name, only for ``ttl``
         (at most 7 days).
+
+        Args:
+            name: The object.
+            access: ``read`` or ``write``.
+            ttl: How long the URL is valid.
+            scope: For a write URL, a folder (ending in ``/``) holding the object:
+                :meth:`revoke` of it ends the URL before its expiry, as far as the
+                backend can (see :meth:`revoke`).
+
+        Raises:
+            InvalidName: The name is invalid, or not inside ``scope``.
+            AccessDenied: ``scope`` was revoked (a backend that can tell).
         """
         if access not in ("read", "write"):
             raise BadRequest(f"access must be 'read' or 'write', not {access!r}")
         if not timedelta(0) < ttl <= MAX_URL_TTL:
             raise BadRequest(f"a signed URL lives more than 0 s and at most {MAX_URL_TTL}")
-        return self._sign(check_blob_name(name), access, int(time.time() + ttl.total_seconds()))
+        name = check_blob_name(name)
+        if scope is not None:
+            if access != "write":
+                raise BadRequest("only write URLs have a scope: a revocation ends writes")
+            if not name.startswith(check_blob_prefix(scope, folder=True)):
+                raise InvalidName(f"blob {name!r} is not inside scope {scope!r}")
+        # Rounded up: a URL of 1 s must not be born expired.
+        return self._sign(name, access, math.ceil(time.time() + ttl.total_seconds()), scope)
 
     def grant(
         self,
@@ -125,6 +145,7 @@ class BlobStore(abc.ABC):
         *,
         access: Access,
         ttl: timedelta,
+        scope: str | None = None,
     ) -> dict[str, str]:
         """Signed URLs for objects under one folder, keyed by their names below it.
 
@@ -137,10 +158,12 @@ class BlobStore(abc.ABC):
                 under it; a ``write`` grant must name its objects.
             access: ``read`` or ``write``.
             ttl: How long the URLs are valid (at most 7 days).
+            scope: For a write grant, a folder holding ``prefix`` (see :meth:`sign`).
 
         Raises:
             InvalidName: A name is invalid or the prefix is not a folder.
             BadRequest: A ``write`` grant without names.
+            AccessDenied: ``scope`` was revoked (a backend that can tell).
         """
         check_blob_prefix(prefix, folder=True)
         if names is None:
@@ -148,9 +171,36 @@ class BlobStore(abc.ABC):
                 raise BadRequest("a write grant must name the objects it may write")
             names = [info.name[len(prefix) :] for info in self.list(prefix)]
         return {
-            relative: self.sign(prefix + check_blob_name(relative), access=access, ttl=ttl)
+            relative: self.sign(
+                prefix + check_blob_name(relative), access=access, ttl=ttl, scope=scope
+            )
             for relative in names
         }
+
+    def revoke(self, scope: str) -> None:
+        """Ends the write URLs signed for ``scope`` before their expiry, as far as the
+        backend can; the store's own :meth:`put` and :meth:`delete` still work.
+
+        Local storage: at once, for every URL of the scope, and the scope signs no more
+        (:class:`AccessDenied`). Azure: the objects now under the scope get an infinite
+        lease, which refuses writes that do not name it (every trainer's upload); a
+        SAS can still create objects the scope does not hold yet, and one with write
+        permission could break the lease: short expiry is what bounds those.
+
+        Raises:
+            InvalidName: ``scope`` is not a folder.
+            StorageUnavailable: The store cannot be reached.
+        """
+        self._revoke(check_blob_prefix(scope, folder=True))
+
+    def forget(self, scope: str) -> None:
+        """Drops what :meth:`revoke` keeps of ``scope``, once its objects are deleted.
+
+        Raises:
+            InvalidName: ``scope`` is not a folder.
+            StorageUnavailable: The store cannot be reached.
+        """
+        self._forget(check_blob_prefix(scope, folder=True))
 
     @abc.abstractmethod
     def ping(self) -> None:
@@ -183,4 +233,10 @@ class BlobStore(abc.ABC):
     def _delete(self, name: str) -> None: ...
 
     @abc.abstractmethod
-    def _sign(self, name: str, access: Access, expiry: int) -> str: ...
+    def _sign(self, name: str, access: Access, expiry: int, scope: str | None = None) -> str: ...
+
+    @abc.abstractmethod
+    def _revoke(self, scope: str) -> None: ...
+
+    def _forget(self, scope: str) -> None:  # noqa: B027 - only a backend that keeps state
+        pass

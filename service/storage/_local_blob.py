@@ -13,10 +13,19 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from rallypoint.client._fileurl import SourceError, load_key, sign_file_url, write_atomically
+from rallypoint.client._fileurl import (
+    SourceError,
+    forget_scope,
+    load_key,
+    revoke_scope,
+    scope_key,
+    sign_file_url,
+    write_atomically,
+)
 from rallypoint.client._recycle import retire
+from rallypoint.client.errors import SignedUrlError
 
-from ..errors import AlreadyExists, BadRequest, NotFound, StorageUnavailable
+from ..errors import AccessDenied, AlreadyExists, BadRequest, NotFound, StorageUnavailable
 from ._blob import Access, BlobInfo, BlobStore, Data
 
 __all__ = ["LocalBlobStore"]
@@ -145,9 +154,33 @@ class LocalBlobStore(BlobStore):
                 break
             parent = parent.parent
 
-    def _sign(self, name: str, access: Access, expiry: int) -> str:
+    def _sign(self, name: str, access: Access, expiry: int, scope: str | None = None) -> str:
         permission = "w" if access == "write" else "r"
-        return sign_file_url(self._store, self._key, f"{self.name}/{name}", permission, expiry)
+        signed_name = f"{self.name}/{name}"
+        if scope is None:
+            return sign_file_url(self._store, self._key, signed_name, permission, expiry)
+        # A scoped URL is signed with the scope's own key: revoking the scope ends it
+        # wherever the URL is (see rallypoint.client._fileurl).
+        signed_scope = f"{self.name}/{scope}"
+        try:
+            key = scope_key(self._store, signed_scope, create=True)
+        except SignedUrlError as exc:
+            raise AccessDenied(exc.message) from exc
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot make the key of {scope!r}: {exc}") from exc
+        return sign_file_url(self._store, key, signed_name, permission, expiry, signed_scope)
+
+    def _revoke(self, scope: str) -> None:
+        try:
+            revoke_scope(self._store, f"{self.name}/{scope}")
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot revoke {scope!r}: {exc}") from exc
+
+    def _forget(self, scope: str) -> None:
+        try:
+            forget_scope(self._store, f"{self.name}/{scope}")
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot forget {scope!r}: {exc}") from exc
 
     def ping(self) -> None:
         if not self._root.is_dir():

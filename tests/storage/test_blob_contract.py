@@ -16,6 +16,7 @@ import pytest
 from rallypoint.service.errors import AlreadyExists, BadRequest, InvalidName, NotFound
 from rallypoint.service.storage import BlobStore, Storage
 from rallypoint.trainer import TransferDenied, TransferNotFound, download, upload
+from rallypoint.trainer._transfer import upload_parts
 
 MiB = 1 << 20
 MINUTE = timedelta(minutes=1)
@@ -260,6 +261,82 @@ def test_expired_and_overlong_urls(blobs: BlobStore) -> None:
             blobs.sign("e/x", access="read", ttl=ttl)
     with pytest.raises(BadRequest):
         blobs.sign("e/x", access="delete", ttl=MINUTE)  # type: ignore[arg-type]
+
+
+def test_an_expired_write_url_is_refused(blobs: BlobStore) -> None:
+    blobs.put("e/x", b"old")
+    for scope in (None, "e/"):
+        expired = blobs._sign("e/x", "write", 1_000_000_000, scope)  # 2001: long expired
+        with pytest.raises(TransferDenied):
+            upload(expired, b"new")
+        with pytest.raises(TransferDenied):
+            upload_parts(expired, [memoryview(b"new")])
+    assert blobs.get("e/x") == b"old"
+
+
+def test_a_revoked_scope_refuses_its_write_urls(blobs: BlobStore) -> None:
+    grant = blobs.grant("j/v1/rank-0/", ["a", "b"], access="write", ttl=MINUTE, scope="j/v1/")
+    other = blobs.grant("j/v2/rank-0/", ["a"], access="write", ttl=MINUTE, scope="j/v2/")
+    upload(grant["a"], b"a1")
+    upload_parts(grant["b"], [memoryview(b"b"), memoryview(b"1")])
+    blobs.revoke("j/v1/")
+    blobs.revoke("j/v1/")  # again: nothing changes
+    for name, url in grant.items():
+        with pytest.raises(TransferDenied):
+            upload(url, b"zombie")
+        with pytest.raises(TransferDenied):
+            upload_parts(url, [memoryview(b"zombie")])
+        assert blobs.get(f"j/v1/rank-0/{name}") == f"{name}1".encode()
+    read = blobs.grant("j/v1/", access="read", ttl=MINUTE)
+    assert download(read["rank-0/a"]) == b"a1"  # reads are not revoked
+    upload(other["a"], b"v2")  # another scope is untouched
+    assert blobs.get("j/v2/rank-0/a") == b"v2"
+    # The store itself still writes and deletes what the URLs may not.
+    blobs.put("j/v1/rank-0/a", b"a2")
+    assert blobs.get("j/v1/rank-0/a") == b"a2"
+    for name in ("a", "b"):
+        blobs.delete(f"j/v1/rank-0/{name}")
+    blobs.forget("j/v1/")
+    assert [b.name for b in blobs.list()] == ["j/v2/rank-0/a"]
+
+
+def test_an_upload_renews_a_refused_url_once_and_keeps_its_blocks(blobs: BlobStore) -> None:
+    data = os.urandom(20 * MiB)  # three blocks on Azure, staged in parallel
+    parts = [memoryview(data)[: 7 * MiB], memoryview(data)[7 * MiB :]]
+    expired = blobs._sign("r/x", "write", 1_000_000_000, "r/")
+    fresh = blobs.sign("r/x", access="write", ttl=MINUTE, scope="r/")
+    renewals = []
+
+    def source(*, renew: bool = False) -> str:
+        if renew:
+            renewals.append(fresh)
+        return fresh if renewals else expired
+
+    upload_parts(source, parts)
+    assert len(renewals) == 1  # blocks refused together renew once
+    assert blobs.get("r/x") == data
+    # A URL renewed ahead of its expiry takes over mid-object: the blocks staged
+    # through the first one stay the object's.
+    urls = [blobs.sign("r/y", access="write", ttl=MINUTE, scope="r/") for _ in range(2)]
+    calls = []
+
+    def renewing(*, renew: bool = False) -> str:
+        calls.append(renew)
+        return urls[0] if len(calls) <= 2 else urls[1]
+
+    upload_parts(renewing, parts)
+    assert blobs.get("r/y") == data and not any(calls)
+
+
+def test_scopes_are_folders_that_hold_the_object(blobs: BlobStore) -> None:
+    with pytest.raises(InvalidName):
+        blobs.sign("j/v1/a", access="write", ttl=MINUTE, scope="j/v2/")
+    with pytest.raises(InvalidName):
+        blobs.sign("j/v1/a", access="write", ttl=MINUTE, scope="j/v1")
+    with pytest.raises(BadRequest):
+        blobs.sign("j/v1/a", access="read", ttl=MINUTE, scope="j/v1/")
+    with pytest.raises(InvalidName):
+        blobs.revoke("j/v1")
 
 
 def test_bad_data_is_refused(blobs: BlobStore) -> None:

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from rallypoint.client._fileurl import SCOPES
+from rallypoint.service.errors import AccessDenied
 from rallypoint.service.storage import Entity, LocalStorage
+from rallypoint.trainer import TransferDenied, upload
 
 MiB = 1 << 20
+MINUTE = timedelta(minutes=1)
 
 
 def _run(code: str, *args: str) -> subprocess.Popen[bytes]:
@@ -95,3 +104,36 @@ def test_the_store_survives_reopening(tmp_path: Path) -> None:
     from rallypoint.trainer import download
 
     assert download(url) == b"kept"
+
+
+def test_a_revoked_scope_refuses_new_objects_signing_and_writes_in_flight(
+    tmp_path: Path,
+) -> None:
+    blobs = LocalStorage(tmp_path, "rp").blobs("ckpt")
+    grant = blobs.grant("j/v1/rank-0/", ["a", "b"], access="write", ttl=MINUTE, scope="j/v1/")
+
+    class RevokedMidWrite(io.RawIOBase):
+        """The coordinator revokes the scope while this write is under way."""
+
+        sent = False
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            if self.sent:
+                blobs.revoke("j/v1/")
+                return 0
+            self.sent = True
+            buffer[:4] = b"data"
+            return 4
+
+    with pytest.raises(TransferDenied, match="closed"):
+        upload(grant["a"], RevokedMidWrite())
+    assert list(blobs.list()) == []  # the write never appeared
+    with pytest.raises(TransferDenied, match="closed"):
+        upload(grant["b"], b"a new object")  # Azure cannot refuse this one before expiry
+    with pytest.raises(AccessDenied):
+        blobs.grant("j/v1/rank-0/", ["a"], access="write", ttl=MINUTE, scope="j/v1/")
+    blobs.forget("j/v1/")  # its objects are gone: the tombstone goes too
+    assert not any((tmp_path / SCOPES).iterdir())
