@@ -577,7 +577,8 @@ class Checkpoints:
         return self._info(job, version, reports)
 
     def _commit(self, version: Version, reports: dict[int, Report]) -> Version:
-        version = replace(version, durable=all(r.holding.storage for r in reports.values()))
+        durable = all(r.holding.storage for r in reports.values())
+        version = replace(version, durable=durable)
         manifest = Manifest(
             job_id=version.job_id,
             version=version.version,
@@ -621,6 +622,8 @@ class Checkpoints:
                     raise CheckpointConflict(
                         f"version {version.version} was collected before it committed"
                     ) from None
+                # The row read back is the pending one: it does not know the tier yet.
+                version = replace(version, durable=durable)
                 continue  # the job entity changed: judge the pointer again
             entity = stored[0]
             committed = replace(committed, etag=entity.etag if entity and entity.etag else "")
