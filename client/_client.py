@@ -36,6 +36,7 @@ from ._models import (
     LeaveRequest,
     NodeInfo,
     PeerKey,
+    QuarantineRequest,
     ReportShard,
     RestoreReport,
     ShardFile,
@@ -609,6 +610,37 @@ class ElasticClient:
         """Every version of the job, committed or being written, oldest first."""
         reply = self._request("GET", f"{self._job}/checkpoints")
         return [CheckpointInfo.model_validate(v) for v in reply.json()]
+
+    def quarantine(
+        self, version: int, reason: str = "", *, restart: bool = False
+    ) -> CheckpointInfo:
+        """Marks a committed version bad (the admin token): no generation resumes from
+        it, and a pointer at it moves back to the newest good version. Idempotent.
+
+        Args:
+            version: The version.
+            reason: Why, shown beside it.
+            restart: End the running generation, so that every member reloads now
+                (else the next generation is the first to skip it).
+
+        Raises:
+            UnknownCheckpoint: No such version.
+            CheckpointConflict: It is not committed.
+        """
+        body = QuarantineRequest(reason=reason, restart=restart)
+        reply = self._request("PUT", f"{self._job}/checkpoints/{version}/quarantine", body)
+        return CheckpointInfo.model_validate_json(reply.content)
+
+    def unquarantine(self, version: int) -> CheckpointInfo:
+        """Clears a version's quarantine (the admin token); it may be named again, and
+        is the latest again if its generation is the job's latest and nothing newer
+        committed since. Idempotent.
+
+        Raises:
+            UnknownCheckpoint: No such version.
+        """
+        reply = self._request("DELETE", f"{self._job}/checkpoints/{version}/quarantine")
+        return CheckpointInfo.model_validate_json(reply.content)
 
     def close(self) -> None:
         self._http.close()

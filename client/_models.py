@@ -45,6 +45,7 @@ __all__ = [
     "NodeInfo",
     "PeerGrant",
     "PeerKey",
+    "QuarantineRequest",
     "ReportShard",
     "RestoreReport",
     "RestoreSource",
@@ -280,6 +281,11 @@ class CheckpointInfo(_Model):
     #: Whether every rank's files are in blob storage (``"durable"``), else
     #: ``"memory"``: some ranks' files are only in nodes' memory tiers.
     durability: Literal["pending", "memory", "durable"] = "durable"
+    #: Whether an operator quarantined it: no generation resumes from it and it is
+    #: never the latest until unquarantined; when, and why.
+    quarantined: bool = False
+    quarantined_at: float | None = None
+    quarantine_reason: str | None = None
     urls: dict[str, str] = Field(default_factory=dict)
     #: Global rank (as a string) to the live nodes whose memory holds its files; with
     #: ``urls``, for a committed version.
@@ -288,6 +294,16 @@ class CheckpointInfo(_Model):
     peers: dict[str, PeerGrant] = Field(default_factory=dict)
     #: The global ranks whose files are in blob storage; with ``urls``.
     in_storage: list[int] = Field(default_factory=list)
+
+
+class QuarantineRequest(_Model):
+    """``PUT …/checkpoints/{v}/quarantine``: mark a committed version bad."""
+
+    #: Why, shown beside the version.
+    reason: str = Field("", max_length=500)
+    #: End the running generation now, so every member regroups and loads the version
+    #: the pointer moved back to (else the next generation does).
+    restart: bool = False
 
 
 #: Where a restore read bytes from: this node's memory tier, another node's (a peer

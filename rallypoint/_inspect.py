@@ -1,5 +1,6 @@
 """``rallypoint jobs``, ``rallypoint status`` and ``rallypoint checkpoints``: a job's
-membership and checkpoints from a running coordinator, as tables or JSON.
+membership and checkpoints from a running coordinator, as tables or JSON; and
+``rallypoint checkpoints quarantine|unquarantine JOB VERSION`` for the operator.
 
 They need only the client (httpx and pydantic), so they run from any laptop.
 """
@@ -138,13 +139,15 @@ def print_status(status: JobStatus, out: TextIO) -> None:
 
 def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
     """One row per version; POINTER marks the job's ``latest`` and its newest
-    ``durable`` version (what it falls back to if the memory copies of newer ones go)."""
+    ``durable`` version (what it falls back to if the memory copies of newer ones go);
+    STATE says QUARANTINED for a version an operator marked bad, and a line under the
+    table says when and why."""
     rows = [
         (
             v.version,
             v.step,
             v.generation,
-            v.state,
+            "QUARANTINED" if v.quarantined else v.state,
             v.durability,
             f"{v.reported}/{v.world_size}",
             ",".join(p for p, on in (("latest", v.latest), ("durable", v.latest_durable)) if on)
@@ -156,6 +159,10 @@ def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
     ]
     header = ["VERSION", "STEP", "GEN", "STATE", "DURABILITY", "RANKS", "POINTER"]
     _table([*header, "CREATED", "COMMITTED"], rows, out)
+    for v in versions:
+        if v.quarantined:
+            why = f": {v.quarantine_reason}" if v.quarantine_reason else ""
+            out.write(f"v{v.version} quarantined {_when(v.quarantined_at)} UTC{why}\n")
 
 
 def _show(args: argparse.Namespace, fetch: Callable[[], str]) -> int:
@@ -207,9 +214,47 @@ def _status(args: argparse.Namespace) -> int:
         return _show(args, lambda: _render(args, client.membership(), print_status))
 
 
-def _checkpoints(args: argparse.Namespace) -> int:
-    with _client(args, args.job) as client:
+_ACTIONS = ("quarantine", "unquarantine")
+
+
+def _checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    # ``checkpoints JOB`` lists; ``checkpoints quarantine|unquarantine JOB VERSION`` acts
+    # (a job may be named "quarantine": with one word it is a job).
+    words = args.words
+    if len(words) == 3 and words[0] in _ACTIONS:
+        action, job, version = words
+        if not version.isdigit() or int(version) < 1:
+            parser.error(f"VERSION must be a version number, not {version!r}")
+        if args.watch:
+            parser.error(f"--watch does not go with {action}")
+        return _quarantine(args, action, job, int(version))
+    if len(words) != 1:
+        parser.error("give JOB, or quarantine JOB VERSION, or unquarantine JOB VERSION")
+    if args.reason is not None or args.restart:
+        parser.error("--reason and --restart go with quarantine JOB VERSION")
+    with _client(args, words[0]) as client:
         return _show(args, lambda: _render(args, client.checkpoints(), print_checkpoints))
+
+
+def _quarantine(args: argparse.Namespace, action: str, job: str, version: int) -> int:
+    """Quarantines or unquarantines ``version`` and says where the latest pointer is."""
+    with _client(args, job) as client:
+        try:
+            if action == "quarantine":
+                info = client.quarantine(version, args.reason or "", restart=args.restart)
+            else:
+                info = client.unquarantine(version)
+            latest = client.membership().checkpoint
+        except RallypointError as exc:
+            print(f"rallypoint checkpoints {action}: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        sys.stdout.write(info.model_dump_json() + "\n")
+        return 0
+    state = "quarantined" if info.quarantined else "not quarantined"
+    ended = "; the running generation was ended" if args.restart else ""
+    print(f"v{info.version} (step {info.step}) is {state}{ended}; latest: {_pointer(latest)}")
+    return 0
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -247,7 +292,25 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     status.add_argument("job", help="the job id")
     status.set_defaults(run=_status)
     checkpoints = commands.add_parser(
-        "checkpoints", parents=[common], help="a job's checkpoint versions"
+        "checkpoints",
+        parents=[common],
+        help="a job's checkpoint versions; quarantine or unquarantine one",
+        usage="rallypoint checkpoints [options] JOB\n"
+        "       rallypoint checkpoints [options] quarantine JOB VERSION [--reason R] "
+        "[--restart]\n"
+        "       rallypoint checkpoints [options] unquarantine JOB VERSION",
+        description="Lists a job's versions. quarantine (the admin token) marks a "
+        "committed version bad: no generation resumes from it, and if it was the latest "
+        "the pointer moves back to the newest good version; unquarantine undoes it.",
     )
-    checkpoints.add_argument("job", help="the job id")
-    checkpoints.set_defaults(run=_checkpoints)
+    checkpoints.add_argument(
+        "words", nargs="+", metavar="JOB", help="the job id (after the action, if any)"
+    )
+    checkpoints.add_argument("--reason", help="quarantine: why, shown beside the version")
+    checkpoints.add_argument(
+        "--restart",
+        action="store_true",
+        help="quarantine: end the running generation, so every rank reloads now "
+        "(else the next generation is the first to skip the version)",
+    )
+    checkpoints.set_defaults(run=lambda args: _checkpoints(args, checkpoints))

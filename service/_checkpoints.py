@@ -4,7 +4,8 @@ Rows live in the job's partition of the ``jobs`` table, beside the job entity, s
 latest-pointer moves in one atomic batch with the version's commit:
 
 - ``ckseq``                      the next version number (CAS): numbers are never reused.
-- ``ckpt:VVVVVVVVVV``            one per version: generation, step, world size, state.
+- ``ckpt:VVVVVVVVVV``            one per version: generation, step, world size, state,
+                                 and when and why an operator quarantined it.
 - ``ckstep:GGGGGGGGGG:SSS...``   (generation, step) to version, so every rank that asks
                                  for the same step of a generation gets the same version.
 - ``ckrep:VVVVVVVVVV:RRRRR``     one per global rank: claimed by a node at ``begin`` (only
@@ -19,6 +20,10 @@ memory of two nodes (its own node's and the peer's the coordinator named; one no
 one-node job). A version commits when every rank's files are safe, and is durable when
 all are in blob storage. At a seal, :meth:`Checkpoints.resume` names the newest version
 every rank of which the new members' memory or blob storage still holds.
+
+Quarantine: an operator marks a committed version bad (:meth:`Checkpoints.quarantine`).
+It is never named again (not by a seal, not as the latest) until unquarantined; a
+pointer at it moves back, in the same batch, to the newest good version no newer by step.
 
 Ranks are global: every process of the job (torchrun's ``RANK``) saves its own files,
 and a version commits when all ``world_size`` processes reported. A node may run several.
@@ -78,6 +83,9 @@ CKSTEP = "ckstep:"
 CKREP = "ckrep:"
 PEERKEY = "peerkey"
 MANIFEST = "manifest.json"
+#: Tries of a read-judge-CAS loop on the job entity before giving up (commits and
+#: seals rewrite it, rarely more than a few times in a row).
+_CAS_TRIES = 100
 
 State = Literal["pending", "committed", "deleting"]
 Durability = Literal["pending", "memory", "durable"]
@@ -100,6 +108,18 @@ class Version:
     persist: bool = True
     #: Whether every rank's files are in blob storage (once committed).
     durable: bool = True
+    #: When an operator quarantined it (None: it is not), and why.
+    quarantined_at: float | None = None
+    quarantine_reason: str | None = None
+
+    @property
+    def quarantined(self) -> bool:
+        return self.quarantined_at is not None
+
+    @property
+    def good(self) -> bool:
+        """Committed and not quarantined: a version a pointer may name."""
+        return self.state == "committed" and not self.quarantined
 
     @property
     def folder(self) -> str:
@@ -166,10 +186,29 @@ def _rank_folder(version: Version, rank: int) -> str:
     return f"{version.folder}rank-{rank:05d}/"
 
 
+def _find(job_id: str, versions: list[Version], number: int) -> Version:
+    """Version ``number`` among ``versions`` (one query's rows), if not being collected."""
+    for v in versions:
+        if v.version == number:
+            if v.state == "deleting":
+                raise UnknownCheckpoint(f"version {number} of job {job_id!r} was collected")
+            return v
+    raise UnknownCheckpoint(f"job {job_id!r} has no checkpoint version {number}")
+
+
+def _newest(versions: list[Version], step: int) -> Version | None:
+    """The newest of ``versions`` no newer than ``step``, in the order a seal names
+    them: by step, then by version."""
+    return max(
+        (v for v in versions if v.step <= step), key=lambda v: (v.step, v.version), default=None
+    )
+
+
 def _version(job_id: str, e: Entity) -> Version:
     d = e.data
     committed_at = d.get("committed_at")
     persist, durable = d.get("persist"), d.get("durable")
+    quarantined_at, reason = d.get("quarantined_at"), d.get("quarantine_reason")
     state = str(d["state"])
     if state not in ("pending", "committed", "deleting"):
         raise TypeError(f"stored checkpoint state {state!r} is unknown")
@@ -186,6 +225,8 @@ def _version(job_id: str, e: Entity) -> Version:
         # Rows from before tiers: every version went to storage.
         persist=True if persist is None else bool(persist),
         durable=True if durable is None else bool(durable),
+        quarantined_at=None if quarantined_at is None else float(str(quarantined_at)),
+        quarantine_reason=None if reason is None else str(reason),
     )
 
 
@@ -205,6 +246,8 @@ def _entity(v: Version) -> Entity:
             "committed_at": v.committed_at,
             "persist": v.persist,
             "durable": v.durable,
+            "quarantined_at": v.quarantined_at,
+            "quarantine_reason": v.quarantine_reason,
         },
     )
 
@@ -654,6 +697,138 @@ class Checkpoints:
         if self.on_restore is not None:
             self.on_restore(job_id, report.bytes_from)
 
+    # --- quarantine ---------------------------------------------------------------------
+
+    def quarantine(
+        self, job_id: str, number: int, reason: str = "", *, restart: bool = False
+    ) -> CheckpointInfo:
+        """Marks a committed version bad: no seal names it, and it is not the latest or
+        the durable version again until :meth:`unquarantine`.
+
+        A pointer at it moves back to the newest good version no newer by step (for the
+        durable pointer, the newest good durable one; None if there is none). The mark,
+        the pointers and the row the pointer moves to are written in one batch with the
+        job entity's CAS: a commit or seal that read the job before it fails its own CAS
+        and judges again, and a collect that read the row before fails to mark it.
+
+        The running generation is not affected (its ranks resumed already, and a worker
+        restarted within it loads what the others loaded) unless ``restart``: then it
+        ends, and its members regroup and load the version the pointer moved back to.
+        Quarantining a quarantined version changes nothing: its first mark stands.
+
+        Args:
+            reason: Why, for whoever reads the version list.
+            restart: End the running generation now.
+
+        Returns:
+            The version, marked.
+
+        Raises:
+            UnknownJob: No such job.
+            UnknownCheckpoint: No such version, or it is being collected.
+            CheckpointConflict: The version is not committed (a pending one becomes the
+                latest only when it commits: quarantine it then).
+        """
+        for _ in range(_CAS_TRIES):
+            job = self.rdzv.get_job(job_id)
+            rows = self._rows(job_id)
+            version = _find(job_id, rows, number)
+            if version.state != "committed":
+                raise CheckpointConflict(
+                    f"version {number} is not committed: only a committed version can be "
+                    "quarantined (a pending one is never named)"
+                )
+            if version.quarantined:
+                break
+            marked = replace(
+                version, quarantined_at=self.rdzv.clock(), quarantine_reason=reason or None
+            )
+            good = [v for v in rows if v.good and v.version != number]
+            moved, targets = job, {}
+            if job.checkpoint is not None and job.checkpoint.version == number:
+                back = _newest(good, job.checkpoint.step)
+                moved = replace(moved, checkpoint=None if back is None else back.pointer)
+                targets.update({back.version: back} if back else {})
+            if job.durable is not None and job.durable.version == number:
+                back = _newest([v for v in good if v.durable], job.durable.step)
+                moved = replace(moved, durable=None if back is None else back.pointer)
+                targets.update({back.version: back} if back else {})
+            ops = [BatchOp("replace", _entity(marked), if_match=version.etag)]
+            # Rewritten as they are, for a new ETag: a collect's mark of one now fails.
+            ops += [BatchOp("replace", _entity(v), if_match=v.etag) for v in targets.values()]
+            # Always, even when no pointer moves: a seal that read the job before this
+            # (and may name this version) must fail its CAS and read the rows again.
+            ops.append(BatchOp("replace", job_entity(moved), if_match=job.etag))
+            try:
+                self.table.batch(ops)
+            except (Modified, NotFound):
+                continue  # a commit, seal or collect came first: judge again
+            version, job = marked, moved
+            break
+        else:
+            raise StorageUnavailable(f"could not quarantine version {number} of {job_id!r}")
+        if restart:
+            why = f"checkpoint v{number} quarantined" + (f": {reason}" if reason else "")
+            self._restart(job_id, job.generation, why)
+        return self._info(job, version)
+
+    def unquarantine(self, job_id: str, number: int) -> CheckpointInfo:
+        """Clears a version's quarantine: it may be named again.
+
+        The latest pointer moves forward to it, as its commit moved it, if it is newer
+        by step and its generation is the job's latest (running, or ended with none
+        sealed since); so does the durable pointer if it is durable. A version of an
+        older generation moves no pointer: the generations since resumed from another
+        version, and a pointer ahead of their steps would hold back their commits. The
+        next seal judges whether the version can still be recovered, as for any latest.
+        Unquarantining a version that is not quarantined changes nothing.
+
+        Returns:
+            The version.
+
+        Raises:
+            UnknownJob: No such job.
+            UnknownCheckpoint: No such version, or it is being collected.
+        """
+        for _ in range(_CAS_TRIES):
+            job = self.rdzv.get_job(job_id)
+            version = self._get(job_id, number)
+            if version.state == "deleting":
+                raise UnknownCheckpoint(f"version {number} of job {job_id!r} was collected")
+            if not version.quarantined:
+                break
+            cleared = replace(version, quarantined_at=None, quarantine_reason=None)
+            moved = job
+            if version.generation == job.generation:
+                if job.checkpoint is None or version.step > job.checkpoint.step:
+                    moved = replace(moved, checkpoint=version.pointer)
+                if version.durable and (job.durable is None or version.step > job.durable.step):
+                    moved = replace(moved, durable=version.pointer)
+            try:
+                self.table.batch(
+                    [
+                        BatchOp("replace", _entity(cleared), if_match=version.etag),
+                        BatchOp("replace", job_entity(moved), if_match=job.etag),
+                    ]
+                )
+            except (Modified, NotFound):
+                continue
+            version, job = cleared, moved
+            break
+        else:
+            raise StorageUnavailable(f"could not unquarantine version {number} of {job_id!r}")
+        return self._info(job, version)
+
+    def _restart(self, job_id: str, generation: int, reason: str) -> None:
+        """Ends ``generation`` if it still runs (one sealed since resumed correctly)."""
+        for _ in range(_CAS_TRIES):
+            job = self.rdzv.get_job(job_id)
+            if job.generation != generation or job.status != "sealed":
+                return
+            if self.rdzv._end(job, reason):
+                return
+        raise StorageUnavailable(f"could not end generation {generation} of {job_id!r}")
+
     # --- reading ------------------------------------------------------------------------
 
     def get(self, job_id: str, number: int | None = None, *, urls: bool = True) -> CheckpointInfo:
@@ -663,6 +838,7 @@ class Checkpoints:
             UnknownCheckpoint: No such version, or no version committed yet.
         """
         job = self.rdzv.get_job(job_id)
+        latest = number is None
         if number is None:
             if job.checkpoint is None:
                 raise UnknownCheckpoint(f"job {job_id!r} has no committed checkpoint yet")
@@ -670,6 +846,12 @@ class Checkpoints:
         version = self._get(job_id, number)
         if version.state == "deleting":
             raise UnknownCheckpoint(f"version {number} of job {job_id!r} was collected")
+        if latest and version.quarantined:
+            # Not expected: a quarantine moves the pointer in the batch that marks the row.
+            raise UnknownCheckpoint(f"the latest of job {job_id!r}, v{number}, is quarantined")
+        # A quarantined version keeps its read URLs here, by number: whoever investigates
+        # it may read it, and a worker restarted within a generation that was told to
+        # resume from it loads what its generation's other ranks loaded.
         info = self._info(job, version)
         if urls and version.state == "committed":
             grant = self.blobs.grant(version.folder, None, access="read", ttl=self.read_ttl)
@@ -700,17 +882,14 @@ class Checkpoints:
         """The version a generation of ``members`` resumes from: the newest, by step and
         no newer than the job's pointer, whose every rank's files are in blob storage or
         in the memory of one of ``members``. A version whose only holders are gone is
-        never named; the durable pointer always qualifies.
+        never named, nor a quarantined one; the durable pointer always qualifies (it is
+        never quarantined: a quarantine moves it back).
         """
         if job.checkpoint is None:
             return None
         peers = {m.node_id: m.peer for m in members}
         candidates = sorted(
-            (
-                v
-                for v in self._rows(job.job_id)
-                if v.state == "committed" and v.step <= job.checkpoint.step
-            ),
+            (v for v in self._rows(job.job_id) if v.good and v.step <= job.checkpoint.step),
             key=lambda v: (v.step, v.version),
             reverse=True,
         )
@@ -731,12 +910,14 @@ class Checkpoints:
 
     def durabilities(self, job_id: str) -> dict[str, int]:
         """How many versions not being collected are pending, committed in memory and
-        durable: one query and no rank reports read, for the metrics at every scrape.
-        A job deleted meanwhile has none."""
-        counts = {"pending": 0, "memory": 0, "durable": 0}
+        durable, and (besides) how many of them are ``quarantined``: one query and no
+        rank reports read, for the metrics at every scrape. A job deleted meanwhile has
+        none."""
+        counts = {"pending": 0, "memory": 0, "durable": 0, "quarantined": 0}
         for version in self._rows(job_id):
             if version.state != "deleting":
                 counts[version.durability] += 1
+                counts["quarantined"] += version.quarantined
         return counts
 
     def _info(
@@ -758,6 +939,9 @@ class Checkpoints:
             latest=job.checkpoint is not None and job.checkpoint.version == version.version,
             latest_durable=job.durable is not None and job.durable.version == version.version,
             durability=version.durability,
+            quarantined=version.quarantined,
+            quarantined_at=version.quarantined_at,
+            quarantine_reason=version.quarantine_reason,
         )
 
     def _get(self, job_id: str, number: int) -> Version:
@@ -792,7 +976,9 @@ class Checkpoints:
 
     def collect(self, job_id: str) -> list[int]:
         """Deletes unfinished versions past their timeout and committed ones beyond the
-        last ``keep``; never the latest.
+        last ``keep`` good (not quarantined) ones; never the latest or the durable one.
+        Quarantined versions are kept while they are among the last ``keep`` committed,
+        for whoever investigates them, and never push a good one out.
 
         Returns:
             The versions deleted.
@@ -801,9 +987,13 @@ class Checkpoints:
         versions = self._rows(job_id)
         latest = job.checkpoint.version if job.checkpoint else None
         durable = job.durable.version if job.durable else None
-        committed = [v.version for v in versions if v.state == "committed"]
+        committed = [v for v in versions if v.state == "committed"]
+        good = [v.version for v in committed if not v.quarantined]
+        suspect = {v.version for v in committed[-self.keep :] if v.quarantined}
         # The durable pointer is what a job falls back to when memory copies are lost.
-        keep = set(committed[-self.keep :]) | {latest, durable}
+        # (A quarantine that moves a pointer back rewrites the row it moves to, so a
+        # collect that read the pointer before fails to mark that row deleting.)
+        keep = set(good[-self.keep :]) | suspect | {latest, durable}
         doomed = [
             v
             for v in versions

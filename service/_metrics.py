@@ -75,6 +75,11 @@ class _Jobs(Collector):
             "only in nodes' memory, or all in blob storage",
             labels=["job", "durability"],
         )
+        quarantined = GaugeMetricFamily(
+            "rallypoint_checkpoint_quarantined",
+            "Checkpoint versions kept that an operator quarantined (never resumed from)",
+            labels=["job"],
+        )
         for job in self.read():
             generation.add_metric([job.job_id], job.generation)
             world.add_metric([job.job_id], job.world_size)
@@ -97,11 +102,25 @@ class _Jobs(Collector):
                 counts = self.versions(job.job_id)
                 for durability in _DURABILITIES:
                     versions.add_metric([job.job_id, durability], counts.get(durability, 0))
-        yield from (generation, world, members, waiting, ended, step, durable_step, versions)
+                quarantined.add_metric([job.job_id], counts.get("quarantined", 0))
+        yield from (
+            generation,
+            world,
+            members,
+            waiting,
+            ended,
+            step,
+            durable_step,
+            versions,
+            quarantined,
+        )
 
 
-# "node b left: preempted" -> "left": the kind of ending, not the node (bounded labels).
-_REASON = re.compile(r"(?:node|member) \S+ (joined|re-joined|dropped|missed|left)")
+# "node b left: preempted" -> "left": the kind of ending, not the node (bounded labels);
+# "checkpoint v7 quarantined: ..." (an operator's restart) -> "quarantined".
+_REASON = re.compile(
+    r"(?:node|member|checkpoint) \S+ (joined|re-joined|dropped|missed|left|quarantined)"
+)
 
 
 def _reason_kind(reason: str) -> str:
@@ -115,7 +134,8 @@ class Metrics:
     Args:
         jobs: Returns every job's status; called at each scrape, from a worker thread.
         versions: Returns a job's checkpoint versions by durability (``pending``,
-            ``memory``, ``durable``); called for each job at each scrape.
+            ``memory``, ``durable``) and how many are ``quarantined``; called for each
+            job at each scrape.
     """
 
     def __init__(

@@ -9,18 +9,20 @@ from __future__ import annotations
 from typing import Annotated
 
 import anyio.to_thread
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Body, Path
 
 from rallypoint.client._models import (
     BeginCheckpoint,
     CheckpointBegun,
     CheckpointInfo,
+    ErrorBody,
     PeerKey,
+    QuarantineRequest,
     ReportShard,
     RestoreReport,
 )
 
-from ..deps import Auth, CheckpointsDep, JobId
+from ..deps import AdminOnly, Auth, CheckpointsDep, DriverDep, JobId
 
 __all__ = ["router"]
 
@@ -83,3 +85,45 @@ async def get_version(
 ) -> CheckpointInfo:
     """One version; read URLs once it is committed."""
     return await anyio.to_thread.run_sync(checkpoints.get, job_id, version)
+
+
+_QUARANTINE_ERRORS: dict[int | str, dict[str, object]] = {
+    404: {"model": ErrorBody, "description": "`unknown_job`, or `unknown_checkpoint`"},
+    409: {"model": ErrorBody, "description": "`checkpoint_conflict`: not committed"},
+}
+
+
+@router.put("/{version}/quarantine", dependencies=[AdminOnly], responses=_QUARANTINE_ERRORS)
+async def quarantine(
+    job_id: JobId,
+    version: VersionNumber,
+    checkpoints: CheckpointsDep,
+    driver: DriverDep,
+    body: Annotated[QuarantineRequest | None, Body()] = None,
+) -> CheckpointInfo:
+    """Marks a committed version bad (operator only): no generation resumes from it;
+    if it was the latest (or the newest durable), that pointer moves back to the newest
+    good version. The running generation goes on unless ``restart``. Idempotent."""
+    body = body or QuarantineRequest()
+    info = await anyio.to_thread.run_sync(
+        lambda: checkpoints.quarantine(job_id, version, body.reason, restart=body.restart)
+    )
+    # This replica's heartbeats answer from the job as it is now (a restart at once).
+    await driver.refresh(job_id)
+    return info
+
+
+@router.delete(
+    "/{version}/quarantine",
+    dependencies=[AdminOnly],
+    responses={404: _QUARANTINE_ERRORS[404]},
+)
+async def unquarantine(
+    job_id: JobId, version: VersionNumber, checkpoints: CheckpointsDep, driver: DriverDep
+) -> CheckpointInfo:
+    """Clears a version's quarantine (operator only); if it was saved by the job's
+    latest generation and is newer than the latest, the pointer moves forward to it
+    again. Idempotent."""
+    info = await anyio.to_thread.run_sync(checkpoints.unquarantine, job_id, version)
+    await driver.refresh(job_id)
+    return info

@@ -41,7 +41,8 @@ th{font-weight:600}.alive{color:#080}.late{color:#b60}.dead,.error{color:#c00}.l
 .muted{color:#777}code{font-size:.95em}
 .badge{display:inline-block;padding:0 .45em;margin-right:.3em;border-radius:.7em;font-size:.85em}
 .badge.durable{background:#d4f0d4}.badge.memory{background:#fde9b0}.badge.pending{background:#eee}
-.badge.pointer{background:#dde6f7}
+.badge.pointer{background:#dde6f7}.badge.quarantined{background:#f6c6c6;color:#900}
+tr.quarantined td{color:#888}
 """
 # Re-fetches the page and swaps <main>: no flicker, scroll position kept.
 _SCRIPT = f"""
@@ -92,6 +93,14 @@ def _badges(*names: tuple[str, str]) -> _Html:
     return _Html(
         "".join(f"<span class='badge {escape(c)}'>{escape(text)}</span>" for text, c in names)
     )
+
+
+def _quarantine(version: CheckpointInfo) -> str:
+    """When and why an operator quarantined the version; "-" if not."""
+    if not version.quarantined:
+        return "-"
+    why = f": {version.quarantine_reason}" if version.quarantine_reason else ""
+    return f"{_when(version.quarantined_at)}{why}"
 
 
 def _pointer(pointer: CheckpointPointer | None) -> str:
@@ -269,7 +278,16 @@ async def job_page(
         + "<h2>Checkpoints</h2>"
         + _table(
             "checkpoints",
-            ["version", "step", "generation", "state", "durability", "ranks reported", "committed"],
+            [
+                "version",
+                "step",
+                "generation",
+                "state",
+                "durability",
+                "ranks reported",
+                "committed",
+                "quarantined",
+            ],
             [
                 (
                     v.version,
@@ -278,15 +296,17 @@ async def job_page(
                     v.state,
                     _badges(
                         (v.durability, v.durability),
+                        *([("quarantined", "quarantined")] if v.quarantined else []),
                         *([("latest", "pointer latest")] if v.latest else []),
                         *([("newest durable", "pointer fallback")] if v.latest_durable else []),
                     ),
                     f"{v.reported}/{v.world_size}",
                     _when(v.committed_at),
+                    _quarantine(v),
                 )
                 for v in reversed(versions)
             ],
-            [v.durability for v in reversed(versions)],
+            [("quarantined " if v.quarantined else "") + v.durability for v in reversed(versions)],
         )
         + f"<p class='muted'>updated {_when(rdzv.clock())}</p>"
     )
