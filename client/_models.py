@@ -213,8 +213,12 @@ class CheckpointBegun(_Model):
     state: Literal["pending", "committed"]
     #: File name to a write URL that reaches only that object (empty unless pending).
     upload_urls: dict[str, str]
-    #: When the URLs expire and an unfinished version is collected (epoch seconds).
+    #: When an unfinished version is collected (epoch seconds).
     expires_at: float
+    #: Seconds the upload URLs are valid from this reply (minutes; never past
+    #: ``expires_at``): beginning the same step again renews them. They stop working
+    #: once the version commits or is collected. None without URLs.
+    upload_ttl: float | None = Field(None, gt=0)
     #: Whether the version goes to blob storage; else its files stay in memory on two
     #: nodes (the writer's and its peer's) unless a copy to the peer fails.
     persist: bool = True

@@ -39,6 +39,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -64,18 +65,22 @@ from rallypoint.client._models import (
 from ._packed import MAX_PACKED, pack, unpack
 from ._rendezvous import Generation, Job, Member, Rendezvous, job_entity
 from .errors import (
+    AccessDenied,
     AlreadyExists,
     CheckpointConflict,
     IncompleteUpload,
     InvalidRequest,
     Modified,
     NotFound,
+    StorageError,
     StorageUnavailable,
     UnknownCheckpoint,
 )
 from .storage import BatchOp, BlobStore, Cond, Entity, Value
 
 __all__ = ["Checkpoints", "Version"]
+
+log = logging.getLogger("rallypoint.checkpoints")
 
 CKSEQ = "ckseq"
 CKPT = "ckpt:"
@@ -274,9 +279,11 @@ class Checkpoints:
         rdzv: The job's rendezvous (for the job entity, fencing and the clock).
         blobs: Where shards and manifests live.
         keep: Committed versions to retain; the latest is kept regardless.
-        timeout: How long a version may stay unfinished before it is collected; its
-            upload URLs expire with it.
-        read_ttl: How long read URLs are valid.
+        timeout: How long a version may stay unfinished before it is collected.
+        write_ttl: How long upload URLs are valid (never past the version's timeout):
+            a rank renews them by beginning the same step again. They end sooner when
+            the version commits or is collected (see :meth:`BlobStore.revoke`).
+        read_ttl: How long read URLs (and peer read grants) are valid.
         on_commit: Called with the job and the version's total bytes when this process
             commits a version (metrics).
         on_restore: Called with the job and the bytes a rank's restore read, by source,
@@ -290,6 +297,7 @@ class Checkpoints:
         *,
         keep: int = 3,
         timeout: timedelta = timedelta(hours=1),
+        write_ttl: timedelta = timedelta(minutes=5),
         read_ttl: timedelta = timedelta(hours=1),
         on_commit: Callable[[str, int], None] | None = None,
         on_restore: Callable[[str, Mapping[RestoreSource, int]], None] | None = None,
@@ -301,6 +309,9 @@ class Checkpoints:
         self.blobs = blobs
         self.keep = keep
         self.timeout = timeout.total_seconds()
+        if write_ttl <= timedelta(0) or read_ttl <= timedelta(0):
+            raise ValueError("URL lifetimes must be positive")
+        self.write_ttl = write_ttl.total_seconds()
         self.read_ttl = read_ttl
         self.on_commit = on_commit
         self.on_restore = on_restore
@@ -341,15 +352,31 @@ class Checkpoints:
             )
         urls: dict[str, str] = {}
         replica = None
+        upload_ttl = None
         expires_at = version.created_at + self.timeout
         if version.state == "pending":
             self._claim(version, rank, request.node_id)
-            # The URLs die with the version: nothing can be written into a collected one.
-            ttl = timedelta(seconds=max(1.0, expires_at - self.rdzv.clock()))
-            urls = self.blobs.grant(
-                _rank_folder(version, rank), request.files, access="write", ttl=ttl
-            )
-            if request.memory:
+            # Minutes at most, renewed by asking again, and never past the version's own
+            # expiry: nothing can be written into a collected version.
+            upload_ttl = max(1.0, min(self.write_ttl, expires_at - self.rdzv.clock()))
+            try:
+                urls = self.blobs.grant(
+                    _rank_folder(version, rank),
+                    request.files,
+                    access="write",
+                    ttl=timedelta(seconds=upload_ttl),
+                    scope=version.folder,  # revoked when the version commits or goes
+                )
+            except AccessDenied:
+                # Its writes closed since it was read: it committed, or is being collected.
+                version = self._get(job_id, version.version)
+                if version.state != "committed":
+                    raise CheckpointConflict(
+                        f"version {version.version} (step {version.step}) expired and is "
+                        "being collected; save a later step"
+                    ) from None
+                upload_ttl = None
+            if request.memory and version.state == "pending":
                 replica = self._replica(gen, request.node_id, version, rank, expires_at)
         return CheckpointBegun(
             version=version.version,
@@ -360,6 +387,7 @@ class Checkpoints:
             state="committed" if version.state == "committed" else "pending",
             upload_urls=urls,
             expires_at=expires_at,
+            upload_ttl=upload_ttl,
             persist=version.persist,
             replica=replica,
         )
@@ -670,11 +698,26 @@ class Checkpoints:
                 continue  # the job entity changed: judge the pointer again
             entity = stored[0]
             committed = replace(committed, etag=entity.etag if entity and entity.etag else "")
+            self._close(committed)
             if self.on_commit is not None:
                 size = sum(f.size for r in reports.values() for f in r.files)
                 self.on_commit(version.job_id, size)
             self.collect(version.job_id)
             return committed
+
+    def _close(self, version: Version) -> None:
+        """Ends the write URLs of a version that committed: its files are final, and a
+        stale writer (a zombie, a retried upload) must not change them."""
+        try:
+            self.blobs.revoke(version.folder)
+        except StorageError as exc:
+            # The commit stands; the URLs still end at their expiry, minutes away.
+            log.warning(
+                "version %d of job %r committed, but its write URLs were not revoked: %s",
+                version.version,
+                version.job_id,
+                exc,
+            )
 
     def restored(self, job_id: str, number: int, report: RestoreReport) -> None:
         """Counts what a rank's restore of a version read, by source. Only a member of
@@ -1012,9 +1055,13 @@ class Checkpoints:
                 )
             except (Modified, NotFound):
                 return False
+        if version.state != "committed":  # a committed one's were revoked at its commit
+            # Before the blobs go: a write under way must not bring one back.
+            self.blobs.revoke(version.folder)
         for blob in self.blobs.list(version.folder):
             with contextlib.suppress(NotFound):  # a concurrent collector got there first
                 self.blobs.delete(blob.name)
+        self.blobs.forget(version.folder)  # before the version row: a retry redoes it
         job_id = version.job_id
         # Only the keys are needed: unpacking every rank's metadata would be wasted.
         reports = [e.row_key for e in self._report_rows(version)]

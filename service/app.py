@@ -59,6 +59,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
             store.blobs("checkpoints"),
             keep=settings.checkpoint_keep,
             timeout=timedelta(seconds=settings.checkpoint_timeout),
+            write_ttl=timedelta(seconds=settings.write_url_ttl),
+            read_ttl=timedelta(seconds=settings.read_url_ttl),
             on_commit=metrics.committed,
             on_restore=metrics.restored,
         )

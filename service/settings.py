@@ -42,9 +42,13 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     #: Committed checkpoint versions kept per job (the latest is kept regardless).
     checkpoint_keep: int = Field(3, ge=1)
-    #: Seconds a checkpoint version may stay unfinished (its upload URLs live as long)
-    #: before it is garbage-collected.
+    #: Seconds a checkpoint version may stay unfinished before it is garbage-collected.
     checkpoint_timeout: float = Field(3600.0, gt=0, le=7 * 86400)
+    #: Seconds an upload URL is valid (trainers renew theirs during long uploads): a
+    #: URL cannot be recalled on Azure once handed out, so minutes, at most an hour.
+    write_url_ttl: float = Field(300.0, ge=1, le=3600)
+    #: Seconds a read URL (or a peer read grant) is valid: a restore must finish in it.
+    read_url_ttl: float = Field(3600.0, ge=1, le=7 * 86400)
 
     @field_validator("storage")
     @classmethod

@@ -28,6 +28,7 @@ import io
 import json
 import logging
 import pickle
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -228,6 +229,11 @@ class RallypointWriter(StorageWriter):
         #: This rank's report's answer, once written.
         self.info: CheckpointInfo | None = None
         self._urls: dict[str, str] = {}
+        #: When (monotonic) the write URLs are due for renewal: half their lifetime.
+        self._renew_at = float("inf")
+        self._renewing = threading.Lock()
+        #: How many times this rank renewed its write URLs (a long save renews).
+        self.renewals = 0
         self._version = 0
         self._committed = False
         self._data: ShardFile | None = None
@@ -259,6 +265,15 @@ class RallypointWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """See base class. Begins the version: a rank of an ended generation stops here."""
+        begun = self._begin()
+        self._begun = begun
+        self._version = begun.version
+        self._committed = begun.state == "committed"  # a retried save of a saved step
+        return plan
+
+    def _begin(self) -> CheckpointBegun:
+        """Begins the step's version (again, to renew the write URLs: the same version
+        comes back, and the same claim of this rank)."""
         files = [DATA, METADATA] if self.rank == 0 else [DATA]
         begun = self.client.begin_checkpoint(
             self.step,
@@ -271,10 +286,29 @@ class RallypointWriter(StorageWriter):
             persist_after=self.persist_after,
             memory=self.memory is not None,
         )
-        self._begun = begun
-        self._version, self._urls = begun.version, begun.upload_urls
-        self._committed = begun.state == "committed"  # a retried save of a saved step
-        return plan
+        self._urls = begun.upload_urls
+        # Renewed at half their lifetime, on this machine's clock: the coordinator's
+        # and storage's may differ from it, so a refusal renews too (see _url).
+        ttl = begun.upload_ttl
+        self._renew_at = float("inf") if ttl is None else time.monotonic() + ttl / 2
+        return begun
+
+    def _url(self, name: str, *, renew: bool = False) -> str:
+        """The write URL of ``name``, renewed if due or if asked (storage refused it)."""
+        with self._renewing:  # parallel block uploads renew once, not once each
+            if renew or time.monotonic() >= self._renew_at:
+                begun = self._begin()
+                self.renewals += 1
+                if begun.version != self._version or begun.state != "pending":
+                    raise TransferDenied(
+                        f"checkpoint v{self._version} step {self.step}: its write URLs "
+                        f"cannot be renewed (the step's version is v{begun.version}, "
+                        f"{begun.state})"
+                    )
+            url = self._urls.get(name)
+        if url is None:
+            raise TransferDenied(f"version {self._version} gave no write URL for {name}")
+        return url
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """See base class."""
@@ -382,10 +416,10 @@ class RallypointWriter(StorageWriter):
         self.info = self._report(files, self.metadata)
 
     def _upload(self, name: str, parts: list[memoryview], size: int) -> None:
-        url = self._urls.get(name)
-        if url is None:
-            raise TransferDenied(f"version {self._version} gave no write URL for {name}")
         label = f"checkpoint v{self._version} step {self.step} rank {self.rank}: {name}"
+
+        def url(*, renew: bool = False) -> str:
+            return self._url(name, renew=renew)
 
         def upload() -> None:
             progress = Progress(f"{label}: upload", size, enabled=self.progress)
