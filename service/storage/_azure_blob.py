@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import threading
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
@@ -22,7 +23,7 @@ from azure.storage.blob import (
 )
 
 from ..errors import NotFound
-from ._azure_errors import lease_held, translate
+from ._azure_errors import lease_failure, translate
 from ._blob import Access, BlobInfo, BlobStore, Data
 
 __all__ = ["PARALLEL_TRANSFERS", "AzureBlobStore"]
@@ -31,6 +32,8 @@ __all__ = ["PARALLEL_TRANSFERS", "AzureBlobStore"]
 PARALLEL_TRANSFERS = 8
 # SAS start times lie a little in the past: the trainer's clock may be behind storage's.
 _CLOCK_SKEW = timedelta(minutes=5)
+# Names the leases _revoke takes (uuid5 of the container and blob names).
+_LEASES = uuid.UUID("5f0a7c52-8a52-4b8e-9a43-3c6f1e0d2b71")
 
 
 def _info(props: BlobProperties) -> BlobInfo:
@@ -104,7 +107,7 @@ class AzureBlobStore(BlobStore):
             except AzureError as exc:
                 # A revoked scope's object (see _revoke): the store itself may still
                 # write it, if the data can be sent again.
-                if not lease_held(exc) or (at is None and not _in_memory(data)):
+                if lease_failure(exc) != "held" or (at is None and not _in_memory(data)):
                     raise
             self._break_lease(name)
             if at is not None:
@@ -177,15 +180,25 @@ class AzureBlobStore(BlobStore):
     def _delete(self, name: str) -> None:
         try:
             try:
-                self._container.delete_blob(name)
+                # What the store deletes is mostly a revoked scope's (checkpoints are
+                # revoked at their commit): naming the lease saves breaking it.
+                self._container.delete_blob(name, lease=self._lease_id(name))
                 return
             except AzureError as exc:
-                if not lease_held(exc):
+                failure = lease_failure(exc)
+                if failure is None:
                     raise
-            self._break_lease(name)  # a revoked scope's object: its lease goes with it
+            if failure == "held":  # a lease of someone else's
+                self._break_lease(name)
             self._container.delete_blob(name)
         except AzureError as exc:
             raise translate(exc, f"delete blob {name!r}") from exc
+
+    def _lease_id(self, name: str) -> str:
+        """The lease :meth:`_revoke` takes on ``name``: the same on every replica, so any
+        of them deletes the object in one request. Knowing it lets a SAS write, as
+        breaking the lease would: a lease stops mistakes, not a hostile SAS holder."""
+        return str(uuid.uuid5(_LEASES, f"{self.name}/{name}"))
 
     def _break_lease(self, name: str) -> None:
         """Raises the SDK's error: the callers translate it."""
@@ -196,13 +209,15 @@ class AzureBlobStore(BlobStore):
         # that names it, and a container holds 5; a user delegation key, every URL it
         # signed). A blob with a lease refuses every write that does not name the lease,
         # trainers' uploads included (412 LeaseIdMissing), so the scope's objects get
-        # an infinite one that nobody keeps.
+        # an infinite one; only the store uses it, to delete them.
         def lease(name: str) -> None:
             try:
-                self._container.get_blob_client(name).acquire_lease(lease_duration=-1)
+                self._container.get_blob_client(name).acquire_lease(
+                    lease_duration=-1, lease_id=self._lease_id(name)
+                )
             except AzureError as exc:
-                if lease_held(exc):
-                    return  # revoked before
+                if lease_failure(exc) == "held":
+                    return  # leased already: writes are refused either way
                 found = translate(exc, f"lease blob {name!r}")
                 if not isinstance(found, NotFound):  # deleted meanwhile: nothing to hold
                     raise found from exc

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from azure.core.exceptions import (
     AzureError,
     ClientAuthenticationError,
@@ -22,7 +24,7 @@ from ..errors import (
     StorageUnavailable,
 )
 
-__all__ = ["lease_held", "translate"]
+__all__ = ["lease_failure", "translate"]
 
 # Azure error codes, per https://learn.microsoft.com/rest/api/storageservices/
 _BY_CODE: dict[str, type[StorageError]] = {
@@ -49,11 +51,16 @@ def _code(exc: AzureError) -> str | None:
     return None if code is None else str(code)
 
 
-def lease_held(exc: AzureError) -> bool:
-    """Whether a write or delete failed because the blob has a lease it did not name
-    (what :meth:`BlobStore.revoke` puts on a scope's objects), or a lease was asked
-    for where one is held already."""
-    return _code(exc) in ("LeaseIdMissing", "LeaseAlreadyPresent")
+def lease_failure(exc: AzureError) -> Literal["held", "absent"] | None:
+    """How a request failed on a blob's lease (:meth:`BlobStore.revoke` leases a scope's
+    objects): ``held``, the blob has a lease the request did not name; ``absent``, the
+    request named a lease the blob does not have; None, it did not fail on a lease."""
+    code = _code(exc)
+    if code in ("LeaseIdMissing", "LeaseIdMismatchWithBlobOperation", "LeaseAlreadyPresent"):
+        return "held"
+    if code == "LeaseNotPresentWithBlobOperation":
+        return "absent"
+    return None
 
 
 def translate(exc: AzureError, what: str, *, op_index: int | None = None) -> StorageError:
