@@ -5,15 +5,17 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import fastapi.routing
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rallypoint.client import codes
 from rallypoint.client._models import ENVELOPE_PATH
 
 from .errors import RallypointServiceError
@@ -22,8 +24,10 @@ __all__ = [
     "MAX_BODY_BYTES",
     "TOKEN_HEADER",
     "BodyLimit",
+    "allowed_methods",
     "authorized",
     "check_token",
+    "effective_routes",
     "error_response",
     "install_handlers",
 ]
@@ -35,20 +39,64 @@ MAX_BODY_BYTES = 64 * 1024
 #: Shard reports carry a rank's checkpoint metadata (its non-tensor state).
 MAX_REPORT_BYTES = 1024 * 1024
 
+# FastAPI's one 400 is a body it could not decode (not UTF-8): not JSON either.
 _HTTP_CODES = {
-    401: "unauthorized",
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "body_too_large",
+    400: codes.MALFORMED_JSON,
+    401: codes.UNAUTHORIZED,
+    404: codes.NOT_FOUND,
+    405: codes.METHOD_NOT_ALLOWED,
+    413: codes.BODY_TOO_LARGE,
 }
 
+_MALFORMED = "the request body is not valid JSON"
 
-def error_response(status: int, code: str, message: str, detail: Any = None) -> JSONResponse:
+
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    detail: Any = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """The ``{"code", "message"[, "detail"]}`` reply every error gets (``code`` from
+    :data:`rallypoint.client.codes.CODES`)."""
     body: dict[str, Any] = {"code": code, "message": message}
     if detail is not None:
         body["detail"] = detail
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+def effective_routes(app: FastAPI) -> Iterator[Any]:
+    """Every route of ``app`` as it serves requests: full path (``path_format``,
+    ``path_regex``), ``methods``, and for API routes ``dependant``, ``responses``...
+
+    FastAPI from 0.13x keeps included routers whole (``app.routes`` holds them, not
+    their routes); its ``iter_route_contexts`` flattens them as its OpenAPI does.
+    """
+    flatten: Callable[[Any], Iterator[Any]] | None = getattr(
+        fastapi.routing, "iter_route_contexts", None
+    )
+    return flatten(app.routes) if flatten is not None else iter(app.routes)
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods the routes of ``app`` take at the request's path.
+
+    Starlette's 405 names only the first route matching the path, where FastAPI makes
+    one route per method (GET and PUT of a job are two): this asks them all.
+    """
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :]
+    methods: set[str] = set()
+    for route in effective_routes(app):
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(path):
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -64,24 +112,31 @@ def install_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response(400, "malformed_json", "the request body is not valid JSON")
+            return error_response(400, codes.MALFORMED_JSON, _MALFORMED)
         detail = [
             {"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))}
             for e in errors
         ]
         first = detail[0] if detail else {"loc": [], "msg": "invalid"}
         where = ".".join(first["loc"][1:] if len(first["loc"]) > 1 else first["loc"])
-        return error_response(422, "invalid_request", f"{where}: {first['msg']}", detail)
+        return error_response(422, codes.INVALID_REQUEST, f"{where}: {first['msg']}", detail)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        code = _HTTP_CODES.get(exc.status_code, f"http_{exc.status_code}")
-        return error_response(exc.status_code, code, str(exc.detail))
+        status = exc.status_code
+        fallback = codes.BAD_REQUEST if status < 500 else codes.INTERNAL_ERROR
+        code = _HTTP_CODES.get(status, fallback)
+        if status == 405:
+            allow = allowed_methods(request.app, request.scope)
+            message = f"{request.method} is not allowed here; this path takes {', '.join(allow)}"
+            return error_response(405, code, message, headers={"Allow": ", ".join(allow)})
+        message = _MALFORMED if code == codes.MALFORMED_JSON else str(exc.detail)
+        return error_response(status, code, message, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
-        return error_response(500, "internal_error", "the coordinator failed; see its log")
+        return error_response(500, codes.INTERNAL_ERROR, "the coordinator failed; see its log")
 
 
 #: Carries the token where a gateway takes ``Authorization`` for its own key (AzureML).
@@ -143,7 +198,7 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
     async def _refuse(self, send: Send, message: str) -> None:
-        body = json.dumps({"code": "body_too_large", "message": message}).encode()
+        body = json.dumps({"code": codes.BODY_TOO_LARGE, "message": message}).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -35,6 +35,10 @@ Hierarchy::
 
 from __future__ import annotations
 
+from typing import Any
+
+from rallypoint.client import codes
+
 __all__ = [
     "AccessDenied",
     "AlreadyExists",
@@ -65,10 +69,19 @@ __all__ = [
 
 
 class RallypointServiceError(Exception):
-    """Base of every error the coordinator raises on purpose; ``status`` is its HTTP one."""
+    """Base of every error the coordinator raises on purpose; ``status`` is its HTTP one.
 
-    code = "internal_error"
+    ``code`` must be one of :data:`rallypoint.client.codes.CODES`, the list the client
+    maps to its exceptions: a subclass with another code fails at import.
+    """
+
+    code = codes.INTERNAL_ERROR
     status = 500
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.code not in codes.CODES:
+            raise TypeError(f"{cls.__name__}.code {cls.code!r} is not in rallypoint.client.codes")
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
