@@ -10,11 +10,13 @@ from datetime import timedelta
 from typing import Annotated, Any, Literal
 from urllib.parse import unquote
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 __all__ = [
     "ENVELOPE_PATH",
+    "ID_JSON_SCHEMA",
     "ID_PATTERN",
+    "ID_SCHEMA_PATTERN",
     "MAX_METADATA_BYTES",
     "MAX_RANKS",
     "MAX_SHARD_FILES",
@@ -59,19 +61,29 @@ __all__ = [
 
 #: Job and node ids: what is safe in a URL path, a table key and a blob name.
 ID_PATTERN = r"[A-Za-z0-9._-]{1,64}"
-_ID = re.compile(ID_PATTERN)
+#: :data:`ID_PATTERN` less "." and "..", anchored and without look-around, as JSON
+#: Schema validators and generators (ECMA 262 and Rust regexes) read it; ``check_id``
+#: uses it too, so what the OpenAPI document promises is what the check accepts.
+ID_SCHEMA_PATTERN = (
+    r"^(?:[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}"
+    r"|\.[A-Za-z0-9_-][A-Za-z0-9._-]{0,62}"
+    r"|\.\.[A-Za-z0-9._-]{1,62})$"
+)
+#: The JSON Schema of an id (a path parameter's or a field's).
+ID_JSON_SCHEMA: dict[str, Any] = {"pattern": ID_SCHEMA_PATTERN, "minLength": 1, "maxLength": 64}
+_ID = re.compile(ID_SCHEMA_PATTERN)
 #: A rendezvous larger than this does not fit one generation record (1 MiB entity).
 MAX_NODES_LIMIT = 4096
 
 
 def check_id(value: str) -> str:
     """Returns ``value`` if it is a valid job or node id; raises ValueError otherwise."""
-    if not _ID.fullmatch(value) or value in (".", ".."):
+    if not _ID.fullmatch(value):
         raise ValueError(f"{value!r} is not an id of 1-64 letters, digits, '.', '_' or '-'")
     return value
 
 
-Id = Annotated[str, AfterValidator(check_id)]
+Id = Annotated[str, AfterValidator(check_id), WithJsonSchema({"type": "string", **ID_JSON_SCHEMA})]
 
 
 class _Model(BaseModel):
@@ -435,7 +447,9 @@ class Envelope(_Model):
     """
 
     method: Literal["GET", "PUT", "POST", "DELETE"]
-    path: Annotated[str, AfterValidator(_check_enveloped)] = Field(max_length=1024)
+    path: Annotated[str, AfterValidator(_check_enveloped)] = Field(
+        max_length=1024, json_schema_extra={"pattern": f"^{_ENVELOPED.pattern}$"}
+    )
     body: Any = None
 
 
@@ -502,8 +516,17 @@ class NodeInfo(_Model):
 MAX_STORE_KEYS = 256
 MAX_STORE_VALUE_BYTES = 48 * 1024
 _StoreKey = Annotated[str, Field(min_length=1, max_length=512)]
-#: Base64 of a value of at most MAX_STORE_VALUE_BYTES bytes.
-_StoreValue = Annotated[str, Field(max_length=(MAX_STORE_VALUE_BYTES * 4) // 3 + 4)]
+#: Base64 of a value of at most MAX_STORE_VALUE_BYTES bytes. The pattern is the
+#: schema's; the store route checks it (400 ``invalid_request``, "must be base64").
+_StoreValue = Annotated[
+    str,
+    Field(
+        max_length=-(-MAX_STORE_VALUE_BYTES // 3) * 4,
+        json_schema_extra={
+            "pattern": r"^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+        },
+    ),
+]
 
 
 class StoreRequest(_Model):

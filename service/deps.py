@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
-from rallypoint.client._models import check_id
+from rallypoint.client._models import ID_JSON_SCHEMA, check_id
 
 from ._checkpoints import Checkpoints
 from ._driver import Driver
@@ -71,11 +71,15 @@ def _checked(kind: str, value: str) -> str:
         raise InvalidId(f"{kind} id {exc}") from None
 
 
-async def _job_id(job_id: Annotated[str, Path()]) -> str:
+# The id pattern is in the schema, and checked here: a bad id is 400 invalid_id.
+_IdPath = Annotated[str, Path(json_schema_extra=ID_JSON_SCHEMA)]
+
+
+async def _job_id(job_id: _IdPath) -> str:
     return _checked("job", job_id)
 
 
-async def _node_id(node_id: Annotated[str, Path()]) -> str:
+async def _node_id(node_id: _IdPath) -> str:
     return _checked("node", node_id)
 
 
