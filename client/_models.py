@@ -5,9 +5,11 @@ Durations travel as seconds (floats) and are :class:`~datetime.timedelta` in Pyt
 
 from __future__ import annotations
 
+import numbers
 import re
+import types
 from datetime import timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import unquote
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
@@ -86,8 +88,66 @@ def check_id(value: str) -> str:
 Id = Annotated[str, AfterValidator(check_id), WithJsonSchema({"type": "string", **ID_JSON_SCHEMA})]
 
 
+# The JSON kinds a scalar field takes. Pydantic's lax mode would also take true for 1,
+# "3" for 3 and 1 for true, which the OpenAPI document calls invalid (and a client that
+# sends them has a bug worth hearing about).
+_KINDS: dict[type, str] = {int: "number", float: "number", timedelta: "number", bool: "boolean"}
+_FIELD_KINDS: dict[type[BaseModel], dict[str, str]] = {}
+
+
+def _kind(annotation: Any) -> str | None:
+    if get_origin(annotation) in (Union, types.UnionType):
+        kinds = {_kind(a) for a in get_args(annotation) if a is not type(None)}
+        return kinds.pop() if len(kinds) == 1 else None
+    return _KINDS.get(annotation)
+
+
+def _field_kinds(model: type[BaseModel]) -> dict[str, str]:
+    found = _FIELD_KINDS.get(model)
+    if found is None:
+        found = {
+            name: kind for name, f in model.model_fields.items() if (kind := _kind(f.annotation))
+        }
+        _FIELD_KINDS[model] = found
+    return found
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "boolean":
+        return isinstance(value, bool)
+    return isinstance(value, (numbers.Real, timedelta)) and not isinstance(value, bool)
+
+
+def _defaults_in_seconds(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    # Pydantic writes a timedelta default in ISO 8601 ("PT10S"), not as it serializes it.
+    for name, field in model.model_fields.items():
+        if isinstance(field.default, timedelta) and name in schema.get("properties", {}):
+            schema["properties"][name]["default"] = field.default.total_seconds()
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", ser_json_timedelta="float", frozen=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        ser_json_timedelta="float",
+        frozen=True,
+        json_schema_extra=_defaults_in_seconds,
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _json_kinds(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, kind in _field_kinds(cls).items():
+                value = data.get(name)
+                if value is not None and not _is_kind(value, kind):
+                    raise ValueError(f"{name} must be a {kind}, not {type(value).__name__}")
+        return data
+
+
+def _seconds(minimum: float, maximum: float = 86400) -> WithJsonSchema:
+    """A duration's schema: seconds on the wire (a timedelta in Python)."""
+    schema = {"type": "number", "minimum": minimum, "maximum": maximum, "description": "seconds"}
+    return WithJsonSchema(schema)
 
 
 class JobSpec(_Model):
@@ -96,11 +156,11 @@ class JobSpec(_Model):
     min_nodes: int = Field(1, ge=1, le=MAX_NODES_LIMIT)
     max_nodes: int = Field(1, ge=1, le=MAX_NODES_LIMIT)
     #: After ``min_nodes`` joined, how long to wait for more before sealing.
-    last_call: timedelta = timedelta(seconds=5)
+    last_call: Annotated[timedelta, _seconds(0)] = timedelta(seconds=5)
     #: A member silent this long is declared dead and its generation ends.
-    heartbeat_timeout: timedelta = timedelta(seconds=10)
+    heartbeat_timeout: Annotated[timedelta, _seconds(1)] = timedelta(seconds=10)
     #: How long a joiner waits for its generation to seal before giving up.
-    join_timeout: timedelta = timedelta(seconds=600)
+    join_timeout: Annotated[timedelta, _seconds(0)] = timedelta(seconds=600)
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
