@@ -15,7 +15,7 @@ from fastapi import FastAPI
 import rallypoint
 from rallypoint.client._models import JobStatus
 
-from . import routers
+from . import _contract, routers
 from ._checkpoints import Checkpoints
 from ._driver import Driver
 from ._fastpath import HeartbeatFastPath
@@ -86,6 +86,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.state.settings = settings
     app.state.metrics = metrics
     install_handlers(app)
+    _contract.install(app)
     app.include_router(routers.health)
     app.include_router(routers.jobs)
     app.include_router(routers.checkpoints)

@@ -13,11 +13,12 @@ from fastapi import Depends, Path, Request
 from rallypoint.client._models import ID_JSON_SCHEMA, check_id
 
 from ._checkpoints import Checkpoints
+from ._contract import raises
 from ._driver import Driver
 from ._http import authorized
 from ._rendezvous import Rendezvous
 from ._store import KeyValue
-from .errors import InvalidId, Unauthorized
+from .errors import InvalidId, StorageUnavailable, Unauthorized
 from .settings import Settings
 
 __all__ = [
@@ -34,21 +35,25 @@ __all__ = [
 ]
 
 
+@raises(StorageUnavailable)
 async def _rdzv(request: Request) -> Rendezvous:
     rdzv: Rendezvous = request.app.state.rdzv
     return rdzv
 
 
+@raises(StorageUnavailable)
 async def _checkpoints(request: Request) -> Checkpoints:
     checkpoints: Checkpoints = request.app.state.checkpoints
     return checkpoints
 
 
+@raises(StorageUnavailable)
 async def _kv(request: Request) -> KeyValue:
     kv: KeyValue = request.app.state.kv
     return kv
 
 
+@raises(StorageUnavailable)
 async def _driver(request: Request) -> Driver:
     driver: Driver = request.app.state.driver
     return driver
@@ -59,6 +64,7 @@ async def _settings(request: Request) -> Settings:
     return settings
 
 
+@raises(Unauthorized)
 async def _authorized(request: Request) -> None:
     if not authorized(request.app.state.settings.token, request.headers):
         raise Unauthorized("this coordinator needs 'Authorization: Bearer <token>'")
@@ -75,10 +81,12 @@ def _checked(kind: str, value: str) -> str:
 _IdPath = Annotated[str, Path(json_schema_extra=ID_JSON_SCHEMA)]
 
 
+@raises(InvalidId)
 async def _job_id(job_id: _IdPath) -> str:
     return _checked("job", job_id)
 
 
+@raises(InvalidId)
 async def _node_id(node_id: _IdPath) -> str:
     return _checked("node", node_id)
 

@@ -1,13 +1,14 @@
 """Short-lived storage URLs: write URLs live minutes and are renewed by asking again,
-and end when their version commits; read URLs live their own setting. Real
-coordinators on SQLite + a directory and on a real Azurite (the storage contract and
-the collection of unfinished versions are tested in tests/storage and
-tests/test_checkpoints.py)."""
+and end when their version commits or is collected; read URLs live their own setting.
+Real coordinators on SQLite + a directory and on a real Azurite (the storage port's
+part is in tests/storage)."""
 
 from __future__ import annotations
 
+import io
 import time
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -144,3 +145,39 @@ def test_url_lifetimes_are_bounded() -> None:
     for bad in ({"write_url_ttl": 0}, {"write_url_ttl": 7200}, {"read_url_ttl": 8 * 86400}):
         with pytest.raises(ValidationError):
             Settings(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_a_write_under_way_when_its_version_is_collected_never_lands(
+    start: Start, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A local write is one request, its URL's expiry judged when it started: only the
+    revocation at collection keeps it out of the collected version's folder. (On Azure
+    the URL has expired by then: no URL outlives its version.)"""
+    node = joined(start, monkeypatch, checkpoint_timeout="2")
+    begun = node.begin_checkpoint(1, [FILE])
+    assert begun.upload_ttl is not None and begun.upload_ttl <= 2
+
+    class Slow(io.RawIOBase):
+        """Sends a little, then waits out the version's timeout: the next step's begin
+        collects the version while this write is still open."""
+
+        sent = False
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            if not self.sent:
+                self.sent = True
+                buffer[:4] = b"data"
+                return 4
+            time.sleep(begun.expires_at - time.time() + 0.5)
+            node.begin_checkpoint(2, [FILE])
+            return 0
+
+    with pytest.raises(TransferDenied, match="closed"):
+        upload(begun.upload_urls[FILE], Slow())
+    with pytest.raises(UnknownCheckpoint):
+        node.checkpoint(begun.version)
+    assert not list(tmp_path.glob(f"store/blobs/*/job/v{begun.version:010d}/**/*"))

@@ -22,7 +22,17 @@ from rallypoint.client._models import (
     RestoreReport,
 )
 
+from .._contract import errors
 from ..deps import AdminOnly, Auth, CheckpointsDep, DriverDep, JobId
+from ..errors import (
+    CheckpointConflict,
+    IncompleteUpload,
+    InvalidRequest,
+    StaleGeneration,
+    UnknownCheckpoint,
+    UnknownJob,
+    UnknownNode,
+)
 
 __all__ = ["router"]
 
@@ -33,7 +43,10 @@ router = APIRouter(
 VersionNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
 
 
-@router.post("")
+@router.post(
+    "",
+    responses=errors(InvalidRequest, UnknownJob, UnknownNode, StaleGeneration, CheckpointConflict),
+)
 async def begin(
     job_id: JobId, body: BeginCheckpoint, checkpoints: CheckpointsDep
 ) -> CheckpointBegun:
@@ -42,7 +55,18 @@ async def begin(
     return await anyio.to_thread.run_sync(checkpoints.begin, job_id, body)
 
 
-@router.post("/{version}/shards")
+@router.post(
+    "/{version}/shards",
+    responses=errors(
+        InvalidRequest,
+        UnknownJob,
+        UnknownNode,
+        UnknownCheckpoint,
+        StaleGeneration,
+        CheckpointConflict,
+        IncompleteUpload,
+    ),
+)
 async def report(
     job_id: JobId, version: VersionNumber, body: ReportShard, checkpoints: CheckpointsDep
 ) -> CheckpointInfo:
@@ -51,7 +75,13 @@ async def report(
     return await anyio.to_thread.run_sync(checkpoints.report, job_id, version, body)
 
 
-@router.post("/{version}/restores", status_code=204)
+@router.post(
+    "/{version}/restores",
+    status_code=204,
+    responses=errors(
+        UnknownJob, UnknownNode, UnknownCheckpoint, StaleGeneration, CheckpointConflict
+    ),
+)
 async def restored(
     job_id: JobId, version: VersionNumber, body: RestoreReport, checkpoints: CheckpointsDep
 ) -> None:
@@ -60,26 +90,26 @@ async def restored(
     await anyio.to_thread.run_sync(checkpoints.restored, job_id, version, body)
 
 
-@router.get("")
+@router.get("", responses=errors(UnknownJob))
 async def list_versions(job_id: JobId, checkpoints: CheckpointsDep) -> list[CheckpointInfo]:
     """Every version, committed or still being written, oldest first."""
     return await anyio.to_thread.run_sync(checkpoints.versions, job_id)
 
 
-@router.get("/latest")
+@router.get("/latest", responses=errors(UnknownJob, UnknownCheckpoint))
 async def latest(job_id: JobId, checkpoints: CheckpointsDep) -> CheckpointInfo:
     """The authoritative latest version, with read URLs for its manifest and shards."""
     return await anyio.to_thread.run_sync(checkpoints.get, job_id, None)
 
 
-@router.get("/peer-key")
+@router.get("/peer-key", responses=errors(UnknownJob))
 async def peer_key(job_id: JobId, checkpoints: CheckpointsDep) -> PeerKey:
     """The public key nodes' replica servers check peer grants with."""
     key = await anyio.to_thread.run_sync(checkpoints.peer_key, job_id)
     return PeerKey(public_key=key)
 
 
-@router.get("/{version}")
+@router.get("/{version}", responses=errors(UnknownJob, UnknownCheckpoint))
 async def get_version(
     job_id: JobId, version: VersionNumber, checkpoints: CheckpointsDep
 ) -> CheckpointInfo:

@@ -14,7 +14,7 @@ from urllib.parse import unquote
 from fastapi import APIRouter, Request, Response
 from starlette.types import Message
 
-from rallypoint.client._models import ENVELOPE_PATH, Envelope, ErrorBody
+from rallypoint.client._models import ENVELOPE_PATH, Envelope
 
 from ..deps import Auth
 
@@ -32,9 +32,10 @@ _KEPT_REPLY = {b"content-type", b"www-authenticate", b"retry-after"}
 
 @router.post(
     ENVELOPE_PATH,
+    # Any status and body: the operation's (its own errors too, as the error body).
     responses={
         200: {"description": "The operation's own reply, with its own status code"},
-        422: {"model": ErrorBody, "description": "Not an envelope of a /v1 operation"},
+        "default": {"description": "The operation's own reply, with its own status code"},
     },
 )
 async def envelope(body: Envelope, request: Request) -> Response:

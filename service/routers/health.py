@@ -6,6 +6,8 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from rallypoint.client._models import ErrorBody
+
 from .._http import error_response
 from ..errors import StorageError
 from ..storage import Storage
@@ -21,7 +23,11 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", response_model=None)
+@router.get(
+    "/readyz",
+    response_model=None,
+    responses={503: {"model": ErrorBody, "description": "Storage does not answer (its error)"}},
+)
 async def readyz(request: Request) -> dict[str, str] | JSONResponse:
     """Storage answers."""
     store: Storage = request.app.state.storage

@@ -26,10 +26,18 @@ from rallypoint.client._models import (
     WaitRequest,
 )
 
+from .._contract import errors
 from .._driver import Driver
 from .._rendezvous import Generation, Node, Rendezvous
 from ..deps import Auth, DriverDep, GenerationNumber, JobId, NodeId, RdzvDep
-from ..errors import JoinTimeout, StaleGeneration, UnknownNode
+from ..errors import (
+    JobConflict,
+    JobFull,
+    JoinTimeout,
+    StaleGeneration,
+    UnknownJob,
+    UnknownNode,
+)
 
 __all__ = ["heartbeat", "pulse", "router"]
 
@@ -46,7 +54,14 @@ async def list_jobs(rdzv: RdzvDep) -> list[JobSummary]:
     return [rdzv.summary(job) for job in jobs]
 
 
-@router.put("/{job_id}", status_code=201)
+@router.put(
+    "/{job_id}",
+    status_code=201,
+    responses={
+        200: {"model": JobSummary, "description": "The job exists with this spec"},
+        **errors(JobConflict),
+    },
+)
 async def create_job(job_id: JobId, spec: JobSpec, rdzv: RdzvDep, response: Response) -> JobSummary:
     """Creates a job; repeating it with the same spec is harmless (200), another is 409."""
     job, created = await anyio.to_thread.run_sync(rdzv.create_job, job_id, spec)
@@ -55,7 +70,7 @@ async def create_job(job_id: JobId, spec: JobSpec, rdzv: RdzvDep, response: Resp
     return rdzv.summary(job)
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", responses=errors(UnknownJob))
 async def job_status(job_id: JobId, rdzv: RdzvDep) -> JobStatus:
     """Members (rank, address, heartbeat age, state), waiting nodes, generation history."""
     return await anyio.to_thread.run_sync(rdzv.status, job_id)
@@ -64,7 +79,10 @@ async def job_status(job_id: JobId, rdzv: RdzvDep) -> JobStatus:
 @router.post(
     "/{job_id}/join",
     response_model=JoinReply,
-    responses={202: {"model": JoinReply, "description": "still waiting: poll /wait"}},
+    responses={
+        202: {"model": JoinReply, "description": "still waiting: poll /wait"},
+        **errors(UnknownJob, JobConflict, JobFull, JoinTimeout),
+    },
 )
 async def join(
     job_id: JobId,
@@ -92,7 +110,10 @@ async def join(
 @router.post(
     "/{job_id}/nodes/{node_id}/wait",
     response_model=JoinReply,
-    responses={202: {"model": JoinReply, "description": "still waiting: poll again"}},
+    responses={
+        202: {"model": JoinReply, "description": "still waiting: poll again"},
+        **errors(UnknownJob, UnknownNode, JobFull, JoinTimeout),
+    },
 )
 async def wait(
     job_id: JobId,
@@ -171,7 +192,10 @@ async def _await_seal(
                 await asyncio.wait_for(changed.wait(), timeout=min(left, pace))
 
 
-@router.post("/{job_id}/nodes/{node_id}/heartbeat")
+@router.post(
+    "/{job_id}/nodes/{node_id}/heartbeat",
+    responses=errors(UnknownJob, UnknownNode, StaleGeneration),
+)
 async def heartbeat(
     job_id: JobId,
     node_id: NodeId,
@@ -238,7 +262,9 @@ async def pulse(
     return HeartbeatReply(action=action, generation=job.generation)
 
 
-@router.post("/{job_id}/nodes/{node_id}/leave")
+@router.post(
+    "/{job_id}/nodes/{node_id}/leave", responses=errors(UnknownJob, UnknownNode, StaleGeneration)
+)
 async def leave(
     job_id: JobId, node_id: NodeId, body: LeaveRequest, rdzv: RdzvDep, driver: DriverDep
 ) -> dict[str, str]:
@@ -254,14 +280,18 @@ async def leave(
     return {"status": "left"}
 
 
-@router.get("/{job_id}/nodes/{node_id}")
+@router.get("/{job_id}/nodes/{node_id}", responses=errors(UnknownJob, UnknownNode))
 async def node_info(job_id: JobId, node_id: NodeId, rdzv: RdzvDep) -> NodeInfo:
     """A node's registration; ``left`` once it left (a preempted node's agent stops)."""
     node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
     return NodeInfo(node_id=node.node_id, addr=node.addr, round=node.round, state=node.state)
 
 
-@router.get("/{job_id}/generations/{generation}/nodes/{node_id}", response_model=Assignment)
+@router.get(
+    "/{job_id}/generations/{generation}/nodes/{node_id}",
+    response_model=Assignment,
+    responses=errors(UnknownJob, UnknownNode, StaleGeneration),
+)
 async def assignment(
     job_id: JobId, generation: GenerationNumber, node_id: NodeId, rdzv: RdzvDep, driver: DriverDep
 ) -> Response:

@@ -16,8 +16,15 @@ from fastapi import APIRouter, Request
 
 from rallypoint.client._models import MAX_STORE_VALUE_BYTES, StoreReply, StoreRequest
 
+from .._contract import errors
 from ..deps import Auth, DriverDep, GenerationNumber, JobId, KeyValueDep, RdzvDep
-from ..errors import InvalidRequest
+from ..errors import (
+    InvalidCredential,
+    InvalidRequest,
+    StaleGeneration,
+    UnknownJob,
+    UnknownNode,
+)
 
 __all__ = ["router"]
 
@@ -41,7 +48,10 @@ def _encode(value: bytes | None) -> str | None:
     return None if value is None else base64.b64encode(value).decode()
 
 
-@router.post("/{generation}")
+@router.post(
+    "/{generation}",
+    responses=errors(InvalidRequest, UnknownJob, UnknownNode, StaleGeneration, InvalidCredential),
+)
 async def store(
     job_id: JobId,
     generation: GenerationNumber,
