@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
+from rallypoint.client import CREDENTIAL_HEADER, ElasticClient, JobSpec  # noqa: E402
 from tests._azurite import free_port, running_azurite  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
 
@@ -95,11 +95,13 @@ def _node_process(
     for t in threads:
         t.join()
     ranks = [(c.assignment.generation, c.assignment.rank) for c in clients if c.assignment]
-    out.put((max(done, default=0.0), ranks, errors))
+    credentials = {c.node_id: c.credential for c in clients if c.credential}
+    out.put((max(done, default=0.0), ranks, errors, credentials))
 
 
-def join_round(url: str, job: str, n: int, timeout: float = 30) -> tuple[float, list[str]]:
-    """N nodes join at once; seconds from their common start until the last assignment.
+def join_round(url: str, job: str, n: int, timeout: float = 30) -> tuple[float, dict[str, str]]:
+    """N nodes join at once; seconds from their common start until the last assignment,
+    and each node's credential (by node id, in join order) for acting as it later.
 
     Nodes are threads spread over processes of at most 128 (real nodes are separate
     machines; a thousand threads in one process mostly measure its GIL).
@@ -122,12 +124,14 @@ def join_round(url: str, job: str, n: int, timeout: float = 30) -> tuple[float, 
     results = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join()
-    errors = [e for _, _, errs in results for e in errs]
+    errors = [e for _, _, errs, _ in results for e in errs]
     if errors:
         raise RuntimeError(f"{len(errors)} joins failed; first: {errors[0]}")
-    ranks = sorted(r for _, rs, _ in results for r in rs)
+    ranks = sorted(r for _, rs, _, _ in results for r in rs)
     assert ranks == [(1, i) for i in range(n)], ranks[:5]
-    return max(t for t, _, _ in results) - start, names
+    credentials = {k: v for _, _, _, creds in results for k, v in creds.items()}
+    assert sorted(credentials) == names, "a node joined without a credential"
+    return max(t for t, _, _, _ in results) - start, {name: credentials[name] for name in names}
 
 
 TORCH_ROUND = """
@@ -218,11 +222,12 @@ def bench_rounds(sizes: list[int], torch_sizes: list[int], azurite: str) -> None
 
 
 async def _beats(
-    port: int, job: str, nodes: list[str], generation: int, seconds: float
+    port: int, job: str, nodes: dict[str, str], generation: int, seconds: float
 ) -> tuple[list[tuple[float, float]], int, int]:
-    """Each node sends one heartbeat a second on its own connection (raw HTTP/1.1, so
-    the load generator costs little CPU); returns (seconds since the start, latency)
-    per beat, restarts and errors."""
+    """Each node (id to credential) sends one heartbeat a second on its own connection
+    (raw HTTP/1.1, so the load generator costs little CPU), with its credential as the
+    coordinator checks it; returns (seconds since the start, latency) per beat,
+    restarts and errors."""
     loop = asyncio.get_running_loop()
     latencies: list[tuple[float, float]] = []
     restarts = errors = 0
@@ -230,11 +235,12 @@ async def _beats(
     start = loop.time() + 2.0
     end = start + seconds
 
-    async def node(i: int, node_id: str) -> None:
+    async def node(i: int, node_id: str, credential: str) -> None:
         nonlocal restarts, errors
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         request = (
             f"POST /v1/jobs/{job}/nodes/{node_id}/heartbeat HTTP/1.1\r\nHost: bench\r\n"
+            f"{CREDENTIAL_HEADER}: {credential}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode() + body
         at = start + i / len(nodes)  # spread evenly over each second
@@ -253,7 +259,7 @@ async def _beats(
             at += 1.0
         writer.close()
 
-    await asyncio.gather(*(node(i, n) for i, n in enumerate(nodes)))
+    await asyncio.gather(*(node(i, n, c) for i, (n, c) in enumerate(nodes.items())))
     return latencies, restarts, errors
 
 

@@ -11,6 +11,7 @@ Example::
 """
 
 from ._client import (
+    CREDENTIAL_ENV,
     ENDPOINT_KEY_ENV,
     GENERATION_ENV,
     JOB_ENV,
@@ -24,6 +25,7 @@ from ._client import (
 )
 from ._grants import GrantClaims, new_signing_key, public_key, sign_grant, verify_grant
 from ._models import (
+    CREDENTIAL_HEADER,
     MAX_METADATA_BYTES,
     Assignment,
     CheckpointBegun,
@@ -47,12 +49,17 @@ from ._models import (
     ShardFile,
     StoreReply,
     StoreRequest,
+    TokenCreated,
+    TokenInfo,
     WaitingNode,
     check_id,
 )
 from .errors import (
     CheckpointConflict,
+    CoordinatorError,
+    Forbidden,
     IncompleteUpload,
+    InvalidCredential,
     InvalidRequest,
     JobConflict,
     JobFull,
@@ -66,9 +73,12 @@ from .errors import (
     UnknownCheckpoint,
     UnknownJob,
     UnknownNode,
+    UnknownToken,
 )
 
 __all__ = [
+    "CREDENTIAL_ENV",
+    "CREDENTIAL_HEADER",
     "ENDPOINT_KEY_ENV",
     "GENERATION_ENV",
     "JOB_ENV",
@@ -82,12 +92,15 @@ __all__ = [
     "CheckpointConflict",
     "CheckpointInfo",
     "CheckpointPointer",
+    "CoordinatorError",
     "ElasticClient",
+    "Forbidden",
     "GenerationInfo",
     "GrantClaims",
     "HeartbeatReply",
     "Heartbeats",
     "IncompleteUpload",
+    "InvalidCredential",
     "InvalidRequest",
     "JobConflict",
     "JobFull",
@@ -113,11 +126,14 @@ __all__ = [
     "StaleGeneration",
     "StoreReply",
     "StoreRequest",
+    "TokenCreated",
+    "TokenInfo",
     "TransportError",
     "Unauthorized",
     "UnknownCheckpoint",
     "UnknownJob",
     "UnknownNode",
+    "UnknownToken",
     "WaitingNode",
     "check_id",
     "new_signing_key",

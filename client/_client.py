@@ -21,6 +21,7 @@ import httpx
 from pydantic import BaseModel
 
 from ._models import (
+    CREDENTIAL_HEADER,
     ENVELOPE_PATH,
     Assignment,
     BeginCheckpoint,
@@ -42,12 +43,16 @@ from ._models import (
     ShardFile,
     StoreReply,
     StoreRequest,
+    TokenCreated,
+    TokenInfo,
+    TokenRequest,
     WaitRequest,
     check_id,
 )
 from .errors import JoinTimeout, RallypointError, TransportError, error_for
 
 __all__ = [
+    "CREDENTIAL_ENV",
     "ENDPOINT_KEY_ENV",
     "GENERATION_ENV",
     "JOB_ENV",
@@ -73,6 +78,9 @@ NODE_ENV = "RALLYPOINT_NODE"
 #: The generation a torchrun agent joined, set for its workers: their ``join()`` returns
 #: the agent's assignment instead of starting a round of their own.
 GENERATION_ENV = "RALLYPOINT_GENERATION"
+#: The node credential a torchrun agent's join got, set for its workers (they act for
+#: the agent's node: checkpoint reports, the assignment).
+CREDENTIAL_ENV = "RALLYPOINT_CREDENTIAL"
 #: ``rest`` (the default) or ``envelope`` (every call through one route; see ElasticClient).
 TRANSPORT_ENV = "RALLYPOINT_TRANSPORT"
 #: A gateway's key (an AzureML endpoint's), when the gateway takes ``Authorization``.
@@ -144,6 +152,7 @@ class ElasticClient:
         http_transport: An httpx transport (tests, proxies).
         generation: A generation this node already joined (its torchrun agent did):
             :meth:`join` returns that assignment rather than joining again.
+        credential: The node credential of that join (see :attr:`credential`).
 
     Raises:
         ValueError: ``job_id`` or ``node_id`` is not a valid id, or ``transport`` is
@@ -163,6 +172,7 @@ class ElasticClient:
         endpoint_key: str | None = None,
         http_transport: httpx.BaseTransport | None = None,
         generation: int | None = None,
+        credential: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.job_id = check_id(job_id)
@@ -188,13 +198,16 @@ class ElasticClient:
         )
         self.assignment: Assignment | None = None
         self._joined = generation
+        self.credential: str | None = None
+        if credential:
+            self._credential(credential)
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> ElasticClient:
         """A client from ``RALLYPOINT_URL``, ``RALLYPOINT_JOB``, ``RALLYPOINT_TOKEN``,
-        ``RALLYPOINT_ENDPOINT_KEY``, ``RALLYPOINT_TRANSPORT``, ``RALLYPOINT_NODE`` and
-        ``RALLYPOINT_GENERATION`` (set by the torchrun plugin for its workers); keyword
-        arguments win over the environment.
+        ``RALLYPOINT_ENDPOINT_KEY``, ``RALLYPOINT_TRANSPORT``, ``RALLYPOINT_NODE``,
+        ``RALLYPOINT_GENERATION`` and ``RALLYPOINT_CREDENTIAL`` (set by the torchrun
+        plugin for its workers); keyword arguments win over the environment.
 
         Raises:
             ValueError: ``RALLYPOINT_URL`` or ``RALLYPOINT_JOB`` is not set.
@@ -208,7 +221,13 @@ class ElasticClient:
         generation = os.environ.get(GENERATION_ENV)
         if generation:
             kwargs.setdefault("generation", int(generation))
+        kwargs.setdefault("credential", os.environ.get(CREDENTIAL_ENV) or None)
         return cls(url, job_id, **kwargs)
+
+    def _credential(self, credential: str) -> None:
+        """From now on every request acts as this registration of the node."""
+        self.credential = credential
+        self._http.headers[CREDENTIAL_HEADER] = credential
 
     # --- plumbing -----------------------------------------------------------------------
 
@@ -305,8 +324,56 @@ class ElasticClient:
         return JobStatus.model_validate_json(self._request("GET", self._job).content)
 
     def jobs(self) -> list[JobSummary]:
-        """Every job on the coordinator."""
+        """Every job on the coordinator (that this client's token covers)."""
         return [JobSummary.model_validate(j) for j in self._request("GET", "/v1/jobs").json()]
+
+    # --- tokens (the admin token's) -----------------------------------------------------
+
+    def create_token(
+        self,
+        role: Literal["trainer", "reader"],
+        *,
+        expires_in: timedelta | None = None,
+        name: str | None = None,
+    ) -> TokenCreated:
+        """Makes a token scoped to this client's job (needs the admin token).
+
+        Args:
+            role: ``trainer`` joins the job and acts for its nodes; ``reader`` reads it.
+            expires_in: Its lifetime; None: until revoked.
+            name: A label for people.
+
+        Returns:
+            The token's record with ``token`` itself, shown this once.
+
+        Raises:
+            Forbidden: This client's token is not the admin token.
+        """
+        body = TokenRequest(
+            job_id=self.job_id,
+            role=role,
+            expires_in=None if expires_in is None else expires_in.total_seconds(),
+            name=name,
+        )
+        return TokenCreated.model_validate_json(self._request("POST", "/v1/tokens", body).content)
+
+    def tokens(self, *, all_jobs: bool = False) -> list[TokenInfo]:
+        """This job's scoped tokens (every job's, with ``all_jobs``), revoked ones
+        included; never the tokens themselves (needs the admin token)."""
+        query = "" if all_jobs else f"?job_id={self.job_id}"
+        reply = self._request("GET", f"/v1/tokens{query}")
+        return [TokenInfo.model_validate(t) for t in reply.json()]
+
+    def revoke_token(self, token_id: str) -> TokenInfo:
+        """Revokes a scoped token: every coordinator replica refuses it within a second
+        (needs the admin token).
+
+        Raises:
+            UnknownToken: No token has this id.
+        """
+        return TokenInfo.model_validate_json(
+            self._request("DELETE", f"/v1/tokens/{token_id}").content
+        )
 
     # --- rendezvous ---------------------------------------------------------------------
 
@@ -368,6 +435,8 @@ class ElasticClient:
         reply = JoinReply.model_validate_json(
             self._request("POST", f"{self._job}/join", request, read_timeout=request.wait).content
         )
+        if reply.credential:
+            self._credential(reply.credential)
         while reply.assignment is None:
             if deadline is not None and time.monotonic() >= deadline:
                 raise JoinTimeout(
@@ -401,7 +470,10 @@ class ElasticClient:
 
     def store(self, generation: int, request: StoreRequest) -> StoreReply:
         """One operation on a generation's key-value store (see
-        ``rallypoint.trainer.CoordinatorStore``, the ``torch.distributed.Store`` on it)."""
+        ``rallypoint.trainer.CoordinatorStore``, the ``torch.distributed.Store`` on it),
+        as this node (a member of ``generation``)."""
+        if request.node_id is None:
+            request = request.model_copy(update={"node_id": self.node_id})
         reply = self._request(
             "POST", f"{self._job}/store/{generation}", request, read_timeout=request.wait
         )

@@ -15,6 +15,7 @@ from urllib.parse import unquote
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
 __all__ = [
+    "CREDENTIAL_HEADER",
     "ENVELOPE_PATH",
     "ID_JSON_SCHEMA",
     "ID_PATTERN",
@@ -56,11 +57,16 @@ __all__ = [
     "ShardFile",
     "StoreReply",
     "StoreRequest",
+    "TokenCreated",
+    "TokenInfo",
+    "TokenRequest",
     "WaitRequest",
     "WaitingNode",
     "check_id",
 ]
 
+#: Carries a node's credential (from its join) on every request that acts for the node.
+CREDENTIAL_HEADER = "X-Rallypoint-Credential"
 #: Job and node ids: what is safe in a URL path, a table key and a blob name.
 ID_PATTERN = r"[A-Za-z0-9._-]{1,64}"
 #: :data:`ID_PATTERN` less "." and "..", anchored and without look-around, as JSON
@@ -459,6 +465,9 @@ class JoinReply(_Model):
     status: Literal["sealed", "waiting"]
     round: int
     assignment: Assignment | None = None
+    #: The credential of this registration of the node (in the reply to ``join``):
+    #: every request that acts for the node sends it in ``X-Rallypoint-Credential``.
+    credential: str | None = None
 
 
 class HeartbeatRequest(_Model):
@@ -600,12 +609,14 @@ class StoreRequest(_Model):
     keys: list[_StoreKey] = Field(default_factory=list, max_length=MAX_STORE_KEYS)
     #: ``set``: one per key.
     values: list[_StoreValue] | None = Field(None, max_length=MAX_STORE_KEYS)
-    #: ``add``: the increment.
-    amount: int | None = None
+    #: ``add``: the increment (torch's stores count in 64 bits, and so does this one).
+    amount: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     #: ``compare_set``: the value expected now ("" for "absent") and the one to set.
     expected: _StoreValue | None = None
     desired: _StoreValue | None = None
     wait: float = Field(0.0, ge=0, le=30)
+    #: The node the request acts for (with its credential): a member of the generation.
+    node_id: Id | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> StoreRequest:
@@ -632,3 +643,37 @@ class StoreReply(_Model):
     value: str | None = None
     #: ``check``: whether every key exists; ``delete``: whether the key existed.
     found: bool | None = None
+
+
+#: What a job-scoped token lets its holder do: ``trainer`` joins the job and acts for
+#: its nodes (and reads it); ``reader`` reads it (GET routes, status page, CLI views).
+TokenRole = Literal["trainer", "reader"]
+
+
+class TokenRequest(_Model):
+    """Asks the coordinator (with its admin token) for a job-scoped token."""
+
+    job_id: Id
+    role: TokenRole
+    #: Seconds until it expires; None: until revoked.
+    expires_in: float | None = Field(None, gt=0, le=366 * 86400)
+    #: A label for people (who or what it is for).
+    name: str | None = Field(None, max_length=100)
+
+
+class TokenInfo(_Model):
+    """A scoped token's record (never the token itself)."""
+
+    token_id: str
+    job_id: str
+    role: TokenRole
+    name: str | None = None
+    created_at: float
+    expires_at: float | None = None
+    revoked_at: float | None = None
+
+
+class TokenCreated(TokenInfo):
+    """A new token: ``token`` is shown this once (the coordinator keeps its hash)."""
+
+    token: str

@@ -130,9 +130,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(run=_demo)
 
+    from rallypoint._admin import add_commands as add_admin_commands
     from rallypoint._inspect import add_commands
 
     add_commands(commands)
+    add_admin_commands(commands)
     return parser
 
 

@@ -31,7 +31,7 @@ from rallypoint.client import (
     RetryPolicy,
 )
 
-__all__ = ["add_commands"]
+__all__ = ["add_commands", "client_for", "connection_options"]
 
 # A person is waiting: fail within seconds when the coordinator is down.
 _RETRY = RetryPolicy(deadline=timedelta(seconds=5))
@@ -63,7 +63,7 @@ def _pointer(pointer: CheckpointPointer | None) -> str:
     return f"v{pointer.version} (step {pointer.step}, generation {pointer.generation}{tier})"
 
 
-def _client(args: argparse.Namespace, job: str = "-") -> ElasticClient:
+def client_for(args: argparse.Namespace, job: str = "-") -> ElasticClient:
     if not args.url:
         print(f"rallypoint {args.command}: give --url or set {URL_ENV}", file=sys.stderr)
         raise SystemExit(2)
@@ -205,12 +205,12 @@ def _render(
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    with _client(args) as client:
+    with client_for(args) as client:
         return _show(args, lambda: _render(args, client.jobs(), print_jobs))
 
 
 def _status(args: argparse.Namespace) -> int:
-    with _client(args, args.job) as client:
+    with client_for(args, args.job) as client:
         return _show(args, lambda: _render(args, client.membership(), print_status))
 
 
@@ -232,13 +232,13 @@ def _checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         parser.error("give JOB, or quarantine JOB VERSION, or unquarantine JOB VERSION")
     if args.reason is not None or args.restart:
         parser.error("--reason and --restart go with quarantine JOB VERSION")
-    with _client(args, words[0]) as client:
+    with client_for(args, words[0]) as client:
         return _show(args, lambda: _render(args, client.checkpoints(), print_checkpoints))
 
 
 def _quarantine(args: argparse.Namespace, action: str, job: str, version: int) -> int:
     """Quarantines or unquarantines ``version`` and says where the latest pointer is."""
-    with _client(args, job) as client:
+    with client_for(args, job) as client:
         try:
             if action == "quarantine":
                 info = client.quarantine(version, args.reason or "", restart=args.restart)
@@ -257,8 +257,8 @@ def _quarantine(args: argparse.Namespace, action: str, job: str, version: int) -
     return 0
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Adds ``jobs``, ``status`` and ``checkpoints`` to the ``rallypoint`` command."""
+def connection_options() -> argparse.ArgumentParser:
+    """The options of every command that calls a coordinator (a parent parser)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--url", default=os.environ.get(URL_ENV), help=f"the coordinator [{URL_ENV}]"
@@ -278,6 +278,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
         help="the AzureML endpoint's key [RALLYPOINT_ENDPOINT_KEY]",
     )
     common.add_argument("--json", action="store_true", help="JSON instead of a table")
+    return common
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``jobs``, ``status`` and ``checkpoints`` to the ``rallypoint`` command."""
+    common = connection_options()
     common.add_argument("--watch", action="store_true", help="print again whenever it changes")
     common.add_argument(
         "--interval", type=float, default=1.0, help="seconds between --watch polls [1]"

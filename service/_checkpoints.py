@@ -36,7 +36,6 @@ that is latest is always complete.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import logging
@@ -315,22 +314,27 @@ class Checkpoints:
         self.read_ttl = read_ttl
         self.on_commit = on_commit
         self.on_restore = on_restore
-        self._keys: dict[str, bytes] = {}
         rdzv.resume = self.resume
 
     # --- writing ------------------------------------------------------------------------
 
-    def begin(self, job_id: str, request: BeginCheckpoint) -> CheckpointBegun:
+    def begin(
+        self, job_id: str, request: BeginCheckpoint, credential: str | None
+    ) -> CheckpointBegun:
         """The version of ``request.step`` in the node's generation, created by the first
         rank that asks, and write URLs for this rank's files.
 
+        Args:
+            credential: The node's, as the request carried it.
+
         Raises:
             UnknownJob, UnknownNode: As the names say.
+            InvalidCredential: Not the node's credential.
             StaleGeneration: The generation is not the job's running one (fencing).
             CheckpointConflict: The version is being collected.
         """
         job = self.rdzv.get_job(job_id)
-        gen, node_rank = self.rdzv.member(job, request.node_id, request.generation)
+        gen, node_rank = self.rdzv.member(job, request.node_id, request.generation, credential)
         rank, world_size = node_rank, len(gen.members)
         if request.rank is not None and request.world_size is not None:
             rank, world_size = request.rank, request.world_size
@@ -437,21 +441,7 @@ class Checkpoints:
 
     def _key(self, job_id: str) -> bytes:
         """The job's grant-signing key, made by the first coordinator that needs it."""
-        key = self._keys.get(job_id)
-        if key is None:
-            try:
-                entity = self.table.get(job_id, PEERKEY)
-            except NotFound:
-                fresh = base64.b64encode(new_signing_key()).decode()
-                try:
-                    entity = self.table.insert(
-                        Entity(job_id, PEERKEY, {"kind": "peerkey", "private": fresh})
-                    )
-                except AlreadyExists:  # another replica made it first: use that one
-                    entity = self.table.get(job_id, PEERKEY)
-            key = base64.b64decode(str(entity.data["private"]))
-            self._keys[job_id] = key
-        return key
+        return self.rdzv.secrets.get(job_id, PEERKEY, new_signing_key)
 
     def peer_key(self, job_id: str) -> str:
         """The public half of the job's grant-signing key.
@@ -560,10 +550,16 @@ class Checkpoints:
                 f"not {node_id!r}: two processes were given one rank"
             )
 
-    def report(self, job_id: str, number: int, request: ReportShard) -> CheckpointInfo:
+    def report(
+        self, job_id: str, number: int, request: ReportShard, credential: str | None
+    ) -> CheckpointInfo:
         """Records a rank's uploaded files; the last rank's report commits the version.
 
+        Args:
+            credential: The reporting node's, as the request carried it.
+
         Raises:
+            InvalidCredential: Not the node's credential.
             StaleGeneration: The generation ended (a zombie's report changes nothing).
             UnknownCheckpoint: No such version.
             CheckpointConflict: The version belongs to another generation, or expired.
@@ -573,7 +569,7 @@ class Checkpoints:
         """
         version = self._get(job_id, number)
         job = self.rdzv.get_job(job_id)
-        gen, rank = self.rdzv.member(job, request.node_id, request.generation)
+        gen, rank = self.rdzv.member(job, request.node_id, request.generation, credential)
         rank = rank if request.rank is None else request.rank
         if version.generation != request.generation:
             raise CheckpointConflict(
@@ -719,7 +715,9 @@ class Checkpoints:
                 exc,
             )
 
-    def restored(self, job_id: str, number: int, report: RestoreReport) -> None:
+    def restored(
+        self, job_id: str, number: int, report: RestoreReport, credential: str | None
+    ) -> None:
         """Counts what a rank's restore of a version read, by source. Only a member of
         the running generation is heard: a zombie's numbers would be about a restore
         that no longer matters.
@@ -727,11 +725,12 @@ class Checkpoints:
         Raises:
             StaleGeneration: The generation is not the job's running one.
             UnknownNode: The node is not a member of it.
+            InvalidCredential: Not the node's credential.
             UnknownCheckpoint: No such version, or it is being collected.
             CheckpointConflict: The version is not committed: nothing restores from it.
         """
         job = self.rdzv.get_job(job_id)
-        self.rdzv.member(job, report.node_id, report.generation)
+        self.rdzv.member(job, report.node_id, report.generation, credential)
         version = self._get(job_id, number)
         if version.state == "deleting":
             raise UnknownCheckpoint(f"version {number} of job {job_id!r} was collected")

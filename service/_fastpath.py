@@ -19,9 +19,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rallypoint.client._models import HeartbeatRequest, check_id
+from rallypoint.client._models import CREDENTIAL_HEADER, HeartbeatRequest, check_id
 
-from ._http import authorized, error_response
+from ._http import error_response
+from ._tokens import presented
+from .deps import MAX_CREDENTIAL
 from .errors import RallypointServiceError
 from .routers.jobs import heartbeat, pulse, router
 
@@ -66,11 +68,15 @@ class HeartbeatFastPath:
             if not message.get("more_body"):
                 break
         try:
-            if not authorized(state.settings.token, headers):
-                raise ValueError("unauthorized")
             job_id, node_id = check_id(match[1]), check_id(match[2])
+            principal = await state.tokens.principal(presented(headers))
+            if principal is None or not principal.may("act", job_id):
+                raise ValueError("unauthorized")
             request = HeartbeatRequest.model_validate_json(body)
-        except (ValueError, ValidationError):  # the route says what is wrong
+            credential = headers.get(CREDENTIAL_HEADER)
+            if not credential or len(credential) > MAX_CREDENTIAL:
+                raise ValueError("no credential, or too long")
+        except (ValueError, ValidationError, RallypointServiceError):  # the route says why
             await self.app(scope, _replaying(messages, receive), send)
             return
 
@@ -78,7 +84,12 @@ class HeartbeatFastPath:
         response: Response
         try:
             reply = await pulse(
-                job_id, node_id, request, state, Request(scope, receive).is_disconnected
+                job_id,
+                node_id,
+                request,
+                credential,
+                state,
+                Request(scope, receive).is_disconnected,
             )
             response = Response(reply.model_dump_json(), media_type="application/json")
         except RallypointServiceError as exc:

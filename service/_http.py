@@ -1,8 +1,7 @@
-"""HTTP plumbing: the error body every failure gets, a body-size limit, bearer auth."""
+"""HTTP plumbing: the error body every failure gets, and a body-size limit."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
@@ -22,11 +21,8 @@ from .errors import RallypointServiceError
 
 __all__ = [
     "MAX_BODY_BYTES",
-    "TOKEN_HEADER",
     "BodyLimit",
     "allowed_methods",
-    "authorized",
-    "check_token",
     "effective_routes",
     "error_response",
     "install_handlers",
@@ -137,27 +133,6 @@ def install_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("%s %s failed", request.method, request.url.path)
         return error_response(500, codes.INTERNAL_ERROR, "the coordinator failed; see its log")
-
-
-#: Carries the token where a gateway takes ``Authorization`` for its own key (AzureML).
-TOKEN_HEADER = "x-rallypoint-token"
-
-
-def check_token(expected: str | None, header: str | None, alternate: str | None = None) -> bool:
-    """Whether an ``Authorization`` header carries the expected bearer token, or the
-    ``X-Rallypoint-Token`` header (``alternate``) carries it bare."""
-    if expected is None:
-        return True
-    if alternate is not None:
-        return hmac.compare_digest(alternate.encode(), expected.encode())
-    scheme, _, given = (header or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), expected.encode())
-
-
-def authorized(expected: str | None, headers: Mapping[str, str]) -> bool:
-    """Whether a request's headers (case-insensitive) carry the coordinator's token, in
-    ``Authorization: Bearer`` or ``X-Rallypoint-Token``."""
-    return check_token(expected, headers.get("authorization"), headers.get(TOKEN_HEADER))
 
 
 class BodyLimit:

@@ -6,10 +6,14 @@ One partition per job holds:
                   authoritative latest checkpoint. It is the only entity more than one
                   node writes, and only to seal or end a generation or to move the
                   checkpoint pointer, always by ETag compare-and-swap.
-- ``node:ID``     one per node: address, the round it registered for, ``waiting``/``left``.
-                  Joining writes only this, so a thousand joins do not fight over a row.
+- ``node:ID``     one per node: address, the round it registered for, ``waiting``/``left``,
+                  its registration and the digest of its credential (see
+                  :mod:`._credentials`). Joining writes only this, so a thousand joins
+                  do not fight over a row.
 - ``beat:ID``     one per node: the coordinator's clock at its last heartbeat.
-- ``gen:NNN``     one per sealed generation: members and ranks (immutable), and when and
+- ``nodekey``     the job's key node credentials derive from.
+- ``gen:NNN``     one per sealed generation: members, ranks and credential digests
+                  (immutable), and when and
                   why it ended. Sealing inserts it in one batch with the job's CAS, so a
                   generation is sealed completely or not at all, by exactly one writer.
 
@@ -23,11 +27,12 @@ import contextlib
 import functools
 import json
 import math
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal
 
@@ -42,7 +47,9 @@ from rallypoint.client._models import (
     WaitingNode,
 )
 
+from . import _credentials as credentials
 from ._packed import pack, unpack
+from ._secrets import JobSecrets
 from .errors import (
     AlreadyExists,
     JobConflict,
@@ -99,6 +106,8 @@ class Member:
     port: int
     #: The node agent's replica server, if it runs one.
     peer: str | None = None
+    #: The digest of the credential of the registration that was sealed.
+    cred: str | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,10 @@ class Generation:
             separators=(",", ":"),
         ).encode()
 
+    def credential_of(self, node_id: str) -> str | None:
+        """The member's credential digest (the caller checked it is a member)."""
+        return self.members[self.ranks[node_id]].cred
+
     def assignment_json(self, job_id: str, node_id: str) -> bytes:
         """A member's :class:`Assignment` as JSON, built around :attr:`members_json`."""
         head = {
@@ -155,6 +168,13 @@ class Node:
     state: Literal["waiting", "left"]
     join_id: str | None = None
     peer: str | None = None
+    #: This registration's id, which its credential derives from.
+    registration: str | None = None
+    #: The digest of the registration's credential.
+    cred: str | None = None
+    #: The credential itself: only in what :meth:`Rendezvous.register` returns, never
+    #: stored.
+    credential: str | None = field(default=None, compare=False, repr=False)
 
 
 def _int(d: Mapping[str, Value | None], key: str) -> int:
@@ -250,11 +270,15 @@ def job_entity(job: Job) -> Entity:
     )
 
 
+def _member_fields(m: Member) -> list[str | int | None]:
+    fields: list[str | int | None] = [m.node_id, m.rank, m.addr, m.port, m.peer, m.cred]
+    while fields[-1] is None:  # as records from before these fields were written
+        fields.pop()
+    return fields
+
+
 def _encode_members(members: Iterable[Member]) -> dict[str, bytes]:
-    # The peer URL is left out where there is none: records from before it stay valid.
-    return pack(
-        [[m.node_id, m.rank, m.addr, m.port, *([m.peer] if m.peer else [])] for m in members]
-    )
+    return pack([_member_fields(m) for m in members])
 
 
 def _decode_members(data: Mapping[str, Value | None]) -> tuple[Member, ...]:
@@ -303,6 +327,8 @@ def _node(e: Entity) -> Node:
         state="left" if d["state"] == "left" else "waiting",
         join_id=str(d["join_id"]) if d.get("join_id") else None,
         peer=str(d["peer"]) if d.get("peer") else None,
+        registration=str(d["reg"]) if d.get("reg") else None,
+        cred=str(d["cred"]) if d.get("cred") else None,
     )
 
 
@@ -320,6 +346,8 @@ def _node_entity(job_id: str, n: Node) -> Entity:
             "state": n.state,
             "join_id": n.join_id,
             "peer": n.peer,
+            "reg": n.registration,
+            "cred": n.cred,
         },
     )
 
@@ -355,6 +383,7 @@ class Rendezvous:
         self.table = table
         self.clock = clock
         self.resume = resume
+        self.secrets = JobSecrets(table)
         # A coordinator that was down heard no heartbeats: it gives every member a full
         # timeout from its start before declaring one dead (see _check_members).
         self.started_at = clock()
@@ -504,6 +533,7 @@ class Rendezvous:
         spec: JobSpec | None = None,
         join_id: str | None = None,
         peer: str | None = None,
+        registration: str | None = None,
     ) -> Node:
         """Registers a node for the job's next generation.
 
@@ -516,9 +546,12 @@ class Rendezvous:
                 reply, or after a coordinator restart) registers nothing new and ends
                 nothing: it waits for the round the first request registered for.
             peer: The node's replica server (see :class:`JoinRequest`).
+            registration: Keeps this registration (and so the credential its caller
+                holds) for a node that missed its round and waits for the next.
 
         Returns:
-            The node's registration; its ``round`` is the generation it waits for.
+            The node's registration, with its ``credential``; its ``round`` is the
+            generation it waits for.
 
         Raises:
             UnknownJob: No job, and no spec to create it with.
@@ -537,9 +570,26 @@ class Rendezvous:
                 registered.join_id != join_id or registered.state != "waiting"
             ):
                 registered = None
+        if registration is None:
+            # Retries of one join are one registration, so they get the same credential,
+            # whichever of them lands its write last.
+            registration = (
+                f"join-{join_id}" if join_id is not None else credentials.new_registration()
+            )
+        credential = credentials.derive(
+            self.secrets.get(job_id, credentials.NODE_KEY, lambda: secrets.token_bytes(32)),
+            job_id,
+            node_id,
+            registration,
+        )
         while True:
-            if registered is not None and self._registered(job, registered):
-                return registered  # a retry of a join that already registered
+            if (
+                registered is not None
+                and registered.registration == registration
+                and self._registered(job, registered)
+            ):
+                # a retry of a join that already registered
+                return replace(registered, credential=credential)
             if job.status == "sealed":
                 running = self.sealed(job_id, job.generation)
                 if node_id not in running.ranks:
@@ -554,11 +604,22 @@ class Rendezvous:
                 job = self.get_job(job_id)
                 continue
             now = self.clock()
-            node = Node(node_id, addr, port, job.round, now, "waiting", join_id, peer)
+            node = Node(
+                node_id,
+                addr,
+                port,
+                job.round,
+                now,
+                "waiting",
+                join_id,
+                peer,
+                registration,
+                credentials.digest(credential),
+            )
             self.table.batch(  # one write: registration and first heartbeat together
                 [BatchOp("upsert", _node_entity(job_id, node)), _beat_op(job_id, node_id, now, 0)]
             )
-            return node
+            return replace(node, credential=credential)
 
     def _registered(self, job: Job, node: Node) -> bool:
         """Whether a registration still stands: its round is open, or sealed with it."""
@@ -635,14 +696,30 @@ class Rendezvous:
             return sealed
         return Assignment.model_validate_json(sealed.assignment_json(job.job_id, node_id))
 
-    def member(self, job: Job, node_id: str, generation: int) -> tuple[Generation, int]:
-        """Fences a request that acts for ``generation``: the generation and the node's rank.
+    def member(
+        self,
+        job: Job,
+        node_id: str,
+        generation: int,
+        credential: str | None,
+        *,
+        ended: bool = False,
+    ) -> tuple[Generation, int]:
+        """Fences a request that acts for a node in ``generation``: the generation and the
+        node's rank.
+
+        Args:
+            ended: Also accept a generation that ended (for reads of what it left).
 
         Raises:
-            StaleGeneration: ``generation`` is not the job's running one.
+            StaleGeneration: ``generation`` is not the job's running one (with
+                ``ended``: it never sealed).
             UnknownNode: The node is not a member of it.
+            InvalidCredential: ``credential`` is not the member's.
         """
-        if generation != job.generation or job.status != "sealed":
+        if ended and 1 <= generation <= job.generation:
+            pass
+        elif generation != job.generation or job.status != "sealed":
             raise StaleGeneration(
                 f"generation {generation} of job {job.job_id!r} is not running "
                 f"(latest is {job.generation}, {job.status})"
@@ -651,6 +728,7 @@ class Rendezvous:
         rank = gen.ranks.get(node_id)
         if rank is None:
             raise UnknownNode(f"node {node_id!r} is not a member of generation {generation}")
+        credentials.check(gen.members[rank].cred, credential, node_id)
         return gen, rank
 
     def node(self, job_id: str, node_id: str) -> Node:
@@ -708,7 +786,9 @@ class Rendezvous:
             if waits:
                 return False, min(waits) - now
         chosen = ordered[: spec.max_nodes]
-        members = tuple(Member(n.node_id, i, n.addr, n.port, n.peer) for i, n in enumerate(chosen))
+        members = tuple(
+            Member(n.node_id, i, n.addr, n.port, n.peer, n.cred) for i, n in enumerate(chosen)
+        )
         # The checkpoint is named with the seal, in the same CAS, so every member of the
         # generation resumes from the same version: the newest that the new members'
         # memory or blob storage can still give back (nothing commits while the round
@@ -814,23 +894,46 @@ class Rendezvous:
             return "restart"
         return "continue"
 
-    def leave(self, job_id: str, node_id: str, generation: int | None, reason: str) -> None:
-        """Takes a node out of the job; ends its generation if it was a member.
+    def leave(
+        self,
+        job_id: str,
+        node_id: str,
+        generation: int | None,
+        reason: str,
+        credential: str | None,
+    ) -> None:
+        """Takes a node out of the job, at its own request; ends its generation if it
+        was a member.
 
         Raises:
+            InvalidCredential: ``credential`` is not that of the node's registration.
             StaleGeneration: ``generation`` ended already (a zombie is fenced out).
             UnknownNode: The node never joined.
         """
         job = self.get_job(job_id)
         node = self.node(job_id, node_id)
+        credentials.check(node.cred, credential, node_id)
         if generation is not None and (generation != job.generation or job.status != "sealed"):
             raise StaleGeneration(
                 f"generation {generation} of job {job_id!r} is over "
                 f"(latest is {job.generation}, {job.status})"
             )
+        self._depart(job, node, f"node {node_id} left: {reason}")
+
+    def remove(self, job_id: str, node_id: str, reason: str) -> None:
+        """Takes a node out of the job for the operator (no credential): as if it had
+        left; its generation ends if it was a member.
+
+        Raises:
+            UnknownJob, UnknownNode: As named.
+        """
+        self._depart(self.get_job(job_id), self.node(job_id, node_id), reason)
+
+    def _depart(self, job: Job, node: Node, reason: str) -> None:
+        job_id, node_id = job.job_id, node.node_id
         self.table.upsert(_node_entity(job_id, replace(node, state="left")))
         while job.status == "sealed" and node_id in self.sealed(job_id, job.generation).ranks:
-            if self._end(job, f"node {node_id} left: {reason}"):
+            if self._end(job, reason):
                 return
             job = self.get_job(job_id)
 

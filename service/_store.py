@@ -16,12 +16,13 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from urllib.parse import quote
 
-from .errors import AlreadyExists, Modified, NotFound
+from .errors import AlreadyExists, InvalidRequest, Modified, NotFound
 from .storage import BatchOp, Cond, Entity, Table
 
 __all__ = ["KeyValue"]
 
 SUFFIX = "~store"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _row(generation: int, key: str) -> str:
@@ -68,9 +69,23 @@ class KeyValue:
         return out
 
     def add(self, job_id: str, generation: int, key: str, amount: int) -> int:
-        """Adds to a counter (a missing key counts from 0); returns the new value."""
-        total = self._swap(job_id, generation, key, lambda now: b"%d" % (int(now or b"0") + amount))
-        return int(total or b"0")
+        """Adds to a counter (a missing key counts from 0); returns the new value.
+
+        Raises:
+            InvalidRequest: The value is not an integer, or the sum leaves int64 (torch's
+                stores count in 64 bits): nothing is written.
+        """
+
+        def added(now: bytes | None) -> bytes:
+            try:
+                total = int(now or b"0") + amount
+            except ValueError:
+                raise InvalidRequest(f"store key {key!r} does not hold an integer") from None
+            if not _INT64_MIN <= total <= _INT64_MAX:
+                raise InvalidRequest(f"adding {amount} to store key {key!r} leaves int64")
+            return b"%d" % total
+
+        return int(self._swap(job_id, generation, key, added) or b"0")
 
     def compare_set(
         self, job_id: str, generation: int, key: str, expected: bytes, desired: bytes

@@ -23,6 +23,7 @@ from ._http import BodyLimit, install_handlers
 from ._metrics import Metrics
 from ._rendezvous import Rendezvous
 from ._store import KeyValue
+from ._tokens import Tokens
 from .errors import UnknownJob
 from .settings import Settings
 from .storage import Storage, open_storage
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
         app.state.rdzv = Rendezvous(store.table("jobs"))
         app.state.driver = Driver(app.state.rdzv)
         app.state.kv = KeyValue(store.table("jobs"))
+        app.state.tokens = Tokens(store.table("jobs"), settings.token)
         app.state.checkpoints = Checkpoints(
             app.state.rdzv,
             store.blobs("checkpoints"),
@@ -91,6 +93,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(routers.jobs)
     app.include_router(routers.checkpoints)
     app.include_router(routers.store)
+    app.include_router(routers.tokens)
     app.include_router(routers.envelope)
     app.include_router(routers.metrics)
     app.include_router(routers.pages)

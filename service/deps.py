@@ -8,28 +8,31 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Header, Path, Request
 
-from rallypoint.client._models import ID_JSON_SCHEMA, check_id
+from rallypoint.client._models import CREDENTIAL_HEADER, ENVELOPE_PATH, ID_JSON_SCHEMA, check_id
 
 from ._checkpoints import Checkpoints
 from ._contract import raises
 from ._driver import Driver
-from ._http import authorized
 from ._rendezvous import Rendezvous
 from ._store import KeyValue
-from .errors import InvalidId, StorageUnavailable, Unauthorized
+from ._tokens import Need, Principal, Tokens, presented
+from .errors import Forbidden, InvalidCredential, InvalidId, StorageUnavailable, Unauthorized
 from .settings import Settings
 
 __all__ = [
+    "MAX_CREDENTIAL",
     "AdminOnly",
     "Auth",
     "CheckpointsDep",
+    "Credential",
     "DriverDep",
     "GenerationNumber",
     "JobId",
     "KeyValueDep",
     "NodeId",
+    "PrincipalDep",
     "RdzvDep",
     "SettingsDep",
 ]
@@ -64,10 +67,48 @@ async def _settings(request: Request) -> Settings:
     return settings
 
 
-@raises(Unauthorized)
-async def _authorized(request: Request) -> None:
-    if not authorized(request.app.state.settings.token, request.headers):
-        raise Unauthorized("this coordinator needs 'Authorization: Bearer <token>'")
+# Routes without a job in their path that any valid token may call: the job list (it
+# shows a scoped token its own job) and the envelope (its operation is checked as if
+# called directly). Every other such route is the operator's.
+_UNSCOPED = {("GET", "/v1/jobs"), ("POST", ENVELOPE_PATH)}
+
+
+@raises(Unauthorized, Forbidden, StorageUnavailable)
+async def _authorized(request: Request) -> Principal:
+    """Who the request's token makes the caller, and whether that covers the route: a
+    scoped token reads its own job (GET) and, as ``trainer``, acts in it."""
+    tokens: Tokens = request.app.state.tokens
+    principal = await tokens.principal(presented(request.headers))
+    if principal is None:
+        raise Unauthorized(
+            "this coordinator needs 'Authorization: Bearer <token>' (a valid, unexpired, "
+            "unrevoked one)"
+        )
+    request.state.principal = principal
+    job_id = request.path_params.get("job_id")
+    if job_id is None:
+        if (request.method, request.scope["path"]) in _UNSCOPED or principal.may("admin", None):
+            return principal
+        raise Forbidden(f"{request.method} {request.scope['path']} needs the admin token")
+    need: Need = "read" if request.method in ("GET", "HEAD") else "act"
+    if not principal.may(need, job_id):
+        raise Forbidden(
+            f"a {principal.role} token for job {principal.job_id!r} may not "
+            f"{'read' if need == 'read' else 'act in'} job {job_id!r}"
+        )
+    return principal
+
+
+@raises(Forbidden)
+async def _admin(request: Request) -> None:
+    principal: Principal | None = getattr(request.state, "principal", None)
+    if principal is None or not principal.may("admin", None):
+        raise Forbidden(f"{request.method} {request.scope['path']} needs the admin token")
+
+
+async def _principal(request: Request) -> Principal:
+    principal: Principal = request.state.principal
+    return principal
 
 
 def _checked(kind: str, value: str) -> str:
@@ -99,7 +140,38 @@ SettingsDep = Annotated[Settings, Depends(_settings)]
 JobId = Annotated[str, Depends(_job_id)]
 NodeId = Annotated[str, Depends(_node_id)]
 GenerationNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
-#: Declared on the /v1 router: every route under it needs the token when one is set.
+#: Longer than any credential the coordinator issues (43 characters).
+MAX_CREDENTIAL = 128
+
+
+@raises(InvalidCredential)
+async def _credential(
+    credential: Annotated[
+        str | None,
+        Header(
+            alias=CREDENTIAL_HEADER,
+            max_length=MAX_CREDENTIAL,
+            description="The node's credential, from its join",
+        ),
+    ] = None,
+) -> str:
+    # Refused before anything else is judged (a stale generation, say), so a caller
+    # without a credential learns nothing about the job.
+    if not credential:
+        raise InvalidCredential(
+            f"a request that acts for a node needs its credential ({CREDENTIAL_HEADER}, "
+            "from its join)"
+        )
+    return credential
+
+
+#: The node credential a request that acts for a node carries: present here; whether it
+#: is the node's, the domain checks.
+Credential = Annotated[str, Depends(_credential)]
+#: Declared on the /v1 routers: every route needs a token (when the coordinator has one)
+#: that covers its job; routes without a job need the admin token.
 Auth = Depends(_authorized)
-#: Declared on routes only the operator may call (the admin token).
-AdminOnly = Depends(_authorized)
+#: Declared on routes only the operator may call (the admin token), after :data:`Auth`.
+AdminOnly = Depends(_admin)
+#: The caller, as :data:`Auth` found it.
+PrincipalDep = Annotated[Principal, Depends(_principal)]

@@ -15,6 +15,7 @@ Hierarchy::
     │   ├── InvalidCredential   403: a request acting for a node lacks its credential
     │   ├── UnknownJob          404: no job has this id
     │   ├── UnknownNode         404: the node never joined this job
+    │   ├── UnknownToken        404: no scoped token has this id
     │   ├── JobConflict         409: the job exists with other parameters
     │   ├── JobFull             409: max_nodes are members already
     │   ├── StaleGeneration     409: the request acts for a generation that ended (fencing)
@@ -65,6 +66,7 @@ __all__ = [
     "UnknownCheckpoint",
     "UnknownJob",
     "UnknownNode",
+    "UnknownToken",
 ]
 
 
@@ -128,6 +130,11 @@ class UnknownJob(RequestError):
 
 class UnknownNode(RequestError):
     code = "unknown_node"
+    status = 404
+
+
+class UnknownToken(RequestError):
+    code = "unknown_token"
     status = 404
 
 

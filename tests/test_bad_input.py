@@ -10,11 +10,15 @@ from typing import Any
 import httpx
 import pytest
 
+from rallypoint.client import CREDENTIAL_HEADER
+
 from ._coordinator import Coordinator
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """A coordinator's URL and the credential of its job's one member, node a (every
+    request here acts as a, so that the request itself is what is wrong)."""
     store = tmp_path_factory.mktemp("store")
     coordinator = Coordinator(["--storage", f"local:{store}"], {}).start()
     # One job with one sealed generation, which no bad request may disturb.
@@ -25,15 +29,27 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         timeout=60,
     )
     assert reply.status_code == 200, reply.text
+    credential = reply.json()["credential"]
     # And one checkpoint version being written (version 1), which must stay as it is.
     begun = httpx.post(
         f"{coordinator.url}/v1/jobs/job/checkpoints",
         json={"node_id": "a", "generation": 1, "step": 1},
+        headers={CREDENTIAL_HEADER: credential},
         timeout=30,
     )
     assert begun.status_code == 200 and begun.json()["version"] == 1, begun.text
-    yield coordinator.url
+    yield coordinator.url, credential
     coordinator.stop()
+
+
+@pytest.fixture
+def url(served: tuple[str, str]) -> str:
+    return served[0]
+
+
+@pytest.fixture
+def credential(served: tuple[str, str]) -> str:
+    return served[1]
 
 
 def snapshot(url: str) -> Any:
@@ -238,18 +254,28 @@ def enveloped(method: str, path: str, body: Any) -> bytes:
     ("case", "method", "path", "body", "status", "code"), CASES, ids=[c[0] for c in CASES]
 )
 def test_bad_requests_are_refused_and_change_nothing(
-    url: str, via: str, case: str, method: str, path: str, body: Any, status: int, code: str
+    url: str,
+    credential: str,
+    via: str,
+    case: str,
+    method: str,
+    path: str,
+    body: Any,
+    status: int,
+    code: str,
 ) -> None:
     before = snapshot(url)
-    kwargs: dict[str, Any] = {"timeout": 30}
+    # As node a, with its credential: what is refused is the request, not the caller.
+    headers = {CREDENTIAL_HEADER: credential}
+    kwargs: dict[str, Any] = {"timeout": 30, "headers": headers}
     if via == "envelope":
         kwargs["content"] = enveloped(method, path, body)
-        kwargs["headers"] = {"Content-Type": "application/json"}
+        headers["Content-Type"] = "application/json"
         method, path = "POST", ENVELOPE
         status, code = THROUGH_ENVELOPE.get(case, (status, code))
     elif isinstance(body, bytes):
         kwargs["content"] = body
-        kwargs["headers"] = {"Content-Type": "application/json"}
+        headers["Content-Type"] = "application/json"
     elif body is not None:
         kwargs["json"] = body
     reply = httpx.request(method, f"{url}{path}", **kwargs)
@@ -282,12 +308,14 @@ def test_a_zombie_from_an_ended_generation_is_fenced(tmp_path: Path) -> None:
         spec = {"min_nodes": 1, "max_nodes": 2, "last_call": 0, "heartbeat_timeout": 60}
         base = f"{coordinator.url}/v1/jobs/job"
         join = {"node_id": "a", "addr": "h", "port": 1, "spec": spec, "wait": 30}
-        assert httpx.post(f"{base}/join", json=join, timeout=60).json()["status"] == "sealed"
+        joined = httpx.post(f"{base}/join", json=join, timeout=60).json()
+        assert joined["status"] == "sealed"
+        a = {CREDENTIAL_HEADER: joined["credential"]}
         # b joins: generation 1 ends; a's old process keeps talking about it.
         httpx.post(f"{base}/join", json={**join, "node_id": "b", "wait": 0}, timeout=60)
-        reply = httpx.post(f"{base}/nodes/a/leave", json={"generation": 1})
+        reply = httpx.post(f"{base}/nodes/a/leave", json={"generation": 1}, headers=a)
         assert (reply.status_code, reply.json()["code"]) == (409, "stale_generation")
-        beat = httpx.post(f"{base}/nodes/a/heartbeat", json={"generation": 1}).json()
+        beat = httpx.post(f"{base}/nodes/a/heartbeat", json={"generation": 1}, headers=a).json()
         assert beat["action"] == "restart"
         history = httpx.get(base).json()["history"]
         assert history[0]["ended_reason"] == "node b joined"

@@ -8,12 +8,19 @@ from datetime import timedelta
 
 import pytest
 
-from rallypoint.client._models import BeginCheckpoint, CheckpointInfo, ReportShard, ShardFile
+from rallypoint.client._models import (
+    BeginCheckpoint,
+    CheckpointInfo,
+    ReportShard,
+    RestoreReport,
+    ShardFile,
+)
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import (
     CheckpointConflict,
     IncompleteUpload,
+    InvalidCredential,
     InvalidRequest,
     StaleGeneration,
     UnknownCheckpoint,
@@ -22,7 +29,7 @@ from rallypoint.service.errors import (
 from rallypoint.service.storage import BlobStore, Storage
 
 from .conftest import Clock
-from .test_rendezvous import join_all, spec
+from .test_rendezvous import register_all, spec
 
 TIMEOUT = 600.0
 
@@ -37,22 +44,32 @@ def ckpts(rdzv: Rendezvous, blobs: BlobStore) -> Checkpoints:
     return Checkpoints(rdzv, blobs, keep=2, timeout=timedelta(seconds=TIMEOUT))
 
 
-def seal(rdzv: Rendezvous, nodes: list[str]) -> int:
-    """Seals a generation of ``nodes`` (in rank order) and returns its number."""
-    join_all(rdzv, nodes, spec(1, 8, last_call=1))
+def seal(rdzv: Rendezvous, nodes: list[str]) -> tuple[int, dict[str, str]]:
+    """Seals a generation of ``nodes`` (in rank order): its number and each member's
+    credential."""
+    _, creds = register_all(rdzv, nodes, spec(1, 8, last_call=1))
     clock = rdzv.clock
     assert isinstance(clock, Clock)
     clock.advance(1)
     job, _ = rdzv.tick("job")
     assert job.status == "sealed" and job.world_size == len(nodes)
-    return job.generation
+    return job.generation, creds
 
 
-def save(ckpts: Checkpoints, blobs: BlobStore, nodes: list[str], generation: int, step: int) -> int:
+def save(
+    ckpts: Checkpoints,
+    blobs: BlobStore,
+    nodes: list[str],
+    generation: int,
+    step: int,
+    creds: dict[str, str],
+) -> int:
     """Every rank begins, uploads one file and reports; returns the version."""
     version = 0
     for node in nodes:
-        begun = ckpts.begin("job", BeginCheckpoint(node_id=node, generation=generation, step=step))
+        begun = ckpts.begin(
+            "job", BeginCheckpoint(node_id=node, generation=generation, step=step), creds[node]
+        )
         version = begun.version
         data = f"{node}@{step}".encode()
         blobs.put(f"job/v{version:010d}/rank-{begun.rank:05d}/shard.safetensors", data)
@@ -66,6 +83,7 @@ def save(ckpts: Checkpoints, blobs: BlobStore, nodes: list[str], generation: int
                 metadata={"step": step},
                 rank_metadata={"node": node},
             ),
+            creds[node],
         )
     assert info.state == "committed"
     return version
@@ -73,18 +91,20 @@ def save(ckpts: Checkpoints, blobs: BlobStore, nodes: list[str], generation: int
 
 def test_ranks_racing_to_begin_a_step_get_one_version(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
     nodes = [f"n{i}" for i in range(8)]
-    gen = seal(rdzv, nodes)
+    gen, creds = seal(rdzv, nodes)
     with ThreadPoolExecutor(8) as pool:
         begun = list(
             pool.map(
-                lambda n: ckpts.begin("job", BeginCheckpoint(node_id=n, generation=gen, step=5)),
+                lambda n: ckpts.begin(
+                    "job", BeginCheckpoint(node_id=n, generation=gen, step=5), creds[n]
+                ),
                 nodes,
             )
         )
     assert {b.version for b in begun} == {1}
     assert sorted(b.rank for b in begun) == list(range(8))
     assert all(b.state == "pending" and set(b.upload_urls) == {"shard.safetensors"} for b in begun)
-    other = ckpts.begin("job", BeginCheckpoint(node_id="n0", generation=gen, step=6))
+    other = ckpts.begin("job", BeginCheckpoint(node_id="n0", generation=gen, step=6), creds["n0"])
     assert other.version == 2
 
 
@@ -92,8 +112,8 @@ def test_the_last_report_commits_and_moves_the_pointer(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b", "c"]
-    gen = seal(rdzv, nodes)
-    version = save(ckpts, blobs, nodes, gen, step=100)
+    gen, creds = seal(rdzv, nodes)
+    version = save(ckpts, blobs, nodes, gen, 100, creds)
     job = rdzv.get_job("job")
     assert job.checkpoint is not None and (job.checkpoint.version, job.checkpoint.step) == (
         version,
@@ -110,8 +130,8 @@ def test_the_last_report_commits_and_moves_the_pointer(
         *(f"rank-{r:05d}/shard.safetensors" for r in range(3)),
     }
     # The next generation's members all get this pointer in their assignment.
-    rdzv.leave("job", "c", gen, "test")
-    gen2 = seal(rdzv, ["a", "b"])
+    rdzv.leave("job", "c", gen, "test", creds["c"])
+    gen2, _ = seal(rdzv, ["a", "b"])
     job = rdzv.get_job("job")
     for node in ("a", "b"):
         assignment = rdzv.assignment(job, node, gen2)
@@ -122,9 +142,9 @@ def test_the_last_report_commits_and_moves_the_pointer(
 def test_the_pointer_never_moves_back(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen = seal(rdzv, ["a"])
-    newer = save(ckpts, blobs, ["a"], gen, step=200)
-    older = save(ckpts, blobs, ["a"], gen, step=150)
+    gen, creds = seal(rdzv, ["a"])
+    newer = save(ckpts, blobs, ["a"], gen, 200, creds)
+    older = save(ckpts, blobs, ["a"], gen, 150, creds)
     job = rdzv.get_job("job")
     assert job.checkpoint is not None and job.checkpoint.version == newer
     assert not ckpts.get("job", older).latest and ckpts.get("job", older).state == "committed"
@@ -133,15 +153,15 @@ def test_the_pointer_never_moves_back(
 def test_unuploaded_or_wrong_size_files_are_refused(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen = seal(rdzv, ["a"])
-    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    gen, creds = seal(rdzv, ["a"])
+    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
     files = [ShardFile(name="shard.safetensors", size=10, checksum="x:1")]
     report = ReportShard(node_id="a", generation=gen, files=files)
     with pytest.raises(IncompleteUpload):
-        ckpts.report("job", begun.version, report)
+        ckpts.report("job", begun.version, report, creds["a"])
     blobs.put(f"job/v{begun.version:010d}/rank-00000/shard.safetensors", b"12345")
     with pytest.raises(IncompleteUpload):
-        ckpts.report("job", begun.version, report)
+        ckpts.report("job", begun.version, report, creds["a"])
     assert rdzv.get_job("job").checkpoint is None
     with pytest.raises(UnknownCheckpoint):
         ckpts.get("job")
@@ -150,18 +170,23 @@ def test_unuploaded_or_wrong_size_files_are_refused(
 def test_a_zombie_from_an_ended_generation_is_refused(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen = seal(rdzv, ["a", "b"])
-    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    gen, creds = seal(rdzv, ["a", "b"])
+    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
     blobs.put(f"job/v{begun.version:010d}/rank-00000/shard.safetensors", b"zombie")
-    rdzv.leave("job", "b", gen, "preempted")  # the generation ends
+    rdzv.leave("job", "b", gen, "preempted", creds["b"])  # the generation ends
     files = [ShardFile(name="shard.safetensors", size=6, checksum="x:1")]
     with pytest.raises(StaleGeneration):
-        ckpts.report("job", begun.version, ReportShard(node_id="a", generation=gen, files=files))
+        ckpts.report(
+            "job",
+            begun.version,
+            ReportShard(node_id="a", generation=gen, files=files),
+            creds["a"],
+        )
     with pytest.raises(StaleGeneration):
-        ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=2))
+        ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=2), creds["a"])
     with pytest.raises(UnknownNode):
-        gen2 = seal(rdzv, ["a"])
-        ckpts.begin("job", BeginCheckpoint(node_id="b", generation=gen2, step=2))
+        gen2, _ = seal(rdzv, ["a"])
+        ckpts.begin("job", BeginCheckpoint(node_id="b", generation=gen2, step=2), creds["b"])
     assert ckpts.versions("job")[0].state == "pending"
     assert rdzv.get_job("job").checkpoint is None
 
@@ -169,18 +194,23 @@ def test_a_zombie_from_an_ended_generation_is_refused(
 def test_a_report_for_another_generations_version_is_refused(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen = seal(rdzv, ["a"])
-    old = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
-    rdzv.leave("job", "a", gen, "restart")
-    gen2 = seal(rdzv, ["a"])
+    gen, creds = seal(rdzv, ["a"])
+    old = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
+    rdzv.leave("job", "a", gen, "restart", creds["a"])
+    gen2, creds = seal(rdzv, ["a"])
     files = [ShardFile(name="shard.safetensors", size=1, checksum="x:1")]
     with pytest.raises(CheckpointConflict):
-        ckpts.report("job", old.version, ReportShard(node_id="a", generation=gen2, files=files))
+        ckpts.report(
+            "job",
+            old.version,
+            ReportShard(node_id="a", generation=gen2, files=files),
+            creds["a"],
+        )
 
 
 def test_metadata_over_the_limit_is_refused(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
-    gen = seal(rdzv, ["a"])
-    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    gen, creds = seal(rdzv, ["a"])
+    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
     files = [ShardFile(name="shard.safetensors", size=1, checksum="x:1")]
     huge = {"blob": "x" * (600 * 1024)}
     with pytest.raises(InvalidRequest):
@@ -188,19 +218,22 @@ def test_metadata_over_the_limit_is_refused(ckpts: Checkpoints, rdzv: Rendezvous
             "job",
             begun.version,
             ReportShard(node_id="a", generation=gen, files=files, metadata=huge),
+            creds["a"],
         )
 
 
 def test_unfinished_versions_are_collected_after_the_timeout(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore, clock: Clock
 ) -> None:
-    gen = seal(rdzv, ["a", "b"])
-    kept = save(ckpts, blobs, ["a", "b"], gen, step=10)
+    gen, creds = seal(rdzv, ["a", "b"])
+    kept = save(ckpts, blobs, ["a", "b"], gen, 10, creds)
     # Rank a uploads and reports step 20; rank b dies mid-upload.
-    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=20))
+    begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=20), creds["a"])
     blobs.put(f"job/v{begun.version:010d}/rank-00000/shard.safetensors", b"half")
     files = [ShardFile(name="shard.safetensors", size=4, checksum="x:1")]
-    info = ckpts.report("job", begun.version, ReportShard(node_id="a", generation=gen, files=files))
+    info = ckpts.report(
+        "job", begun.version, ReportShard(node_id="a", generation=gen, files=files), creds["a"]
+    )
     assert info.state == "pending" and info.reported == 1
     assert ckpts.collect("job") == []  # not yet: its uploads may still finish
     clock.advance(TIMEOUT + 1)
@@ -215,22 +248,22 @@ def test_unfinished_versions_are_collected_after_the_timeout(
 def test_an_expired_step_gets_a_fresh_version(
     ckpts: Checkpoints, rdzv: Rendezvous, clock: Clock
 ) -> None:
-    gen = seal(rdzv, ["a"])
-    first = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    gen, creds = seal(rdzv, ["a"])
+    first = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
     clock.advance(TIMEOUT + 1)
-    again = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1))
+    again = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
     assert again.version > first.version and again.state == "pending"
 
 
 def test_retention_keeps_the_last_k_and_always_the_latest(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen = seal(rdzv, ["a"])
-    latest = save(ckpts, blobs, ["a"], gen, step=1000)
+    gen, creds = seal(rdzv, ["a"])
+    latest = save(ckpts, blobs, ["a"], gen, 1000, creds)
     # Older steps commit later but never become latest; retention (keep=2) must not
     # take the latest although two newer versions exist.
     for step in (10, 20, 30):
-        save(ckpts, blobs, ["a"], gen, step=step)
+        save(ckpts, blobs, ["a"], gen, step, creds)
     versions = {v.version: v for v in ckpts.versions("job")}
     assert latest in versions and versions[latest].latest
     assert len(versions) == 3  # the two newest plus the latest
@@ -247,16 +280,18 @@ def test_two_coordinators_commit_one_version(
         for _ in range(2)
     )
     nodes = [f"n{i}" for i in range(6)]
-    gen = seal(one.rdzv, nodes)
+    gen, creds = seal(one.rdzv, nodes)
 
     def rank(i: int) -> str:
         ckpts = (one, two)[i % 2]
         node = nodes[i]
-        begun = ckpts.begin("job", BeginCheckpoint(node_id=node, generation=gen, step=7))
+        begun = ckpts.begin(
+            "job", BeginCheckpoint(node_id=node, generation=gen, step=7), creds[node]
+        )
         blobs.put(f"job/v{begun.version:010d}/rank-{begun.rank:05d}/shard.safetensors", b"x")
         files = [ShardFile(name="shard.safetensors", size=1, checksum="x:1")]
         report = ReportShard(node_id=node, generation=gen, files=files)
-        return ckpts.report("job", begun.version, report).state
+        return ckpts.report("job", begun.version, report, creds[node]).state
 
     with ThreadPoolExecutor(6) as pool:
         states = list(pool.map(rank, range(6)))
@@ -271,13 +306,22 @@ def begin_as(node: str, gen: int, rank: int, world: int, step: int = 1) -> Begin
 
 
 def report_as(
-    ckpts: Checkpoints, blobs: BlobStore, node: str, gen: int, version: int, rank: int
+    ckpts: Checkpoints,
+    blobs: BlobStore,
+    node: str,
+    gen: int,
+    version: int,
+    rank: int,
+    creds: dict[str, str],
 ) -> CheckpointInfo:
     data = f"{node}:{rank}".encode()
     blobs.put(f"job/v{version:010d}/rank-{rank:05d}/data.distcp", data)
     shard = ShardFile(name="data.distcp", size=len(data), checksum="x:1")
     return ckpts.report(
-        "job", version, ReportShard(node_id=node, generation=gen, files=[shard], rank=rank)
+        "job",
+        version,
+        ReportShard(node_id=node, generation=gen, files=[shard], rank=rank),
+        creds[node],
     )
 
 
@@ -285,13 +329,13 @@ def test_global_ranks_commit_when_every_process_reported(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     """Two nodes of two processes each: a version of world size 4, keyed by global rank."""
-    gen = seal(rdzv, ["a", "b"])
+    gen, creds = seal(rdzv, ["a", "b"])
     placed = {0: "a", 1: "a", 2: "b", 3: "b"}
-    begun = {r: ckpts.begin("job", begin_as(n, gen, r, 4)) for r, n in placed.items()}
+    begun = {r: ckpts.begin("job", begin_as(n, gen, r, 4), creds[n]) for r, n in placed.items()}
     assert {b.version for b in begun.values()} == {1}
     assert {b.world_size for b in begun.values()} == {4}
     assert all(f"/rank-{r:05d}/" in begun[r].upload_urls["shard.safetensors"] for r in placed)
-    states = [report_as(ckpts, blobs, n, gen, 1, r).state for r, n in placed.items()]
+    states = [report_as(ckpts, blobs, n, gen, 1, r, creds).state for r, n in placed.items()]
     assert states == ["pending", "pending", "pending", "committed"]
     latest = ckpts.get("job")
     assert (latest.version, latest.world_size, latest.latest) == (1, 4, True)
@@ -304,26 +348,50 @@ def test_a_rank_belongs_to_the_node_that_claimed_it(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     """Two processes given one global rank would overwrite each other's files."""
-    gen = seal(rdzv, ["a", "b"])
-    ckpts.begin("job", begin_as("a", gen, 1, 4))
+    gen, creds = seal(rdzv, ["a", "b"])
+    ckpts.begin("job", begin_as("a", gen, 1, 4), creds["a"])
     with pytest.raises(CheckpointConflict, match="belongs to node 'a'"):
-        ckpts.begin("job", begin_as("b", gen, 1, 4))
+        ckpts.begin("job", begin_as("b", gen, 1, 4), creds["b"])
     with pytest.raises(CheckpointConflict, match="belongs to node 'a'"):
-        report_as(ckpts, blobs, "b", gen, 1, 1)
-    ckpts.begin("job", begin_as("a", gen, 1, 4))  # the holder may ask again (a retry)
+        report_as(ckpts, blobs, "b", gen, 1, 1, creds)
+    ckpts.begin("job", begin_as("a", gen, 1, 4), creds["a"])  # the holder may ask again
     assert ckpts.versions("job")[0].reported == 0
 
 
 def test_world_size_is_fixed_by_the_first_begin(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen = seal(rdzv, ["a", "b", "c"])
-    ckpts.begin("job", begin_as("a", gen, 0, 6))
+    gen, creds = seal(rdzv, ["a", "b", "c"])
+    ckpts.begin("job", begin_as("a", gen, 0, 6), creds["a"])
     with pytest.raises(CheckpointConflict, match="begun by 6 ranks, not 4"):
-        ckpts.begin("job", begin_as("b", gen, 1, 4))
+        ckpts.begin("job", begin_as("b", gen, 1, 4), creds["b"])
     with pytest.raises(InvalidRequest, match="below the 3 nodes"):
-        ckpts.begin("job", begin_as("c", gen, 1, 2, step=2))
+        ckpts.begin("job", begin_as("c", gen, 1, 2, step=2), creds["c"])
     with pytest.raises(ValueError, match="not below world_size"):
         begin_as("c", gen, 6, 6)
     with pytest.raises(InvalidRequest, match="rank 6 is not a rank of version 1"):
-        report_as(ckpts, blobs, "c", gen, 1, 6)
+        report_as(ckpts, blobs, "c", gen, 1, 6, creds)
+
+
+def test_only_a_members_own_credential_begins_reports_or_restores(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+) -> None:
+    gen, creds = seal(rdzv, ["a", "b"])
+    committed = save(ckpts, blobs, ["a", "b"], gen, 1, creds)
+    begun = ckpts.begin("job", BeginCheckpoint(node_id="b", generation=gen, step=2), creds["b"])
+    blobs.put(f"job/v{begun.version:010d}/rank-00001/shard.safetensors", b"b@2")
+    files = [ShardFile(name="shard.safetensors", size=3, checksum="x:1")]
+    ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=2), creds["a"])
+    before = (rdzv.get_job("job"), ckpts.versions("job"))
+    for wrong in (creds["a"], None, "A" * 43):
+        with pytest.raises(InvalidCredential):
+            ckpts.report(
+                "job", begun.version, ReportShard(node_id="b", generation=gen, files=files), wrong
+            )
+        with pytest.raises(InvalidCredential):
+            ckpts.begin("job", BeginCheckpoint(node_id="b", generation=gen, step=3), wrong)
+        with pytest.raises(InvalidCredential):
+            report = RestoreReport(node_id="b", generation=gen, rank=1, bytes_from={"storage": 1})
+            ckpts.restored("job", committed, report, wrong)
+    assert (rdzv.get_job("job"), ckpts.versions("job")) == before
+    assert before[0].checkpoint is not None and before[0].checkpoint.version == committed

@@ -19,6 +19,7 @@ import pytest
 
 from rallypoint.client import codes
 from rallypoint.client import errors as client_errors
+from rallypoint.client._models import CREDENTIAL_HEADER
 from rallypoint.service import _http
 from rallypoint.service import errors as service_errors
 from rallypoint.service.app import create_app
@@ -101,6 +102,21 @@ def test_a_code_outside_the_list_cannot_be_defined() -> None:
             code = "invented"
 
 
+def test_every_code_maps_to_a_client_exception() -> None:
+    for code in codes.CODES:
+        error = client_errors.error_for(400, code, "message")
+        assert type(error) is not client_errors.ServerError, f"{code} has no client class"
+        assert error.code == code and error.message == "message"
+    # Where the client has the service's class by name, that is the one it raises.
+    for cls in _service_errors():
+        same = getattr(client_errors, cls.__name__, None)
+        if isinstance(same, type) and issubclass(same, client_errors.ServerError):
+            assert type(client_errors.error_for(cls.status, cls.code, "m")) is same, cls
+    assert type(client_errors.error_for(500, "from_a_newer_server", "m")) is (
+        client_errors.ServerError
+    )
+
+
 def _operations(schema: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     for path, item in schema["paths"].items():
         for method, operation in item.items():
@@ -109,20 +125,26 @@ def _operations(schema: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 @pytest.mark.parametrize("token", ["T", None])
 def test_the_document_says_who_may_call(tmp_path: Path, token: str | None) -> None:
-    """With a token, every /v1 route declares it (and 401); without one, none does."""
+    """With a token, every /v1 route declares it (and 401); without one, none does;
+    routes that act for a node declare the node credential either way."""
     schema = create_app(Settings(storage=f"local:{tmp_path}", token=token)).openapi()
     schemes = schema["components"].get("securitySchemes", {})
     assert (
         "bearerToken" in schemes and schemes["tokenHeader"]["name"] == "X-Rallypoint-Token"
     ) is (token is not None)
+    assert schemes["nodeCredential"]["name"] == CREDENTIAL_HEADER
     for name, operation in _operations(schema):
         security = operation.get("security", [])
         responses = operation["responses"]
+        node = name.endswith("/heartbeat") or name.startswith("POST /v1/jobs/{job_id}/store")
         if token is not None and " /v1/" in name:
             assert {"bearerToken", "tokenHeader"} <= {s for r in security for s in r}, name
             assert "401" in responses, name
         if token is None:
             assert "401" not in responses and all("bearerToken" not in r for r in security), name
+        if node:
+            assert security and all("nodeCredential" in r for r in security), name
+            assert "403" in responses, name
         for status, response in responses.items():
             if status.isdigit() and int(status) >= 400:
                 assert "ErrorBody" in str(response["content"]), (name, status)

@@ -255,6 +255,9 @@ class _Gateway(ThreadingHTTPServer):
 
 class _Forward(BaseHTTPRequestHandler):
     server: _Gateway
+    # What the gateway keeps for itself (its key) or rewrites; the rest (the
+    # coordinator's token, a node's credential) reaches the container as sent.
+    _CONSUMED = frozenset({"authorization", "host", "content-length", "connection"})
 
     def do_POST(self) -> None:
         self.server.seen.append(self.path)
@@ -263,7 +266,7 @@ class _Forward(BaseHTTPRequestHandler):
         if self.headers.get("Authorization") != f"Bearer {self.server.key}":
             return self._reply(401, b"{}")
         body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-        headers = {"Content-Type": "application/json"}
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in self._CONSUMED}
         reply = httpx.post(self.server.scoring_url, content=body, headers=headers, timeout=90)
         self._reply(reply.status_code, reply.content)
 

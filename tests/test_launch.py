@@ -78,12 +78,17 @@ WORKER = textwrap.dedent(
     """
     import sys
     warm = "torch._dynamo" in sys.modules  # before this script imported anything
-    import json, os
+    import json, os, stat
     from rallypoint.client import ElasticClient
-    a = ElasticClient.from_env().join()
+    client = ElasticClient.from_env()
+    a = client.join()  # the agent's assignment, asked for with the agent's credential
     keys = ("RALLYPOINT_GENERATION", "RALLYPOINT_NODE", "RANK", "WORLD_SIZE")
+    exported = os.environ.get("RALLYPOINT_WORKER_ENV")  # warm workers read it
+    mode = stat.S_IMODE(os.stat(exported).st_mode) if exported else None
     print("ASSIGNMENT " + json.dumps({"generation": a.generation, "rank": a.rank,
-          "warm": warm, "env": {k: os.environ[k] for k in keys}}), flush=True)
+          "warm": warm, "env": {k: os.environ[k] for k in keys},
+          "credential": client.credential == os.environ["RALLYPOINT_CREDENTIAL"] != "",
+          "env_file_mode": None if mode is None else oct(mode)}), flush=True)
     os._exit(0)  # as PreemptionWatcher.finish ends one; the agent must see it finish
     """
 )
@@ -127,6 +132,10 @@ def test_rallypoint_run_starts_torchrun_with_the_plugin(
             "RANK": "0",
             "WORLD_SIZE": "1",
         },
+        # The agent's node credential, which the worker acts with (its checkpoint reports).
+        "credential": True,
+        # The file a warm worker reads it from (with the token) is the user's alone.
+        "env_file_mode": "0o600" if warm else None,
     }
     # The worker's join() returned the agent's assignment: it started no round of its own.
     status = ElasticClient(coordinator.url, "runjob").membership()

@@ -14,7 +14,13 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from rallypoint.client import ElasticClient, HeartbeatReply, Manifest, StaleGeneration
+from rallypoint.client import (
+    CREDENTIAL_HEADER,
+    ElasticClient,
+    HeartbeatReply,
+    Manifest,
+    StaleGeneration,
+)
 from rallypoint.trainer import CheckpointManager, download
 
 from ._coordinator import Coordinator
@@ -153,7 +159,8 @@ def test_sigterm_answers_held_requests_at_once(coordinator: Coordinator) -> None
     replies: dict[str, tuple[int, float]] = {}
 
     def hold(name: str, path: str, body: dict[str, object]) -> None:
-        reply = httpx.post(f"{url}{path}", json=body, headers=AUTH, timeout=60)
+        headers = {**AUTH, CREDENTIAL_HEADER: a.credential or ""}  # the watch acts as a
+        reply = httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
         replies[name] = (reply.status_code, time.monotonic())
         if name == "watch":
             assert HeartbeatReply.model_validate_json(reply.content).action == "continue"

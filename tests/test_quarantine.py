@@ -46,31 +46,38 @@ def ckpts(rdzv: Rendezvous, blobs: BlobStore) -> Checkpoints:
     return Checkpoints(rdzv, blobs, keep=3, timeout=timedelta(seconds=600))
 
 
-def begin_all(ckpts: Checkpoints, nodes: list[str], gen: int, step: int) -> int:
+def begin_all(
+    ckpts: Checkpoints, nodes: list[str], gen: int, step: int, creds: dict[str, str]
+) -> int:
     """Every node's rank begins ``step`` and uploads its file to storage; none reports."""
     version = 0
     for node in nodes:
         begun = ckpts.begin(
-            "job", BeginCheckpoint(node_id=node, generation=gen, step=step, files=[FILE])
+            "job",
+            BeginCheckpoint(node_id=node, generation=gen, step=step, files=[FILE]),
+            creds[node],
         )
         version = begun.version
         ckpts.blobs.put(f"job/v{version:010d}/rank-{begun.rank:05d}/{FILE}", node.encode())
     return version
 
 
-def report(ckpts: Checkpoints, node: str, gen: int, version: int) -> str:
+def report(ckpts: Checkpoints, node: str, gen: int, version: int, creds: dict[str, str]) -> str:
     """``node``'s rank reports its file (in storage); the version's state after it."""
     shard = ShardFile(name=FILE, size=len(node), checksum="x:1")
     info = ckpts.report(
-        "job", version, ReportShard(node_id=node, generation=gen, files=[shard], storage=True)
+        "job",
+        version,
+        ReportShard(node_id=node, generation=gen, files=[shard], storage=True),
+        creds[node],
     )
     return info.state
 
 
-def commit(ckpts: Checkpoints, nodes: list[str], gen: int, step: int) -> int:
+def commit(ckpts: Checkpoints, nodes: list[str], gen: int, step: int, creds: dict[str, str]) -> int:
     """A durable version of ``step``, committed by every node's rank."""
-    version = begin_all(ckpts, nodes, gen, step)
-    states = [report(ckpts, n, gen, version) for n in nodes]
+    version = begin_all(ckpts, nodes, gen, step, creds)
+    states = [report(ckpts, n, gen, version, creds) for n in nodes]
     assert states[-1] == "committed"
     return version
 
@@ -124,9 +131,9 @@ def test_quarantining_the_latest_moves_both_pointers_back_and_the_next_seal_skip
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen = seal(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10)
-    bad = commit(ckpts, nodes, gen, 20)
+    gen, creds = seal(rdzv, nodes)
+    good = commit(ckpts, nodes, gen, 10, creds)
+    bad = commit(ckpts, nodes, gen, 20, creds)
     assert pointers(rdzv) == (bad, bad)
 
     info = ckpts.quarantine("job", bad, "loss spike at step 18")
@@ -144,11 +151,11 @@ def test_quarantining_the_latest_moves_both_pointers_back_and_the_next_seal_skip
     job = rdzv.get_job("job")
     assert (job.generation, job.status) == (gen, "sealed")
 
-    end(rdzv, gen, ["b"])
-    gen2 = seal(rdzv, nodes)
+    end(rdzv, gen, ["b"], creds)
+    gen2, creds = seal(rdzv, nodes)
     assert named(rdzv, gen2) == good
     # Its saves move the pointer forward from the good version's step.
-    newer = commit(ckpts, nodes, gen2, 11)
+    newer = commit(ckpts, nodes, gen2, 11, creds)
     assert pointers(rdzv) == (newer, newer)
 
 
@@ -156,13 +163,13 @@ def test_quarantine_with_restart_ends_the_running_generation(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen = seal(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10)
-    bad = commit(ckpts, nodes, gen, 20)
+    gen, creds = seal(rdzv, nodes)
+    good = commit(ckpts, nodes, gen, 10, creds)
+    bad = commit(ckpts, nodes, gen, 20, creds)
     ckpts.quarantine("job", bad, "NaNs", restart=True)
     assert rdzv.get_job("job").status == "open"
     assert rdzv.generation("job", gen).ended_reason == f"checkpoint v{bad} quarantined: NaNs"
-    assert named(rdzv, seal(rdzv, nodes)) == good
+    assert named(rdzv, seal(rdzv, nodes)[0]) == good
 
 
 def test_the_durable_pointer_moves_back_on_its_own_and_a_lost_memory_version_falls_to_it(
@@ -170,9 +177,9 @@ def test_the_durable_pointer_moves_back_on_its_own_and_a_lost_memory_version_fal
 ) -> None:
     ckpts = Checkpoints(rdzv, blobs, keep=4, timeout=timedelta(seconds=600))
     nodes = ["a", "b", "c"]
-    gen = seal(rdzv, nodes)
+    gen, creds = seal(rdzv, nodes)
     # The first version and every 2nd after it go to storage; the others stay in memory.
-    saved = [save(ckpts, blobs, nodes, gen, step, every=2) for step in (10, 20, 30, 40)]
+    saved = [save(ckpts, blobs, nodes, gen, step, creds, every=2) for step in (10, 20, 30, 40)]
     assert [persisted for _, persisted in saved] == [True, False, True, False]
     v1, v2, v3, v4 = (version for version, _ in saved)
     assert pointers(rdzv) == (v4, v3)
@@ -184,8 +191,8 @@ def test_the_durable_pointer_moves_back_on_its_own_and_a_lost_memory_version_fal
 
     # Every agent restarted: the memory copies are gone; v3 would qualify but is
     # quarantined, so the seal falls back to the durable pointer.
-    end(rdzv, gen, nodes)
-    gen2 = seal(rdzv, nodes, agents=dict.fromkeys(nodes, 2))
+    end(rdzv, gen, nodes, creds)
+    gen2, creds = seal(rdzv, nodes, agents=dict.fromkeys(nodes, 2))
     assert named(rdzv, gen2) == v1
     assert pointers(rdzv) == (v1, v1)
 
@@ -194,27 +201,27 @@ def test_quarantining_every_version_leaves_no_pointer_and_a_fresh_start(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a"]
-    gen = seal(rdzv, nodes)
-    only = commit(ckpts, nodes, gen, 5)
+    gen, creds = seal(rdzv, nodes)
+    only = commit(ckpts, nodes, gen, 5, creds)
     ckpts.quarantine("job", only)
     assert pointers(rdzv) == (None, None)
     with pytest.raises(UnknownCheckpoint):
         ckpts.get("job")
-    end(rdzv, gen, nodes)
-    assert named(rdzv, seal(rdzv, nodes)) is None
+    end(rdzv, gen, nodes, creds)
+    assert named(rdzv, seal(rdzv, nodes)[0]) is None
 
 
 def test_an_older_quarantined_version_is_skipped_when_the_latest_is_lost(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b", "c", "d"]
-    gen = seal(rdzv, nodes)
-    first, _ = save(ckpts, blobs, nodes, gen, 10, every=1)
-    second, _ = save(ckpts, blobs, nodes, gen, 20, every=1)
-    save(ckpts, blobs, nodes, gen, 30, every=10)  # memory only
+    gen, creds = seal(rdzv, nodes)
+    first, _ = save(ckpts, blobs, nodes, gen, 10, creds, every=1)
+    second, _ = save(ckpts, blobs, nodes, gen, 20, creds, every=1)
+    save(ckpts, blobs, nodes, gen, 30, creds, every=10)  # memory only
     ckpts.quarantine("job", second)  # the durable pointer: back to the first
-    end(rdzv, gen, ["a", "b"])  # a's files were on a and b only: the newest is lost
-    assert named(rdzv, seal(rdzv, ["c", "d"])) == first
+    end(rdzv, gen, ["a", "b"], creds)  # a's files were on a and b only: the newest is lost
+    assert named(rdzv, seal(rdzv, ["c", "d"])[0]) == first
 
 
 def test_retention_keeps_the_good_version_and_quarantined_ones_only_while_recent(
@@ -222,8 +229,8 @@ def test_retention_keeps_the_good_version_and_quarantined_ones_only_while_recent
 ) -> None:
     ckpts = Checkpoints(rdzv, blobs, keep=2, timeout=timedelta(seconds=600))
     nodes = ["a"]
-    gen = seal(rdzv, nodes)
-    v1, v2, v3 = (commit(ckpts, nodes, gen, step) for step in (10, 20, 30))
+    gen, creds = seal(rdzv, nodes)
+    v1, v2, v3 = (commit(ckpts, nodes, gen, step, creds) for step in (10, 20, 30))
     assert [v.version for v in ckpts.versions("job")] == [v2, v3]  # keep=2
 
     ckpts.quarantine("job", v3)
@@ -231,11 +238,11 @@ def test_retention_keeps_the_good_version_and_quarantined_ones_only_while_recent
     assert pointers(rdzv) == (v2, v2)
     # A new version: the good one behind the quarantined one stays (counting the
     # quarantined one among the last 2 would have pushed it out).
-    v4 = commit(ckpts, nodes, gen, 40)
+    v4 = commit(ckpts, nodes, gen, 40, creds)
     kept = {v.version: v.quarantined for v in ckpts.versions("job")}
     assert kept == {v2: False, v3: True, v4: False}
     # Once two newer good ones exist, the quarantined one has had its time.
-    v5 = commit(ckpts, nodes, gen, 50)
+    v5 = commit(ckpts, nodes, gen, 50, creds)
     assert [v.version for v in ckpts.versions("job")] == [v4, v5]
     assert v1 not in kept
 
@@ -244,9 +251,9 @@ def test_unquarantine_moves_the_pointer_forward_only_within_the_generation(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen = seal(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10)
-    bad = commit(ckpts, nodes, gen, 20)
+    gen, creds = seal(rdzv, nodes)
+    good = commit(ckpts, nodes, gen, 10, creds)
+    bad = commit(ckpts, nodes, gen, 20, creds)
     ckpts.quarantine("job", bad, "suspect")
     info = ckpts.unquarantine("job", bad)
     assert not info.quarantined and info.quarantine_reason is None and info.latest
@@ -256,20 +263,20 @@ def test_unquarantine_moves_the_pointer_forward_only_within_the_generation(
     # Quarantined again, and a new generation resumed from the good version: undoing
     # it now moves nothing (that generation's saves must be able to move the pointer).
     ckpts.quarantine("job", bad)
-    end(rdzv, gen, ["b"])
-    gen2 = seal(rdzv, nodes)
+    end(rdzv, gen, ["b"], creds)
+    gen2, creds = seal(rdzv, nodes)
     assert named(rdzv, gen2) == good
     assert not ckpts.unquarantine("job", bad).latest
     assert pointers(rdzv) == (good, good)
-    newer = commit(ckpts, nodes, gen2, 15)
+    newer = commit(ckpts, nodes, gen2, 15, creds)
     assert pointers(rdzv) == (newer, newer)
 
 
 def test_quarantine_again_keeps_the_first_mark(
     ckpts: Checkpoints, rdzv: Rendezvous, clock: Clock
 ) -> None:
-    gen = seal(rdzv, ["a"])
-    version = commit(ckpts, ["a"], gen, 1)
+    gen, creds = seal(rdzv, ["a"])
+    version = commit(ckpts, ["a"], gen, 1, creds)
     first = ckpts.quarantine("job", version, "first")
     clock.advance(60)
     again = ckpts.quarantine("job", version, "second")
@@ -278,14 +285,14 @@ def test_quarantine_again_keeps_the_first_mark(
 
 def test_what_cannot_be_quarantined(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
     nodes = ["a", "b"]
-    gen = seal(rdzv, nodes)
+    gen, creds = seal(rdzv, nodes)
     with pytest.raises(UnknownJob):
         ckpts.quarantine("nope", 1)
     with pytest.raises(UnknownCheckpoint):
         ckpts.quarantine("job", 1)
     with pytest.raises(UnknownCheckpoint):
         ckpts.unquarantine("job", 1)
-    pending = begin_all(ckpts, nodes, gen, 1)
+    pending = begin_all(ckpts, nodes, gen, 1, creds)
     with pytest.raises(CheckpointConflict, match="not committed"):
         ckpts.quarantine("job", pending)
     assert not ckpts.get("job", pending).quarantined
@@ -295,15 +302,15 @@ def test_a_commit_racing_a_quarantine_is_not_lost(
     ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen = seal(rdzv, nodes)
-    commit(ckpts, nodes, gen, 10)
-    bad = commit(ckpts, nodes, gen, 20)
-    newest = begin_all(ckpts, nodes, gen, 30)
-    report(ckpts, "a", gen, newest)
+    gen, creds = seal(rdzv, nodes)
+    commit(ckpts, nodes, gen, 10, creds)
+    bad = commit(ckpts, nodes, gen, 20, creds)
+    newest = begin_all(ckpts, nodes, gen, 30, creds)
+    report(ckpts, "a", gen, newest, creds)
 
     # The quarantine reads the job (latest: bad); b's report commits the newest version
     # before the quarantine's batch; the quarantine judges again.
-    other, table = racing(storage, clock, blobs, lambda: report(ckpts, "b", gen, newest))
+    other, table = racing(storage, clock, blobs, lambda: report(ckpts, "b", gen, newest, creds))
     other.quarantine("job", bad)
     assert table.tries == 2
     assert pointers(rdzv) == (newest, newest)
@@ -314,17 +321,17 @@ def test_a_quarantine_racing_a_commit_does_not_lose_the_commit(
     ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen = seal(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10)
-    bad = commit(ckpts, nodes, gen, 20)
-    newest = begin_all(ckpts, nodes, gen, 30)
-    report(ckpts, "a", gen, newest)
+    gen, creds = seal(rdzv, nodes)
+    good = commit(ckpts, nodes, gen, 10, creds)
+    bad = commit(ckpts, nodes, gen, 20, creds)
+    newest = begin_all(ckpts, nodes, gen, 30, creds)
+    report(ckpts, "a", gen, newest, creds)
 
     # b's report (through the other replica) reads the job (latest: bad); the
     # quarantine moves the pointer back to good before the commit's batch; the commit
     # judges again and moves it forward from there.
     other, table = racing(storage, clock, blobs, lambda: ckpts.quarantine("job", bad))
-    assert report(other, "b", gen, newest) == "committed"
+    assert report(other, "b", gen, newest, creds) == "committed"
     assert table.tries == 2
     assert pointers(rdzv) == (newest, newest)
     assert ckpts.get("job", bad).quarantined and not ckpts.get("job", good).latest
@@ -334,10 +341,10 @@ def test_a_seal_racing_a_quarantine_names_the_good_version(
     ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen = seal(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10)
-    bad = commit(ckpts, nodes, gen, 20)
-    end(rdzv, gen, ["b"])
+    gen, creds = seal(rdzv, nodes)
+    good = commit(ckpts, nodes, gen, 10, creds)
+    bad = commit(ckpts, nodes, gen, 20, creds)
+    end(rdzv, gen, ["b"], creds)
     for i, n in enumerate(nodes):
         rdzv.join("job", n, f"host-{n}", 29500 + i)
     clock.advance(1)

@@ -11,6 +11,7 @@ import pytest
 from rallypoint.client._models import JobSpec
 from rallypoint.service._rendezvous import Job, Node, Rendezvous, _node_entity
 from rallypoint.service.errors import (
+    InvalidCredential,
     JobConflict,
     JobFull,
     StaleGeneration,
@@ -31,10 +32,20 @@ def spec(min_nodes: int, max_nodes: int, last_call: float = 5, timeout: float = 
     )
 
 
-def join_all(rdzv: Rendezvous, nodes: list[str], s: JobSpec | None = None) -> int:
-    rounds = {rdzv.join("job", n, f"host-{n}", 29500 + i, s) for i, n in enumerate(nodes)}
+def register_all(
+    rdzv: Rendezvous, nodes: list[str], s: JobSpec | None = None
+) -> tuple[int, dict[str, str]]:
+    """Registers ``nodes`` for one round: the round and each node's credential."""
+    registered = [rdzv.register("job", n, f"host-{n}", 29500 + i, s) for i, n in enumerate(nodes)]
+    rounds = {r.round for r in registered}
     assert len(rounds) == 1
-    return rounds.pop()
+    credentials = {r.node_id: r.credential for r in registered}
+    assert all(credentials.values())
+    return rounds.pop(), {n: c for n, c in credentials.items() if c}
+
+
+def join_all(rdzv: Rendezvous, nodes: list[str], s: JobSpec | None = None) -> int:
+    return register_all(rdzv, nodes, s)[0]
 
 
 def ranks(rdzv: Rendezvous, job: Job, nodes: list[str], round: int) -> dict[str, int]:
@@ -165,20 +176,20 @@ def test_a_member_that_restarts_ends_its_generation(rdzv: Rendezvous) -> None:
 
 
 def test_leaving_ends_the_generation_and_stale_requests_are_fenced(rdzv: Rendezvous) -> None:
-    join_all(rdzv, ["a", "b", "c"], spec(2, 3, last_call=0))
+    _, creds = register_all(rdzv, ["a", "b", "c"], spec(2, 3, last_call=0))
     job, _ = rdzv.tick("job")
     with pytest.raises(StaleGeneration):
         rdzv.heartbeat(job, "a", 7)  # never sealed
-    rdzv.leave("job", "c", 1, "preempted")
+    rdzv.leave("job", "c", 1, "preempted", creds["c"])
     job = rdzv.get_job("job")
     assert job.status == "open"
     assert rdzv.status("job").history[0].ended_reason == "node c left: preempted"
     # A zombie still on generation 1 can no longer act for it.
     with pytest.raises(StaleGeneration):
-        rdzv.leave("job", "a", 1, "zombie")
+        rdzv.leave("job", "a", 1, "zombie", creds["a"])
     assert rdzv.heartbeat(job, "a", 1) == "restart"
     with pytest.raises(UnknownNode):
-        rdzv.leave("job", "stranger", None, "never here")
+        rdzv.leave("job", "stranger", None, "never here", None)
     join_all(rdzv, ["a", "b"])
     job, _ = rdzv.tick("job")
     assert (job.generation, job.world_size) == (2, 2)
@@ -262,10 +273,10 @@ def test_a_restart_of_survivors_seals_without_waiting_for_last_call(
     rdzv: Rendezvous, clock: Clock
 ) -> None:
     s = spec(2, 3, last_call=60, timeout=3)
-    join_all(rdzv, ["a", "b", "c"], s)
+    _, creds = register_all(rdzv, ["a", "b", "c"], s)
     job, _ = rdzv.tick("job")
     assert job.world_size == 3
-    rdzv.leave("job", "c", job.generation, "preempted")
+    rdzv.leave("job", "c", job.generation, "preempted", creds["c"])
     clock.advance(0.5)
     round = join_all(rdzv, ["a", "b"])
     job, _ = rdzv.tick("job")
@@ -323,3 +334,55 @@ def test_a_dropped_watch_ends_the_generation_unless_the_node_beat_again(
     # A fresh beat clears it: b is a live waiting node again for the next round.
     rdzv.beat("job", ["b"])
     assert rdzv._beats("job", dropped := set()) and dropped == set()
+
+
+def test_a_registration_has_its_own_credential(rdzv: Rendezvous) -> None:
+    s = spec(2, 2)
+    first = rdzv.register("job", "a", "h", 1, s, join_id="k1")
+    assert first.credential and rdzv.register("job", "a", "h", 1, join_id="k1") == first
+    assert rdzv.register("job", "a", "h", 1, join_id="k1").credential == first.credential
+    b = rdzv.register("job", "b", "h", 2, s, join_id="kb")
+    assert b.credential not in (None, first.credential)
+    job, _ = rdzv.tick("job")
+    assert rdzv.member(job, "a", 1, first.credential)[1] == 0
+    # Another node's credential, none, or one of the node's earlier registration: refused.
+    for wrong in (b.credential, None, "A" * 43):
+        with pytest.raises(InvalidCredential):
+            rdzv.member(job, "a", 1, wrong)
+        with pytest.raises(InvalidCredential):
+            rdzv.leave("job", "a", 1, "spoofed", wrong)
+    assert rdzv.get_job("job").status == "sealed"
+    renewed = rdzv.register("job", "a", "h", 1, join_id="k2")  # a restarted process
+    assert renewed.credential not in (None, first.credential)
+    with pytest.raises(InvalidCredential):
+        rdzv.leave("job", "a", None, "the old process", first.credential)
+    rdzv.leave("job", "a", None, "the new one", renewed.credential)
+    assert rdzv.node("job", "a").state == "left"
+
+
+def test_ended_generations_are_read_by_their_members_and_future_ones_by_nobody(
+    rdzv: Rendezvous,
+) -> None:
+    _, creds = register_all(rdzv, ["a", "b"], spec(2, 2, last_call=0))
+    job, _ = rdzv.tick("job")
+    with pytest.raises(StaleGeneration):
+        rdzv.member(job, "a", 2, creds["a"], ended=True)  # never sealed
+    rdzv.leave("job", "b", 1, "preempted", creds["b"])
+    job = rdzv.get_job("job")
+    with pytest.raises(StaleGeneration):
+        rdzv.member(job, "a", 1, creds["a"])  # acting for it: over
+    assert rdzv.member(job, "b", 1, creds["b"], ended=True)[1] == 1  # reading what it left
+    with pytest.raises(InvalidCredential):
+        rdzv.member(job, "b", 1, creds["a"], ended=True)
+
+
+def test_the_operator_removes_a_node_without_its_credential(rdzv: Rendezvous) -> None:
+    join_all(rdzv, ["a", "b"], spec(2, 2, last_call=0))
+    rdzv.tick("job")
+    rdzv.remove("job", "b", "node b removed")
+    job = rdzv.get_job("job")
+    assert job.status == "open" and rdzv.node("job", "b").state == "left"
+    assert rdzv.status("job").history[0].ended_reason == "node b removed"
+    assert rdzv.heartbeat(job, "a", 1) == "restart"
+    with pytest.raises(UnknownNode):
+        rdzv.remove("job", "nobody", "never here")

@@ -111,7 +111,7 @@ def test_the_page_shows_members_and_follows_a_node_dying(
         browser.find_element(By.ID, "token").send_keys("wrong")
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
         WebDriverWait(browser, 10, poll_frequency=0.1).until(
-            lambda d: "not this coordinator's token" in text_of(d, "token-error")
+            lambda d: "not a valid token of this coordinator" in text_of(d, "token-error")
         )
         browser.find_element(By.ID, "token").send_keys(TOKEN)
         browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()

@@ -39,9 +39,13 @@ def peer(node: str, agent: int = 1) -> str:
     return f"http://host-{node}:7000/a{agent}"
 
 
-def seal(rdzv: Rendezvous, nodes: list[str], agents: dict[str, int] | None = None) -> int:
+def seal(
+    rdzv: Rendezvous, nodes: list[str], agents: dict[str, int] | None = None
+) -> tuple[int, dict[str, str]]:
+    """Seals a generation of ``nodes``: its number and each member's credential."""
+    creds: dict[str, str] = {}
     for i, n in enumerate(nodes):
-        rdzv.join(
+        node = rdzv.register(
             "job",
             n,
             f"host-{n}",
@@ -50,17 +54,19 @@ def seal(rdzv: Rendezvous, nodes: list[str], agents: dict[str, int] | None = Non
             None,
             peer(n, (agents or {}).get(n, 1)),
         )
+        assert node.credential
+        creds[n] = node.credential
     clock = rdzv.clock
     assert isinstance(clock, Clock)
     clock.advance(1)
     job, _ = rdzv.tick("job")
     assert job.status == "sealed" and job.world_size == len(nodes)
-    return job.generation
+    return job.generation, creds
 
 
-def end(rdzv: Rendezvous, gen: int, gone: list[str]) -> None:
+def end(rdzv: Rendezvous, gen: int, gone: list[str], creds: dict[str, str]) -> None:
     for i, node in enumerate(gone):  # the first departure ends the generation
-        rdzv.leave("job", node, gen if i == 0 else None, "test")
+        rdzv.leave("job", node, gen if i == 0 else None, "test", creds[node])
 
 
 def save(
@@ -69,6 +75,7 @@ def save(
     nodes: list[str],
     gen: int,
     step: int,
+    creds: dict[str, str],
     *,
     every: int = 1,
     force: bool = False,
@@ -88,6 +95,7 @@ def save(
                 persist_every=every,
                 memory=True,
             ),
+            creds[node],
         )
         version, persisted = begun.version, begun.persist
         data = f"{node}@{step}".encode()
@@ -104,6 +112,7 @@ def save(
                 storage=persisted,
                 memory=holders,
             ),
+            creds[node],
         )
     assert info.state == "committed"
     return version, persisted
@@ -112,11 +121,12 @@ def save(
 def test_the_policy_persists_the_first_version_then_every_nth(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen = seal(rdzv, ["a", "b", "c"])
-    persisted = [save(ckpts, blobs, ["a", "b", "c"], gen, step, every=3)[1] for step in range(7)]
+    gen, creds = seal(rdzv, ["a", "b", "c"])
+    nodes = ["a", "b", "c"]
+    persisted = [save(ckpts, blobs, nodes, gen, step, creds, every=3)[1] for step in range(7)]
     assert persisted == [True, False, False, True, False, False, True]
     # A forced save (a preemption notice) persists whatever the count.
-    assert save(ckpts, blobs, ["a", "b", "c"], gen, 7, every=3, force=True)[1]
+    assert save(ckpts, blobs, nodes, gen, 7, creds, every=3, force=True)[1]
     kinds = [v.durability for v in ckpts.versions("job")]
     assert kinds[-2:] == ["durable", "durable"]  # 6 (the 3rd after 3) and the forced 7
 
@@ -124,7 +134,7 @@ def test_the_policy_persists_the_first_version_then_every_nth(
 def test_the_policy_persists_after_its_time_bound(
     ckpts: Checkpoints, rdzv: Rendezvous, clock: Clock
 ) -> None:
-    gen = seal(rdzv, ["a", "b"])
+    gen, creds = seal(rdzv, ["a", "b"])
 
     def begin(step: int) -> bool:
         request = BeginCheckpoint(
@@ -135,7 +145,7 @@ def test_the_policy_persists_after_its_time_bound(
             persist_every=100,
             persist_after=60.0,
         )
-        return ckpts.begin("job", request).persist
+        return ckpts.begin("job", request, creds["a"]).persist
 
     assert begin(1)  # the first
     clock.advance(30)
@@ -148,9 +158,9 @@ def test_the_policy_persists_after_its_time_bound(
 def test_a_memory_version_commits_with_copies_on_two_nodes_and_moves_only_the_latest(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen = seal(rdzv, ["a", "b", "c"])
-    first, _ = save(ckpts, blobs, ["a", "b", "c"], gen, 10, every=5)
-    second, persisted = save(ckpts, blobs, ["a", "b", "c"], gen, 20, every=5)
+    gen, creds = seal(rdzv, ["a", "b", "c"])
+    first, _ = save(ckpts, blobs, ["a", "b", "c"], gen, 10, creds, every=5)
+    second, persisted = save(ckpts, blobs, ["a", "b", "c"], gen, 20, creds, every=5)
     assert not persisted
     job = rdzv.get_job("job")
     assert job.checkpoint is not None and job.checkpoint.version == second
@@ -164,9 +174,11 @@ def test_a_memory_version_commits_with_copies_on_two_nodes_and_moves_only_the_la
 
 
 def test_a_rank_in_memory_on_one_node_only_is_refused(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
-    gen = seal(rdzv, ["a", "b"])
+    gen, creds = seal(rdzv, ["a", "b"])
     begun = ckpts.begin(
-        "job", BeginCheckpoint(node_id="a", generation=gen, step=1, files=[FILE], memory=True)
+        "job",
+        BeginCheckpoint(node_id="a", generation=gen, step=1, files=[FILE], memory=True),
+        creds["a"],
     )
     files = [ShardFile(name=FILE, size=1, checksum="x:1")]
     with pytest.raises(InvalidRequest, match="on 2 nodes"):
@@ -174,6 +186,7 @@ def test_a_rank_in_memory_on_one_node_only_is_refused(ckpts: Checkpoints, rdzv: 
             "job",
             begun.version,
             ReportShard(node_id="a", generation=gen, files=files, storage=False, memory=["a"]),
+            creds["a"],
         )
     with pytest.raises(InvalidRequest, match="not a member"):
         ckpts.report(
@@ -182,6 +195,7 @@ def test_a_rank_in_memory_on_one_node_only_is_refused(ckpts: Checkpoints, rdzv: 
             ReportShard(
                 node_id="a", generation=gen, files=files, storage=False, memory=["a", "zz"]
             ),
+            creds["a"],
         )
     assert ckpts.get("job", begun.version).reported == 0
 
@@ -190,11 +204,11 @@ def test_a_seal_names_the_memory_version_while_one_holder_of_each_rank_lives(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b", "c", "d"]
-    gen = seal(rdzv, nodes)
-    save(ckpts, blobs, nodes, gen, 10, every=10)
-    newest, _ = save(ckpts, blobs, nodes, gen, 20, every=10)
-    end(rdzv, gen, ["b"])  # b's files are on c too; a's on a
-    gen2 = seal(rdzv, ["a", "c", "d"])
+    gen, creds = seal(rdzv, nodes)
+    save(ckpts, blobs, nodes, gen, 10, creds, every=10)
+    newest, _ = save(ckpts, blobs, nodes, gen, 20, creds, every=10)
+    end(rdzv, gen, ["b"], creds)  # b's files are on c too; a's on a
+    gen2, _ = seal(rdzv, ["a", "c", "d"])
     assert rdzv.sealed("job", gen2).checkpoint.version == newest  # type: ignore[union-attr]
     info = ckpts.get("job", newest)
     assert info.holders["1"] == ["c"] and info.holders["0"] == ["a"]
@@ -204,17 +218,17 @@ def test_two_adjacent_nodes_lost_fall_back_to_the_newest_durable_version(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b", "c", "d"]
-    gen = seal(rdzv, nodes)
-    durable, _ = save(ckpts, blobs, nodes, gen, 10, every=10)
-    save(ckpts, blobs, nodes, gen, 20, every=10)
-    end(rdzv, gen, ["a", "b"])  # a's files were on a and b only
-    gen2 = seal(rdzv, ["c", "d"])
+    gen, creds = seal(rdzv, nodes)
+    durable, _ = save(ckpts, blobs, nodes, gen, 10, creds, every=10)
+    save(ckpts, blobs, nodes, gen, 20, creds, every=10)
+    end(rdzv, gen, ["a", "b"], creds)  # a's files were on a and b only
+    gen2, creds2 = seal(rdzv, ["c", "d"])
     named = rdzv.sealed("job", gen2).checkpoint
     assert named is not None and named.version == durable and named.durable
     job = rdzv.get_job("job")
     assert job.checkpoint == named  # the lost version is not the latest any more
     # The next saves move the pointer forward from the durable version's step.
-    third, _ = save(ckpts, blobs, ["c", "d"], gen2, 11, every=10)
+    third, _ = save(ckpts, blobs, ["c", "d"], gen2, 11, creds2, every=10)
     assert rdzv.get_job("job").checkpoint.version == third  # type: ignore[union-attr]
 
 
@@ -222,22 +236,24 @@ def test_a_restarted_agent_holds_nothing_even_with_the_same_node_id(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen = seal(rdzv, nodes)
-    durable, _ = save(ckpts, blobs, nodes, gen, 10, every=10)
-    save(ckpts, blobs, nodes, gen, 20, every=10)
-    end(rdzv, gen, nodes)
+    gen, creds = seal(rdzv, nodes)
+    durable, _ = save(ckpts, blobs, nodes, gen, 10, creds, every=10)
+    save(ckpts, blobs, nodes, gen, 20, creds, every=10)
+    end(rdzv, gen, nodes, creds)
     # Both agents came back (their memory was reclaimed): new replica servers.
-    gen2 = seal(rdzv, nodes, agents={"a": 2, "b": 2})
+    gen2, _ = seal(rdzv, nodes, agents={"a": 2, "b": 2})
     assert rdzv.sealed("job", gen2).checkpoint.version == durable  # type: ignore[union-attr]
 
 
 def test_grants_name_the_ring_successor_and_fail_when_altered(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
-    gen = seal(rdzv, ["a", "b", "c"])
+    gen, creds = seal(rdzv, ["a", "b", "c"])
     key = ckpts.peer_key("job")
     begun = ckpts.begin(
-        "job", BeginCheckpoint(node_id="c", generation=gen, step=1, files=[FILE], memory=True)
+        "job",
+        BeginCheckpoint(node_id="c", generation=gen, step=1, files=[FILE], memory=True),
+        creds["c"],
     )
     assert begun.replica is not None and begun.replica.node_id == "a"
     claims = verify_grant(key, begun.replica.token, now=rdzv.clock())
@@ -261,9 +277,9 @@ def test_retention_keeps_the_durable_version_behind_memory_ones(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen = seal(rdzv, nodes)
-    durable, _ = save(ckpts, blobs, nodes, gen, 0, every=100)
+    gen, creds = seal(rdzv, nodes)
+    durable, _ = save(ckpts, blobs, nodes, gen, 0, creds, every=100)
     for step in range(1, 8):
-        save(ckpts, blobs, nodes, gen, step, every=100)
+        save(ckpts, blobs, nodes, gen, step, creds, every=100)
     kept = [v.version for v in ckpts.versions("job")]
     assert kept[0] == durable and len(kept) == 4  # keep=3 newest, and the durable one

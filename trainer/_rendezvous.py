@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from rallypoint.client import (
+    CREDENTIAL_ENV,
     ENDPOINT_KEY_ENV,
     GENERATION_ENV,
     JOB_ENV,
@@ -337,6 +338,8 @@ class RallypointRendezvousHandler(RendezvousHandler):
         }
         if self.settings.token:
             values[TOKEN_ENV] = self.settings.token
+        if self._client.credential:
+            values[CREDENTIAL_ENV] = self._client.credential
         values[MEMORY_ENV] = OFF if self._memory is None else str(self._memory.root)
         os.environ.update(values)
         # Warm workers fork from a server started before this generation: they read
@@ -344,7 +347,11 @@ class RallypointRendezvousHandler(RendezvousHandler):
         target = os.environ.get(WORKER_ENV_FILE)
         if target:
             partial = f"{target}.{os.getpid()}.tmp"
-            with open(partial, "w") as f:
+            # It holds the token and the node's credential: for this user's eyes only.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
                 json.dump(values, f)
             os.replace(partial, target)
 

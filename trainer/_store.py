@@ -10,13 +10,21 @@ from datetime import timedelta
 from torch._C import _DistStoreError as DistStoreError
 from torch._C._distributed_c10d import Store
 
-from rallypoint.client import ElasticClient, RallypointError, StoreReply, StoreRequest
+from rallypoint.client import (
+    ElasticClient,
+    RallypointError,
+    StaleGeneration,
+    StoreReply,
+    StoreRequest,
+)
 
 __all__ = ["CoordinatorStore"]
 
 # Each waiting request is held this long by the coordinator before the client asks again
 # (and checks whether it should give up).
 _WAIT_SLICE = 1.0
+# How often a refused check-in asks whether this node left (see CoordinatorStore._op).
+_DEPARTED_POLL = 0.05
 
 
 def _b64(value: str | bytes) -> str:
@@ -71,8 +79,30 @@ class CoordinatorStore(Store):
     def _op(self, request: StoreRequest) -> StoreReply:
         try:
             return self._client.store(self.generation, request)
+        except StaleGeneration as exc:
+            if request.op in ("set", "add") and self._departed():
+                # The coordinator keeps no writes into an ended generation, and this
+                # node left the job: its exit barrier's check-in has nobody to count it,
+                # and the barrier's wait ends through ``release`` (an add of 0: not the
+                # last to check in, so nothing is set for others to wait on).
+                return StoreReply(count=0)
+            raise DistStoreError(f"rallypoint store: {exc}") from exc
         except RallypointError as exc:
             raise DistStoreError(f"rallypoint store: {exc}") from exc
+
+    def _departed(self) -> bool:
+        """Whether this node left the job, once ``release`` can say: the generation
+        ended, so the plugin hears why within moments (its heartbeat is a watch). False
+        at once if ``abort`` gives another reason first, and at the store's timeout."""
+        if self._release is None:
+            return False
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while not self._release():
+            ended = self._abort() if self._abort is not None else None
+            if ended is not None or time.monotonic() >= deadline:
+                return self._release()  # set before the reason, if it is the reason
+            time.sleep(_DEPARTED_POLL)
+        return True
 
     def set(self, key: str, value: str | bytes) -> None:
         self._op(StoreRequest(op="set", keys=[key], values=[_b64(value)]))

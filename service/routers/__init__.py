@@ -7,5 +7,6 @@ from .jobs import router as jobs
 from .metrics import router as metrics
 from .pages import router as pages
 from .store import router as store
+from .tokens import router as tokens
 
-__all__ = ["checkpoints", "envelope", "health", "jobs", "metrics", "pages", "store"]
+__all__ = ["checkpoints", "envelope", "health", "jobs", "metrics", "pages", "store", "tokens"]

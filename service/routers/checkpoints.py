@@ -15,7 +15,6 @@ from rallypoint.client._models import (
     BeginCheckpoint,
     CheckpointBegun,
     CheckpointInfo,
-    ErrorBody,
     PeerKey,
     QuarantineRequest,
     ReportShard,
@@ -23,7 +22,7 @@ from rallypoint.client._models import (
 )
 
 from .._contract import errors
-from ..deps import AdminOnly, Auth, CheckpointsDep, DriverDep, JobId
+from ..deps import AdminOnly, Auth, CheckpointsDep, Credential, DriverDep, JobId
 from ..errors import (
     CheckpointConflict,
     IncompleteUpload,
@@ -48,11 +47,11 @@ VersionNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
     responses=errors(InvalidRequest, UnknownJob, UnknownNode, StaleGeneration, CheckpointConflict),
 )
 async def begin(
-    job_id: JobId, body: BeginCheckpoint, checkpoints: CheckpointsDep
+    job_id: JobId, body: BeginCheckpoint, checkpoints: CheckpointsDep, credential: Credential
 ) -> CheckpointBegun:
     """Begins (or finds) the version of ``step`` in the caller's generation, with write
     URLs for the caller's files. Every rank of a generation gets the same version."""
-    return await anyio.to_thread.run_sync(checkpoints.begin, job_id, body)
+    return await anyio.to_thread.run_sync(checkpoints.begin, job_id, body, credential)
 
 
 @router.post(
@@ -68,11 +67,15 @@ async def begin(
     ),
 )
 async def report(
-    job_id: JobId, version: VersionNumber, body: ReportShard, checkpoints: CheckpointsDep
+    job_id: JobId,
+    version: VersionNumber,
+    body: ReportShard,
+    checkpoints: CheckpointsDep,
+    credential: Credential,
 ) -> CheckpointInfo:
     """Reports the caller's uploaded files; the last rank's report commits the version,
     which becomes the latest if its generation still runs and its step is newer."""
-    return await anyio.to_thread.run_sync(checkpoints.report, job_id, version, body)
+    return await anyio.to_thread.run_sync(checkpoints.report, job_id, version, body, credential)
 
 
 @router.post(
@@ -83,11 +86,15 @@ async def report(
     ),
 )
 async def restored(
-    job_id: JobId, version: VersionNumber, body: RestoreReport, checkpoints: CheckpointsDep
+    job_id: JobId,
+    version: VersionNumber,
+    body: RestoreReport,
+    checkpoints: CheckpointsDep,
+    credential: Credential,
 ) -> None:
     """Counts what a rank's restore of the version read from this node's memory, a
     peer's and blob storage (``/metrics``); fenced like every report of a member."""
-    await anyio.to_thread.run_sync(checkpoints.restored, job_id, version, body)
+    await anyio.to_thread.run_sync(checkpoints.restored, job_id, version, body, credential)
 
 
 @router.get("", responses=errors(UnknownJob))
@@ -117,10 +124,7 @@ async def get_version(
     return await anyio.to_thread.run_sync(checkpoints.get, job_id, version)
 
 
-_QUARANTINE_ERRORS: dict[int | str, dict[str, object]] = {
-    404: {"model": ErrorBody, "description": "`unknown_job`, or `unknown_checkpoint`"},
-    409: {"model": ErrorBody, "description": "`checkpoint_conflict`: not committed"},
-}
+_QUARANTINE_ERRORS = errors(UnknownJob, UnknownCheckpoint, CheckpointConflict)
 
 
 @router.put("/{version}/quarantine", dependencies=[AdminOnly], responses=_QUARANTINE_ERRORS)
@@ -146,7 +150,7 @@ async def quarantine(
 @router.delete(
     "/{version}/quarantine",
     dependencies=[AdminOnly],
-    responses={404: _QUARANTINE_ERRORS[404]},
+    responses=errors(UnknownJob, UnknownCheckpoint),
 )
 async def unquarantine(
     job_id: JobId, version: VersionNumber, checkpoints: CheckpointsDep, driver: DriverDep

@@ -26,10 +26,21 @@ from rallypoint.client._models import (
     WaitRequest,
 )
 
+from .. import _credentials as credentials
 from .._contract import errors
 from .._driver import Driver
 from .._rendezvous import Generation, Node, Rendezvous
-from ..deps import Auth, DriverDep, GenerationNumber, JobId, NodeId, RdzvDep
+from ..deps import (
+    AdminOnly,
+    Auth,
+    Credential,
+    DriverDep,
+    GenerationNumber,
+    JobId,
+    NodeId,
+    PrincipalDep,
+    RdzvDep,
+)
 from ..errors import (
     JobConflict,
     JobFull,
@@ -48,10 +59,10 @@ _WATCH_POLL = 0.25
 
 
 @router.get("")
-async def list_jobs(rdzv: RdzvDep) -> list[JobSummary]:
-    """Every job this coordinator's storage knows."""
+async def list_jobs(rdzv: RdzvDep, principal: PrincipalDep) -> list[JobSummary]:
+    """Every job this coordinator's storage knows (a scoped token's: its own)."""
     jobs = await anyio.to_thread.run_sync(rdzv.list_jobs)
-    return [rdzv.summary(job) for job in jobs]
+    return [rdzv.summary(job) for job in jobs if principal.may("read", job.job_id)]
 
 
 @router.put(
@@ -92,7 +103,11 @@ async def join(
     request: Request,
     response: Response,
 ) -> JoinReply | Response:
-    """Registers a node for the next generation and waits up to ``wait`` s for its seal."""
+    """Registers a node for the next generation and waits up to ``wait`` s for its seal.
+
+    The reply carries the registration's ``credential``: the node's later requests
+    (heartbeat, wait, leave, store, checkpoints) must send it.
+    """
     node = await anyio.to_thread.run_sync(
         rdzv.register,
         job_id,
@@ -123,18 +138,21 @@ async def wait(
     driver: DriverDep,
     request: Request,
     response: Response,
+    credential: Credential,
 ) -> JoinReply | Response:
     """Waits up to ``wait`` s more for the round a join registered for to seal."""
     node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
-    node = replace(node, round=body.round)
+    credentials.check(node.cred, credential, node_id)
+    node = replace(node, round=body.round, credential=None)
     return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response)
 
 
-def _sealed_reply(job_id: str, node_id: str, sealed: Generation) -> Response:
+def _sealed_reply(job_id: str, node: Node, sealed: Generation) -> Response:
     """The JoinReply of a sealed round, around the generation's prebuilt members JSON."""
-    body = b'{"status":"sealed","round":%d,"assignment":%b}' % (
+    body = b'{"status":"sealed","round":%d,"assignment":%b%b}' % (
         sealed.generation,
-        sealed.assignment_json(job_id, node_id),
+        sealed.assignment_json(job_id, node.node_id),
+        b',"credential":"%b"' % node.credential.encode() if node.credential else b"",
     )
     return Response(body, media_type="application/json")
 
@@ -148,7 +166,7 @@ async def _await_seal(
     request: Request,
     response: Response,
 ) -> JoinReply | Response:
-    node_id, round = node.node_id, node.round
+    node_id, round, credential = node.node_id, node.round, node.credential
     join_timeout = (await driver.snapshot(job_id))[0].spec.join_timeout.total_seconds()
     deadline = time.monotonic() + wait
     with driver.waiting(job_id, node_id):
@@ -171,12 +189,13 @@ async def _await_seal(
                     None,
                     node.join_id,
                     node.peer,
+                    node.registration,  # the same join: the caller's credential holds
                 )
                 round = node.round
                 driver.poke(job_id)
                 continue
             if outcome is not None:
-                return _sealed_reply(job_id, node_id, outcome)
+                return _sealed_reply(job_id, node, outcome)
             if rdzv.clock() - node.joined_at > join_timeout:
                 raise JoinTimeout(
                     f"round {round} of job {job_id!r} did not seal within {join_timeout:.0f} s"
@@ -184,7 +203,7 @@ async def _await_seal(
             left = deadline - time.monotonic()
             if left <= 0 or driver.closing or await request.is_disconnected():
                 response.status_code = 202
-                return JoinReply(status="waiting", round=round)
+                return JoinReply(status="waiting", round=round, credential=credential)
             # The seal sets ``changed``; the timeout only paces the join-timeout and
             # disconnect checks, and a vanished waiter must not look alive for long.
             pace = max(1.0, job.spec.heartbeat_timeout.total_seconds() / 3)
@@ -203,6 +222,7 @@ async def heartbeat(
     rdzv: RdzvDep,
     driver: DriverDep,
     request: Request,
+    credential: Credential,
 ) -> HeartbeatReply:
     """A member's pulse; the reply says whether its generation still runs.
 
@@ -213,36 +233,47 @@ async def heartbeat(
     (Well-formed, authorized beats are answered by :class:`HeartbeatFastPath` before
     routing; this route answers the rest, with the same :func:`pulse`.)
     """
-    return await pulse(job_id, node_id, body, request.app.state, request.is_disconnected)
+    return await pulse(
+        job_id, node_id, body, credential, request.app.state, request.is_disconnected
+    )
 
 
 async def pulse(
     job_id: str,
     node_id: str,
     body: HeartbeatRequest,
+    credential: str | None,
     state: State,
     disconnected: Callable[[], Awaitable[bool]],
 ) -> HeartbeatReply:
     """A heartbeat of valid ids and body, for the route and the fast path alike.
 
     Args:
+        credential: The node's credential, as the request carried it.
         state: The app's state (``rdzv``, ``driver``, ``metrics``).
         disconnected: Whether the caller hung up (ends a held reply).
 
     Raises:
-        RallypointServiceError: Unknown job or node, storage failures.
+        RallypointServiceError: Unknown job or node, not the node's credential, storage
+            failures.
     """
     rdzv: Rendezvous = state.rdzv
     driver: Driver = state.driver
-    state.metrics.heartbeats.labels(job_id).inc()
     job, changed = await driver.snapshot(job_id)
     action = rdzv.heartbeat(job, node_id, body.generation)
-    if action == "continue" and body.generation is not None:
+    if body.generation is not None:
+        # A member's beat is checked against the generation record (cached: it never
+        # changes), so the credential costs a hash, not a storage read.
         sealed = rdzv.cached(job_id, body.generation)
         if sealed is None:
             sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, body.generation)
         if node_id not in sealed.ranks:
             raise UnknownNode(f"node {node_id!r} is not a member of generation {body.generation}")
+        credentials.check(sealed.credential_of(node_id), credential, node_id)
+    else:
+        node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
+        credentials.check(node.cred, credential, node_id)
+    state.metrics.heartbeats.labels(job_id).inc()  # a beat of the node itself
     if action == "continue":
         driver.beat(job_id, node_id, body.generation or 0)
     if body.generation is not None:
@@ -266,11 +297,19 @@ async def pulse(
     "/{job_id}/nodes/{node_id}/leave", responses=errors(UnknownJob, UnknownNode, StaleGeneration)
 )
 async def leave(
-    job_id: JobId, node_id: NodeId, body: LeaveRequest, rdzv: RdzvDep, driver: DriverDep
+    job_id: JobId,
+    node_id: NodeId,
+    body: LeaveRequest,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    credential: Credential,
 ) -> dict[str, str]:
-    """Takes a node out; if it was a member, its generation ends and the others restart."""
+    """Takes a node out at its own request (with its credential); if it was a member,
+    its generation ends and the others restart."""
     try:
-        await anyio.to_thread.run_sync(rdzv.leave, job_id, node_id, body.generation, body.reason)
+        await anyio.to_thread.run_sync(
+            rdzv.leave, job_id, node_id, body.generation, body.reason, credential
+        )
     except StaleGeneration:
         # Storage showed the generation over: this replica's heartbeats must not answer
         # "continue" from an older snapshot after saying so.
@@ -278,6 +317,22 @@ async def leave(
         raise
     await driver.refresh(job_id)
     return {"status": "left"}
+
+
+@router.delete(
+    "/{job_id}/nodes/{node_id}",
+    dependencies=[AdminOnly],
+    responses=errors(UnknownJob, UnknownNode),
+)
+async def remove_node(
+    job_id: JobId, node_id: NodeId, rdzv: RdzvDep, driver: DriverDep
+) -> dict[str, str]:
+    """The operator takes a node out (admin token; no node credential): as if it had
+    left, so its generation ends and the others restart without it; its agent stops
+    rather than joining again."""
+    await anyio.to_thread.run_sync(rdzv.remove, job_id, node_id, f"node {node_id} removed")
+    await driver.refresh(job_id)
+    return {"status": "removed"}
 
 
 @router.get("/{job_id}/nodes/{node_id}", responses=errors(UnknownJob, UnknownNode))
@@ -293,10 +348,15 @@ async def node_info(job_id: JobId, node_id: NodeId, rdzv: RdzvDep) -> NodeInfo:
     responses=errors(UnknownJob, UnknownNode, StaleGeneration),
 )
 async def assignment(
-    job_id: JobId, generation: GenerationNumber, node_id: NodeId, rdzv: RdzvDep, driver: DriverDep
+    job_id: JobId,
+    generation: GenerationNumber,
+    node_id: NodeId,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    credential: Credential,
 ) -> Response:
     """A member's assignment in a running generation, without joining again (what a
-    worker under torchrun asks for: its agent joined already)."""
+    worker under torchrun asks for with its agent's credential: the agent joined)."""
     job, _ = await driver.snapshot(job_id)
-    sealed, _ = await anyio.to_thread.run_sync(rdzv.member, job, node_id, generation)
+    sealed, _ = await anyio.to_thread.run_sync(rdzv.member, job, node_id, generation, credential)
     return Response(sealed.assignment_json(job_id, node_id), media_type="application/json")

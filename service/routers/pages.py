@@ -5,7 +5,8 @@ page every two seconds (a ``<meta refresh>`` does it where scripts are off): not
 fetched from elsewhere, so it works on a cluster without internet access.
 
 When the coordinator has a token, a browser signs in once through the form at ``/login``,
-which keeps the token in an HttpOnly cookie; ``Authorization: Bearer`` works as well.
+which keeps the token in an HttpOnly cookie; ``Authorization: Bearer`` works as well. A
+job's ``reader`` (or ``trainer``) token shows that job only.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from rallypoint.client._models import CheckpointInfo, CheckpointPointer, JobStatus, JobSummary
 
-from .._http import check_token
-from ..deps import CheckpointsDep, JobId, RdzvDep, SettingsDep
+from .._tokens import Principal, Tokens, presented
+from ..deps import CheckpointsDep, JobId, RdzvDep
 from ..errors import RequestError
 
 __all__ = ["router"]
@@ -126,13 +127,11 @@ def _table(
     return f"<table id='{name}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _signed_in(settings: SettingsDep, request: Request, cookie: str | None) -> bool:
-    token = settings.token
-    if token is None:
-        return True
-    if check_token(token, request.headers.get("authorization")):
-        return True
-    return cookie is not None and check_token(token, None, cookie)
+async def _viewer(request: Request, cookie: str | None) -> Principal | None:
+    """Who is looking: by the request's token, else the sign-in cookie's (the admin
+    token, or a job's ``reader`` or ``trainer`` token, which see that job only)."""
+    tokens: Tokens = request.app.state.tokens
+    return await tokens.principal(presented(request.headers) or cookie)
 
 
 def _login_form(message: str = "", status: int = 401) -> HTMLResponse:
@@ -163,13 +162,14 @@ Token = Annotated[str | None, Cookie(alias=COOKIE)]
 
 
 @router.post("/login")
-async def login(settings: SettingsDep, request: Request) -> Response:
+async def login(request: Request) -> Response:
     """Checks the form's token and keeps it in an HttpOnly, SameSite=Strict cookie."""
     # The one form field, parsed here: no multipart parser dependency for one login.
     form = parse_qs((await request.body()).decode("utf-8", "replace"), max_num_fields=4)
     token = (form.get("token") or [""])[0]
-    if not check_token(settings.token, None, token):
-        return _login_form("That is not this coordinator's token.")
+    tokens: Tokens = request.app.state.tokens
+    if not token or await tokens.principal(token) is None:
+        return _login_form("That is not a valid token of this coordinator.")
     reply = RedirectResponse("/", status_code=303)
     reply.set_cookie(
         COOKIE,
@@ -182,14 +182,15 @@ async def login(settings: SettingsDep, request: Request) -> Response:
 
 
 @router.get("/", response_class=HTMLResponse)
-async def jobs_page(
-    rdzv: RdzvDep, settings: SettingsDep, request: Request, cookie: Token = None
-) -> HTMLResponse:
-    """Every job, linking to its page."""
-    if not _signed_in(settings, request, cookie):
+async def jobs_page(rdzv: RdzvDep, request: Request, cookie: Token = None) -> HTMLResponse:
+    """Every job the viewer's token covers, linking to its page."""
+    viewer = await _viewer(request, cookie)
+    if viewer is None:
         return _login_form()
     jobs: list[JobSummary] = [
-        rdzv.summary(j) for j in await anyio.to_thread.run_sync(rdzv.list_jobs)
+        rdzv.summary(j)
+        for j in await anyio.to_thread.run_sync(rdzv.list_jobs)
+        if viewer.may("read", j.job_id)
     ]
     rows = "".join(
         f"<tr><td><a href='/jobs/{escape(j.job_id)}'>{escape(j.job_id)}</a></td>"
@@ -212,13 +213,15 @@ async def job_page(
     job_id: JobId,
     rdzv: RdzvDep,
     checkpoints: CheckpointsDep,
-    settings: SettingsDep,
     request: Request,
     cookie: Token = None,
 ) -> HTMLResponse:
     """A job's members, waiting nodes, generations and checkpoint versions."""
-    if not _signed_in(settings, request, cookie):
+    viewer = await _viewer(request, cookie)
+    if viewer is None:
         return _login_form()
+    if not viewer.may("read", job_id):
+        return _login_form(f"This token does not cover job {job_id}.", 403)
     try:
         status: JobStatus = await anyio.to_thread.run_sync(rdzv.status, job_id)
         versions: list[CheckpointInfo] = await anyio.to_thread.run_sync(

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request
 from rallypoint.client._models import MAX_STORE_VALUE_BYTES, StoreReply, StoreRequest
 
 from .._contract import errors
-from ..deps import Auth, DriverDep, GenerationNumber, JobId, KeyValueDep, RdzvDep
+from ..deps import Auth, Credential, DriverDep, GenerationNumber, JobId, KeyValueDep, RdzvDep
 from ..errors import (
     InvalidCredential,
     InvalidRequest,
@@ -60,10 +60,24 @@ async def store(
     kv: KeyValueDep,
     driver: DriverDep,
     request: Request,
+    credential: Credential,
 ) -> StoreReply:
-    """One operation on the generation's keys; ``get`` and ``check`` wait up to ``wait``
-    seconds for every key to exist."""
-    await anyio.to_thread.run_sync(rdzv.get_job, job_id)  # unknown_job, before any write
+    """One operation on the generation's keys, for a member (``node_id`` and its
+    credential); ``get`` and ``check`` wait up to ``wait`` seconds for every key to exist.
+
+    Writes go only to the running generation: an ended one's keys are what its members
+    left (readable by them), a future one's cannot be planted.
+    """
+    if body.node_id is None:
+        raise InvalidCredential(
+            "store requests act for a node: send node_id and its credential "
+            "(X-Rallypoint-Credential)"
+        )
+    job = await anyio.to_thread.run_sync(rdzv.get_job, job_id)  # before any write
+    reads = body.op in ("get", "check", "num_keys")
+    await anyio.to_thread.run_sync(
+        lambda: rdzv.member(job, body.node_id or "", generation, credential, ended=reads)
+    )
     keys = body.keys
     if body.op == "set":
         items = dict(zip(keys, map(_decode, body.values or []), strict=True))

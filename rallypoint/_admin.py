@@ -1,0 +1,129 @@
+"""``rallypoint token create|list|revoke``: job-scoped tokens, made with the admin token.
+
+Like the inspection commands they need only the client, so they run from any laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+
+from rallypoint.client import RallypointError, TokenInfo
+
+from ._inspect import _when, client_for, connection_options
+
+__all__ = ["add_commands", "parse_duration"]
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``90s``, ``30m``, ``12h`` or ``7d`` (a bare number is seconds).
+
+    Raises:
+        argparse.ArgumentTypeError: Anything else, or not positive.
+    """
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd]?)", text.strip())
+    if match is None or float(match[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 30m, 12h or 7d")
+    return timedelta(seconds=float(match[1]) * _UNITS[match[2] or "s"])
+
+
+def _print(tokens: Sequence[TokenInfo]) -> None:
+    rows = [("ID", "JOB", "ROLE", "NAME", "CREATED", "EXPIRES", "REVOKED")] + [
+        (
+            t.token_id,
+            t.job_id,
+            t.role,
+            t.name or "-",
+            _when(t.created_at),
+            _when(t.expires_at),
+            _when(t.revoked_at),
+        )
+        for t in tokens
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _create(args: argparse.Namespace) -> int:
+    with client_for(args, args.job) as client:
+        try:
+            made = client.create_token(args.role, expires_in=args.expires, name=args.name)
+        except RallypointError as exc:
+            print(f"rallypoint token create: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        sys.stdout.write(made.model_dump_json() + "\n")
+    else:
+        # The token alone on stdout, for `export RALLYPOINT_TOKEN=$(rallypoint token ...)`.
+        print(made.token)
+        expiry = "never expires" if made.expires_at is None else f"expires {_when(made.expires_at)}"
+        print(
+            f"token {made.token_id}: {made.role} of job {made.job_id}, {expiry}; "
+            "it is shown only now",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    with client_for(args, args.job or "-") as client:
+        try:
+            tokens = client.tokens(all_jobs=not args.job)
+        except RallypointError as exc:
+            print(f"rallypoint token list: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps([t.model_dump(mode="json") for t in tokens]))
+    else:
+        _print(tokens)
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    with client_for(args) as client:
+        try:
+            info = client.revoke_token(args.token_id)
+        except RallypointError as exc:
+            print(f"rallypoint token revoke: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        sys.stdout.write(info.model_dump_json() + "\n")
+    else:
+        print(f"token {info.token_id} ({info.role} of job {info.job_id}) revoked")
+    return 0
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Adds ``token`` to the ``rallypoint`` command."""
+    common = connection_options()
+    token = commands.add_parser(
+        "token",
+        help="job-scoped tokens: create, list, revoke (needs the admin token)",
+        description="A trainer token joins one job and acts for its nodes; a reader token "
+        "reads it (API GET routes, status page, CLI views). Both are made and revoked with "
+        "the coordinator's admin token (--token / RALLYPOINT_TOKEN).",
+    )
+    actions = token.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", parents=[common], help="make a token for one job")
+    create.add_argument("job", help="the job id")
+    create.add_argument("--role", choices=["trainer", "reader"], required=True)
+    create.add_argument(
+        "--expires", type=parse_duration, help="lifetime: 90s, 30m, 12h, 7d [never]"
+    )
+    create.add_argument("--name", help="a label for people (who or what it is for)")
+    create.set_defaults(run=_create)
+    listing = actions.add_parser("list", parents=[common], help="scoped tokens (never the tokens)")
+    listing.add_argument("job", nargs="?", help="only this job's")
+    listing.set_defaults(run=_list)
+    revoke = actions.add_parser(
+        "revoke", parents=[common], help="revoke a token (every replica, within a second)"
+    )
+    revoke.add_argument("token_id", help="the token's id (from create or list)")
+    revoke.set_defaults(run=_revoke)
