@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hmac
 import json
 import math
 import secrets
@@ -138,9 +139,29 @@ class Generation:
             separators=(",", ":"),
         ).encode()
 
-    def credential_of(self, node_id: str) -> str | None:
-        """The member's credential digest (the caller checked it is a member)."""
-        return self.members[self.ranks[node_id]].cred
+    @functools.cached_property
+    def _verified(self) -> dict[str, str]:
+        return {}
+
+    def check_credential(self, node_id: str, credential: str | None) -> None:
+        """Refuses a request of a member that does not carry its credential.
+
+        A member sends the same credential every second: once its digest matched, the
+        credential itself is kept (this record is immutable, and cached), so the next
+        beats cost a string comparison rather than a hash.
+
+        Raises:
+            UnknownNode: The node is not a member.
+            InvalidCredential: Not the member's credential.
+        """
+        rank = self.ranks.get(node_id)
+        if rank is None:
+            raise UnknownNode(f"node {node_id!r} is not a member of generation {self.generation}")
+        known = self._verified.get(node_id)
+        if known is not None and credential is not None and hmac.compare_digest(known, credential):
+            return
+        credentials.check(self.members[rank].cred, credential, node_id)
+        self._verified[node_id] = credential or ""
 
     def assignment_json(self, job_id: str, node_id: str) -> bytes:
         """A member's :class:`Assignment` as JSON, built around :attr:`members_json`."""
@@ -725,11 +746,8 @@ class Rendezvous:
                 f"(latest is {job.generation}, {job.status})"
             )
         gen = self.sealed(job.job_id, generation)
-        rank = gen.ranks.get(node_id)
-        if rank is None:
-            raise UnknownNode(f"node {node_id!r} is not a member of generation {generation}")
-        credentials.check(gen.members[rank].cred, credential, node_id)
-        return gen, rank
+        gen.check_credential(node_id, credential)
+        return gen, gen.ranks[node_id]
 
     def node(self, job_id: str, node_id: str) -> Node:
         """Reads a node's registration.

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from typing import Literal
 
 import anyio.to_thread
 from fastapi import APIRouter, Request, Response
@@ -234,14 +236,21 @@ async def heartbeat(
     routing; this route answers the rest, with the same :func:`pulse`.)
     """
     return await pulse(
-        job_id, node_id, body, credential, request.app.state, request.is_disconnected
+        job_id,
+        node_id,
+        body.generation,
+        body.wait,
+        credential,
+        request.app.state,
+        request.is_disconnected,
     )
 
 
 async def pulse(
     job_id: str,
     node_id: str,
-    body: HeartbeatRequest,
+    generation: int | None,
+    wait: float,
     credential: str | None,
     state: State,
     disconnected: Callable[[], Awaitable[bool]],
@@ -249,6 +258,7 @@ async def pulse(
     """A heartbeat of valid ids and body, for the route and the fast path alike.
 
     Args:
+        generation, wait: The body's (see :class:`HeartbeatRequest`).
         credential: The node's credential, as the request carried it.
         state: The app's state (``rdzv``, ``driver``, ``metrics``).
         disconnected: Whether the caller hung up (ends a held reply).
@@ -260,24 +270,22 @@ async def pulse(
     rdzv: Rendezvous = state.rdzv
     driver: Driver = state.driver
     job, changed = await driver.snapshot(job_id)
-    action = rdzv.heartbeat(job, node_id, body.generation)
-    if body.generation is not None:
+    action = rdzv.heartbeat(job, node_id, generation)
+    if generation is not None:
         # A member's beat is checked against the generation record (cached: it never
         # changes), so the credential costs a hash, not a storage read.
-        sealed = rdzv.cached(job_id, body.generation)
+        sealed = rdzv.cached(job_id, generation)
         if sealed is None:
-            sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, body.generation)
-        if node_id not in sealed.ranks:
-            raise UnknownNode(f"node {node_id!r} is not a member of generation {body.generation}")
-        credentials.check(sealed.credential_of(node_id), credential, node_id)
+            sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, generation)
+        sealed.check_credential(node_id, credential)
     else:
         node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
         credentials.check(node.cred, credential, node_id)
     state.metrics.heartbeats.labels(job_id).inc()  # a beat of the node itself
     if action == "continue":
-        driver.beat(job_id, node_id, body.generation or 0)
-    if body.generation is not None:
-        deadline = time.monotonic() + body.wait
+        driver.beat(job_id, node_id, generation or 0)
+    if generation is not None:
+        deadline = time.monotonic() + wait
         while action == "continue" and not driver.closing:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -289,8 +297,14 @@ async def pulse(
                 driver.dropped(job_id, node_id)
                 break
             job, changed = await driver.snapshot(job_id)
-            action = rdzv.heartbeat(job, node_id, body.generation)
-    return HeartbeatReply(action=action, generation=job.generation)
+            action = rdzv.heartbeat(job, node_id, generation)
+    return _reply(action, job.generation)
+
+
+@functools.lru_cache(maxsize=256)
+def _reply(action: Literal["continue", "restart"], generation: int) -> HeartbeatReply:
+    # Every member gets one of two replies every second: made once (they are frozen).
+    return HeartbeatReply(action=action, generation=generation)
 
 
 @router.post(
