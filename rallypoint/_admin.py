@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from rallypoint.client import RallypointError, TokenInfo
 
-from ._inspect import _when, client_for, connection_options
+from ._inspect import _table, _when, client_for, connection_options
 
 __all__ = ["add_commands", "parse_duration"]
 
@@ -34,21 +34,20 @@ def parse_duration(text: str) -> timedelta:
 
 
 def _print(tokens: Sequence[TokenInfo]) -> None:
-    rows = [("ID", "JOB", "ROLE", "NAME", "CREATED", "EXPIRES", "REVOKED")] + [
+    header = ("ID", "JOB", "ROLE", "NAME", "CREATED", "EXPIRES", "REVOKED")
+    rows = [
         (
             t.token_id,
             t.job_id,
             t.role,
-            t.name or "-",
+            t.name,
             _when(t.created_at),
             _when(t.expires_at),
             _when(t.revoked_at),
         )
         for t in tokens
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    _table(header, rows, sys.stdout)
 
 
 def _create(args: argparse.Namespace) -> int:

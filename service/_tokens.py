@@ -187,31 +187,27 @@ class Tokens:
     async def principal(self, token: str | None) -> Principal | None:
         """Who a request's token makes it; None: no token, or one that is unknown,
         expired or revoked."""
-        if self.admin is None:
-            return ADMIN
-        if token is None:
-            return None
-        if hmac.compare_digest(token.encode(), self.admin.encode()):
-            return ADMIN
-        token_id = _token_id(token)
-        if token_id is None:
-            return None
-        read = await self._read(token_id)
-        return self._judge(read, token)
+        found = self._admin_or_id(token)
+        if isinstance(found, str):  # a scoped token's id: its row says the rest
+            return self._judge(await self._read(found), token or "")
+        return found
 
     def principal_now(self, token: str | None) -> Principal | None:
         """:meth:`principal` for synchronous callers (reads storage in this thread)."""
+        found = self._admin_or_id(token)
+        if isinstance(found, str):
+            return self._judge(self._cached(found) or self._fetch(found), token or "")
+        return found
+
+    def _admin_or_id(self, token: str | None) -> Principal | str | None:
+        """What needs no storage: admin, nobody (None), or the scoped token's id."""
         if self.admin is None:
             return ADMIN
         if token is None:
             return None
         if hmac.compare_digest(token.encode(), self.admin.encode()):
             return ADMIN
-        token_id = _token_id(token)
-        if token_id is None:
-            return None
-        read = self._cached(token_id) or self._fetch(token_id)
-        return self._judge(read, token)
+        return _token_id(token)
 
     def _judge(self, read: _Read, token: str) -> Principal | None:
         e = read.entity
