@@ -35,6 +35,7 @@ from ._models import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
+    MemberInfo,
     NodeInfo,
     PeerKey,
     QuarantineRequest,
@@ -459,6 +460,19 @@ class ElasticClient:
         """
         path = f"{self._job}/generations/{generation}/nodes/{self.node_id}"
         return Assignment.model_validate_json(self._request("GET", path).content)
+
+    def members(self, generation: int | None = None) -> list[MemberInfo]:
+        """A sealed generation's members in rank order (this node's, by default).
+
+        Assignments carry only the list's digest (``members_digest``): fetch it when you
+        need more than your rank, the world size and the master.
+
+        Raises:
+            StaleGeneration: The generation never sealed.
+        """
+        chosen = generation if generation is not None else self._generation(None)
+        reply = self._request("GET", f"{self._job}/generations/{chosen}/members")
+        return [MemberInfo.model_validate(m) for m in reply.json()]
 
     def node_info(self) -> NodeInfo:
         """This node's registration (``left`` after :meth:`leave`).

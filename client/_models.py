@@ -446,17 +446,22 @@ class MemberInfo(_Model):
 
 
 class Assignment(_Model):
-    """What a node needs to start training in a sealed generation."""
+    """What a node needs to start training in a sealed generation: the same few hundred
+    bytes whatever the number of members (the member list is a route of its own, for
+    whoever wants it: ``ElasticClient.members()``)."""
 
     job_id: str
     node_id: str
     generation: int
     rank: int
+    #: The generation's number of nodes.
     world_size: int
     master_addr: str
     master_port: int
-    members: list[MemberInfo]
     checkpoint: CheckpointPointer | None = None
+    #: ``sha256:<hex>`` of the generation's member list as
+    #: ``GET /v1/jobs/{job}/generations/{g}/members`` serves it (also its ETag).
+    members_digest: str = ""
 
 
 class JoinReply(_Model):

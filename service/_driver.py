@@ -206,11 +206,11 @@ class Driver:
                 else:
                     fresh = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
                 if fresh.status == "sealed" and self.rdzv.cached(job_id, fresh.generation) is None:
-                    # Warm the cache before the waiters wake: each needs the members.
+                    # Warm the cache before the waiters wake: each needs the members' digest.
                     sealed = await anyio.to_thread.run_sync(
                         self.rdzv.sealed, job_id, fresh.generation
                     )
-                    sealed.members_json  # noqa: B018 - computed once here, not per reply
+                    sealed.members_digest  # noqa: B018 - computed once here, not per reply
                 job: Job | None = fresh
                 loop.error = None
             except Exception as exc:  # storage down, job deleted: report to requests, retry

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import hmac
 import json
 import math
@@ -128,8 +129,8 @@ class Generation:
 
     @functools.cached_property
     def members_json(self) -> bytes:
-        """The members as the wire's JSON list, made once: every one of N replies
-        carries all N members, and serialising them per reply would cost O(N^2)."""
+        """The members as the wire's JSON list, made once per generation (the members
+        route serves it; assignments carry only its digest)."""
         return json.dumps(
             [
                 {"node_id": m.node_id, "rank": m.rank, "addr": m.addr, "port": m.port}
@@ -138,6 +139,11 @@ class Generation:
             ],
             separators=(",", ":"),
         ).encode()
+
+    @functools.cached_property
+    def members_digest(self) -> str:
+        """``sha256:<hex>`` of :attr:`members_json`: the assignments' and its ETag."""
+        return "sha256:" + hashlib.sha256(self.members_json).hexdigest()
 
     @functools.cached_property
     def _verified(self) -> dict[str, str]:
@@ -164,7 +170,8 @@ class Generation:
         self._verified[node_id] = credential or ""
 
     def assignment_json(self, job_id: str, node_id: str) -> bytes:
-        """A member's :class:`Assignment` as JSON, built around :attr:`members_json`."""
+        """A member's :class:`Assignment` as JSON: O(1) bytes at any number of members
+        (each of N replies listing all N members made a round move O(N^2) bytes)."""
         head = {
             "job_id": job_id,
             "node_id": node_id,
@@ -174,9 +181,9 @@ class Generation:
             "master_addr": self.members[0].addr,
             "master_port": self.members[0].port,
             "checkpoint": self.checkpoint.model_dump(mode="json") if self.checkpoint else None,
+            "members_digest": self.members_digest,
         }
-        without_brace = json.dumps(head, separators=(",", ":")).encode()[:-1]
-        return b'%b,"members":%b}' % (without_brace, self.members_json)
+        return json.dumps(head, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,8 +61,7 @@ def check_one_generation(assignments: list[Assignment]) -> None:
     assert world == {len(assignments)}
     assert sorted(a.rank for a in assignments) == list(range(len(assignments)))
     assert len({(a.master_addr, a.master_port) for a in assignments}) == 1
-    rank0 = next(a for a in assignments if a.rank == 0)
-    assert rank0.master_port == next(m.port for m in rank0.members if m.rank == 0)
+    assert len({a.members_digest for a in assignments}) == 1
 
 
 def eventually_restart(node: ElasticClient, within: float = 5) -> bool:
@@ -250,3 +250,26 @@ def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(start:
             p.kill()
             p.wait()
     assert client.membership().history[-1].ended_reason == "node b dropped its heartbeat connection"
+
+
+def test_the_members_route_serves_one_list_per_generation(start: Start) -> None:
+    url = start().url
+    nodes = clients(url, ["a", "b", "c"])
+    assignments = join_all(nodes, spec(3, 3))
+    members = nodes[0].members()
+    assert [(m.node_id, m.rank) for m in members] == sorted(
+        ((a.node_id, a.rank) for a in assignments), key=lambda pair: pair[1]
+    )
+    rank0 = next(m for m in members if m.rank == 0)
+    assert (rank0.addr, rank0.port) == (assignments[0].master_addr, assignments[0].master_port)
+    path = f"{url}/v1/jobs/job/generations/1/members"
+    first = httpx.get(path)
+    etag = first.headers["etag"]
+    assert etag == f'"{assignments[0].members_digest}"'
+    assert "sha256:" + hashlib.sha256(first.content).hexdigest() == assignments[0].members_digest
+    again = httpx.get(path, headers={"If-None-Match": etag})
+    assert (again.status_code, again.content) == (304, b"")
+    future = httpx.get(f"{url}/v1/jobs/job/generations/2/members")
+    assert (future.status_code, future.json()["code"]) == (409, "stale_generation")
+    # O(1) bytes: the assignment does not grow with the members.
+    assert all(len(a.model_dump_json()) < 600 for a in assignments)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from datetime import timedelta
@@ -86,7 +87,10 @@ def test_seals_at_max_nodes_with_ranks_in_join_order(rdzv: Rendezvous, clock: Cl
     a = rdzv.assignment(job, "b", round)
     assert a not in (None, "missed") and not isinstance(a, str)
     assert (a.master_addr, a.master_port) == ("host-c", 1000 + ord("c"))
-    assert [m.node_id for m in a.members] == nodes
+    sealed = rdzv.sealed("job", round)
+    assert [m.node_id for m in sealed.members] == nodes
+    assert a.members_digest == sealed.members_digest
+    assert a.members_digest == "sha256:" + hashlib.sha256(sealed.members_json).hexdigest()
 
 
 def test_last_call_waits_for_more_after_min(rdzv: Rendezvous, clock: Clock) -> None:

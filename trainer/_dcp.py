@@ -389,7 +389,7 @@ class RallypointWriter(StorageWriter):
                     self.holders.remove(replica.node_id)
             else:
                 self.holders = sorted({*self.holders, replica.node_id})
-        nodes = len(self.client.assignment.members) if self.client.assignment else 1
+        nodes = self.client.assignment.world_size if self.client.assignment else 1
         wanted = begun.persist or len(self.holders) < min(2, nodes)
         if wanted and not self.storage and not first:
             # Rank 0's data stayed in memory, but its metadata must go to storage: the

@@ -8,10 +8,10 @@ import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Literal
+from typing import Annotated, Literal
 
 import anyio.to_thread
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Header, Request, Response
 from starlette.datastructures import State
 
 from rallypoint.client._models import (
@@ -24,6 +24,7 @@ from rallypoint.client._models import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
+    MemberInfo,
     NodeInfo,
     WaitRequest,
 )
@@ -374,3 +375,38 @@ async def assignment(
     job, _ = await driver.snapshot(job_id)
     sealed, _ = await anyio.to_thread.run_sync(rdzv.member, job, node_id, generation, credential)
     return Response(sealed.assignment_json(job_id, node_id), media_type="application/json")
+
+
+@router.get(
+    "/{job_id}/generations/{generation}/members",
+    response_model=list[MemberInfo],
+    responses={
+        304: {"description": "Not modified: the If-None-Match ETag is the list's"},
+        **errors(UnknownJob, StaleGeneration),
+    },
+)
+async def members(
+    job_id: JobId,
+    generation: GenerationNumber,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    if_none_match: Annotated[str | None, Header(max_length=128)] = None,
+) -> Response:
+    """A sealed generation's members in rank order (address, port, replica server).
+
+    Assignments carry only the list's digest, which is its ETag: a generation's members
+    never change, so a cache (or ``If-None-Match``) keeps one copy per generation.
+    """
+    job, _ = await driver.snapshot(job_id)
+    if generation > job.generation:
+        raise StaleGeneration(
+            f"generation {generation} of job {job_id!r} never sealed (latest is {job.generation})"
+        )
+    sealed = rdzv.cached(job_id, generation)
+    if sealed is None:
+        sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, generation)
+    etag = f'"{sealed.members_digest}"'
+    headers = {"ETag": etag, "Cache-Control": "private, max-age=86400, immutable"}
+    if if_none_match is not None and etag in (t.strip() for t in if_none_match.split(",")):
+        return Response(status_code=304, headers=headers)
+    return Response(sealed.members_json, media_type="application/json", headers=headers)
