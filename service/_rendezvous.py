@@ -745,9 +745,8 @@ class Rendezvous:
             UnknownNode: The node is not a member of it.
             InvalidCredential: ``credential`` is not the member's.
         """
-        if ended and 1 <= generation <= job.generation:
-            pass
-        elif generation != job.generation or job.status != "sealed":
+        running = generation == job.generation and job.status == "sealed"
+        if not running and not (ended and 1 <= generation <= job.generation):
             raise StaleGeneration(
                 f"generation {generation} of job {job.job_id!r} is not running "
                 f"(latest is {job.generation}, {job.status})"
