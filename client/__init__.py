@@ -26,6 +26,7 @@ from ._client import (
 from ._grants import GrantClaims, new_signing_key, public_key, sign_grant, verify_grant
 from ._models import (
     CREDENTIAL_HEADER,
+    ID_SCHEMA_PATTERN,
     MAX_METADATA_BYTES,
     Assignment,
     CheckpointBegun,
@@ -51,6 +52,7 @@ from ._models import (
     StoreRequest,
     TokenCreated,
     TokenInfo,
+    TokenRequest,
     WaitingNode,
     check_id,
 )
@@ -81,6 +83,7 @@ __all__ = [
     "CREDENTIAL_HEADER",
     "ENDPOINT_KEY_ENV",
     "GENERATION_ENV",
+    "ID_SCHEMA_PATTERN",
     "JOB_ENV",
     "MAX_METADATA_BYTES",
     "NODE_ENV",
@@ -128,6 +131,7 @@ __all__ = [
     "StoreRequest",
     "TokenCreated",
     "TokenInfo",
+    "TokenRequest",
     "TransportError",
     "Unauthorized",
     "UnknownCheckpoint",

@@ -25,7 +25,7 @@ from typing import Literal
 
 import anyio.to_thread
 
-from rallypoint.client._models import TokenInfo
+from rallypoint.client import TokenInfo
 
 from .errors import AlreadyExists, NotFound, UnknownToken
 from .storage import Cond, Entity, Table

@@ -7,7 +7,7 @@ from typing import Annotated
 import anyio.to_thread
 from fastapi import APIRouter, Path, Query, Request
 
-from rallypoint.client._models import ID_SCHEMA_PATTERN, TokenCreated, TokenInfo, TokenRequest
+from rallypoint.client import ID_SCHEMA_PATTERN, TokenCreated, TokenInfo, TokenRequest
 
 from .._contract import errors
 from .._tokens import Tokens
