@@ -37,8 +37,10 @@ a = client.join(spec=spec, timeout=timedelta(seconds=60),
                 peer=None if server is None else server.url)
 box["a"] = a
 assert a.world_size == int(n), f"a generation of {a.world_size}, not {n}: joins too far apart"
-import torch, torch.distributed as dist
+# Beating from the seal on: importing torch takes seconds, more on a loaded machine, and
+# a member silent for the heartbeat timeout would end the generation under the test.
 with client.heartbeats():
+    import torch, torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://{a.master_addr}:{a.master_port}",
                             rank=a.rank, world_size=a.world_size)
     scope = {"__name__": "ranks_body", "server": server}
