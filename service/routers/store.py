@@ -50,7 +50,7 @@ def _encode(value: bytes | None) -> str | None:
 
 @router.post(
     "/{generation}",
-    responses=errors(InvalidRequest, UnknownJob, UnknownNode, StaleGeneration, InvalidCredential),
+    responses=errors(InvalidRequest, UnknownJob, StaleGeneration, InvalidCredential),
 )
 async def store(
     job_id: JobId,
@@ -75,9 +75,16 @@ async def store(
         )
     job = await anyio.to_thread.run_sync(rdzv.get_job, job_id)  # before any write
     reads = body.op in ("get", "check", "num_keys")
-    await anyio.to_thread.run_sync(
-        lambda: rdzv.member(job, body.node_id or "", generation, credential, ended=reads)
-    )
+    try:
+        await anyio.to_thread.run_sync(
+            lambda: rdzv.member(job, body.node_id or "", generation, credential, ended=reads)
+        )
+    except UnknownNode:
+        # Only the generation's members use its store: anyone else is refused as such.
+        raise InvalidCredential(
+            f"node {body.node_id!r} is not a member of generation {generation}: "
+            "only its members use its store"
+        ) from None
     keys = body.keys
     if body.op == "set":
         items = dict(zip(keys, map(_decode, body.values or []), strict=True))
