@@ -74,6 +74,10 @@ _UNSCOPED = {("GET", "/v1/jobs"), ("POST", ENVELOPE_PATH)}
 
 
 @raises(Unauthorized, Forbidden, StorageUnavailable)
+def _needs_admin(request: Request) -> Forbidden:
+    return Forbidden(f"{request.method} {request.scope['path']} needs the admin token")
+
+
 async def _authorized(request: Request) -> Principal:
     """Who the request's token makes the caller, and whether that covers the route: a
     scoped token reads its own job (GET) and, as ``trainer``, acts in it."""
@@ -89,7 +93,7 @@ async def _authorized(request: Request) -> Principal:
     if job_id is None:
         if (request.method, request.scope["path"]) in _UNSCOPED or principal.may("admin", None):
             return principal
-        raise Forbidden(f"{request.method} {request.scope['path']} needs the admin token")
+        raise _needs_admin(request)
     need: Need = "read" if request.method in ("GET", "HEAD") else "act"
     if not principal.may(need, job_id):
         raise Forbidden(
@@ -103,7 +107,7 @@ async def _authorized(request: Request) -> Principal:
 async def _admin(request: Request) -> None:
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is None or not principal.may("admin", None):
-        raise Forbidden(f"{request.method} {request.scope['path']} needs the admin token")
+        raise _needs_admin(request)
 
 
 async def _principal(request: Request) -> Principal:

@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Rendezvous
-from rallypoint.service.storage import AzureStorage, LocalStorage, Storage
+from rallypoint.service.storage import AzureStorage, BlobStore, LocalStorage, Storage
 
 from ._azurite import running_azurite
 from ._coordinator import Coordinator
@@ -106,3 +108,15 @@ def clock() -> Clock:
 @pytest.fixture
 def rdzv(storage: Storage, clock: Clock) -> Rendezvous:
     return Rendezvous(storage.table("jobs"), clock)
+
+
+@pytest.fixture
+def blobs(storage: Storage) -> BlobStore:
+    return storage.blobs("checkpoints")
+
+
+@pytest.fixture
+def ckpts(rdzv: Rendezvous, blobs: BlobStore) -> Checkpoints:
+    """The checkpoints over ``rdzv``: 3 versions kept, 10 minutes to finish one (a
+    module may override it with its own)."""
+    return Checkpoints(rdzv, blobs, keep=3, timeout=timedelta(seconds=600))

@@ -35,11 +35,6 @@ TIMEOUT = 600.0
 
 
 @pytest.fixture
-def blobs(storage: Storage) -> BlobStore:
-    return storage.blobs("checkpoints")
-
-
-@pytest.fixture
 def ckpts(rdzv: Rendezvous, blobs: BlobStore) -> Checkpoints:
     return Checkpoints(rdzv, blobs, keep=2, timeout=timedelta(seconds=TIMEOUT))
 

@@ -36,16 +36,6 @@ from .test_tiers import end, save, seal
 FILE = "data.distcp"
 
 
-@pytest.fixture
-def blobs(storage: Storage) -> BlobStore:
-    return storage.blobs("checkpoints")
-
-
-@pytest.fixture
-def ckpts(rdzv: Rendezvous, blobs: BlobStore) -> Checkpoints:
-    return Checkpoints(rdzv, blobs, keep=3, timeout=timedelta(seconds=600))
-
-
 def begin_all(
     ckpts: Checkpoints, nodes: list[str], gen: int, step: int, creds: dict[str, str]
 ) -> int:

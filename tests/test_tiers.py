@@ -7,8 +7,6 @@ coordinator names the newest version the new members' memory or storage can give
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 
 from rallypoint.client import SignedUrlError, verify_grant
@@ -16,22 +14,12 @@ from rallypoint.client._models import BeginCheckpoint, ReportShard, ShardFile
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import InvalidRequest
-from rallypoint.service.storage import BlobStore, Storage
+from rallypoint.service.storage import BlobStore
 
 from .conftest import Clock
 from .test_rendezvous import spec
 
 FILE = "data.distcp"
-
-
-@pytest.fixture
-def blobs(storage: Storage) -> BlobStore:
-    return storage.blobs("checkpoints")
-
-
-@pytest.fixture
-def ckpts(rdzv: Rendezvous, blobs: BlobStore) -> Checkpoints:
-    return Checkpoints(rdzv, blobs, keep=3, timeout=timedelta(seconds=600))
 
 
 def peer(node: str, agent: int = 1) -> str:
