@@ -73,11 +73,11 @@ async def _settings(request: Request) -> Settings:
 _UNSCOPED = {("GET", "/v1/jobs"), ("POST", ENVELOPE_PATH)}
 
 
-@raises(Unauthorized, Forbidden, StorageUnavailable)
 def _needs_admin(request: Request) -> Forbidden:
     return Forbidden(f"{request.method} {request.scope['path']} needs the admin token")
 
 
+@raises(Unauthorized, Forbidden, StorageUnavailable)
 async def _authorized(request: Request) -> Principal:
     """Who the request's token makes the caller, and whether that covers the route: a
     scoped token reads its own job (GET) and, as ``trainer``, acts in it."""
