@@ -15,21 +15,41 @@ reply with its parser, which took a quarter of the coordinator's CPU while it wr
 1,024 heartbeats a second (ten 100-operation transactions). :func:`install` swaps in a
 plain writer of the same bytes and a plain reader of the parts: each sub-request is
 still serialized, and each sub-response still parsed, by azure-core.
+
+What is replaced is private to azure-core, so :func:`install` replaces it only on the
+releases in :data:`TESTED_AZURE_CORE` (``scripts/test-oldest-azure`` runs the storage
+suites on the oldest, the main environment on the newest). On any other release it
+logs once and leaves azure-core's own path: slower, never wrong.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import logging
+import re
+import threading
 import uuid
 from typing import Any
 
 from azure.core.pipeline import Pipeline, PipelineContext, PipelineRequest, PipelineResponse
 
-__all__ = ["install"]
+__all__ = ["TESTED_AZURE_CORE", "install", "installed", "tested", "uninstall"]
+
+#: The azure-core releases the in-order path was tested on: from the first up to, not
+#: including, the second. pyproject's service extra bounds azure-core the same way.
+TESTED_AZURE_CORE = ((1, 29, 4), (1, 42))
+
+log = logging.getLogger("rallypoint.storage")
 
 # The modules that bound azure-core's helpers by name (sync requests and responses).
 _PARTS_USERS = ("azure.core.rest._http_response_impl", "azure.core.pipeline.transport._base")
 _BODY_USERS = ("azure.core.rest._helpers", "azure.core.pipeline.transport._base")
+
+# (owner, attribute) -> azure-core's own value, while ours is installed.
+_saved: dict[tuple[Any, str], Any] = {}
+_lock = threading.Lock()
+_refused = False  # logged once
 
 
 def _prepare_in_order(request: Any) -> None:
@@ -147,12 +167,24 @@ def _raw_parts(response: Any, http_response_type: Any) -> Any:
     return response._decode_parts(message, http_response_type, requests)
 
 
-def install() -> None:
-    """Makes azure-core handle batch sub-requests and sub-responses in order
-    (idempotent). Leaves any part whose shape differs from azure-core 1.x's untouched."""
-    current = Pipeline.__dict__.get("_prepare_multipart_mixed_request")
-    if isinstance(current, staticmethod) and current.__func__ is not _prepare_in_order:
-        Pipeline._prepare_multipart_mixed_request = staticmethod(_prepare_in_order)  # type: ignore[method-assign]
+def tested(version: str | None = None) -> bool:
+    """Whether ``version`` (by default the installed azure-core's) is in
+    :data:`TESTED_AZURE_CORE`; a pre-release counts as its release."""
+    if version is None:
+        version = importlib.metadata.version("azure-core")
+    found = re.match(r"\d+(?:\.\d+)*", version)
+    if found is None:
+        return False
+    release = tuple(int(n) for n in found.group().split("."))
+    low, high = TESTED_AZURE_CORE
+    return low <= release < high
+
+
+def _targets() -> list[tuple[Any, str, Any]]:
+    """(owner, attribute, replacement) for every part of azure-core replaced."""
+    targets: list[tuple[Any, str, Any]] = [
+        (Pipeline, "_prepare_multipart_mixed_request", staticmethod(_prepare_in_order))
+    ]
     swaps = (
         (_PARTS_USERS, "_parts_helper", _parts_in_order),
         (_PARTS_USERS, "_get_raw_parts_helper", _raw_parts),
@@ -160,7 +192,53 @@ def install() -> None:
     )
     for modules, name, replacement in swaps:
         for module_name in modules:
-            module = importlib.import_module(module_name)
-            helper = getattr(module, name, None)
-            if helper is not None and helper.__name__ == name:  # azure-core's own, once
-                setattr(module, name, replacement)
+            targets.append((importlib.import_module(module_name), name, replacement))
+    return targets
+
+
+def install() -> bool:
+    """Makes azure-core handle batch sub-requests and sub-responses in order, if its
+    release is one :func:`tested` (idempotent).
+
+    Returns:
+        Whether the in-order path is installed; if it is not, a warning said why, once.
+    """
+    global _refused
+    with _lock:
+        if _saved:
+            return True
+        version = importlib.metadata.version("azure-core")
+        targets = _targets() if tested(version) else []
+        missing = [
+            f"{owner.__name__}.{name}" for owner, name, _ in targets if name not in vars(owner)
+        ]
+        if targets and not missing:
+            for owner, name, replacement in targets:
+                _saved[owner, name] = vars(owner)[name]
+                setattr(owner, name, replacement)
+            return True
+        if not _refused:
+            _refused = True
+            low, high = (".".join(map(str, release)) for release in TESTED_AZURE_CORE)
+            log.warning(
+                "azure-core %s is not a release the batch path was tested on (>=%s,<%s)%s: "
+                "table transactions take azure-core's own, slower path",
+                version,
+                low,
+                high,
+                f", it lacks {', '.join(missing)}" if missing else "",
+            )
+        return False
+
+
+def installed() -> bool:
+    """Whether :func:`install` replaced azure-core's batch path."""
+    return bool(_saved)
+
+
+def uninstall() -> None:
+    """Puts azure-core's own batch path back (benchmarks and tests)."""
+    with _lock:
+        for (owner, name), original in _saved.items():
+            setattr(owner, name, original)
+        _saved.clear()

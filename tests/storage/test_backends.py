@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +57,95 @@ def test_a_batch_starts_no_threads(azurite: str, monkeypatch: pytest.MonkeyPatch
     table.batch([BatchOp("upsert", Entity("p", f"r{i}", {"v": i})) for i in range(100)])
     assert started == []
     assert sorted(e.data["v"] for e in table.query("p")) == list(range(100))
+
+
+@pytest.mark.parametrize(
+    ("version", "tested"),
+    [
+        ("1.29.4", True),
+        ("1.41.0", True),
+        ("1.41.9", True),
+        ("1.29.3", False),
+        ("1.42.0", False),
+        ("1.42.0b1", False),
+        ("2.0.0", False),
+        ("dev", False),
+    ],
+)
+def test_the_batch_path_is_kept_to_tested_azure_core_releases(version: str, tested: bool) -> None:
+    assert _azure_batch.tested(version) is tested
+
+
+def test_pyproject_allows_the_azure_core_releases_the_batch_path_was_tested_on() -> None:
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    found = re.search(r'"azure-core>=([\d.]+),<([\d.]+)"', text)
+    assert found, "pyproject's service extra bounds azure-core on both sides"
+    low, high = (tuple(int(n) for n in v.split(".")) for v in found.groups())
+    assert (low, high) == _azure_batch.TESTED_AZURE_CORE
+    assert _azure_batch.tested()  # the venv running this is inside
+
+
+@pytest.fixture
+def stock_batches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[logging.LogRecord]]:
+    """azure-core's own batch path, as on a release outside the tested ones; yields
+    the warnings logged. The in-order path is back afterwards."""
+    monkeypatch.setattr(_azure_batch, "TESTED_AZURE_CORE", ((0,), (1,)))
+    monkeypatch.setattr(_azure_batch, "_refused", False)
+    _azure_batch.uninstall()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("rallypoint.storage")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        monkeypatch.undo()
+        assert _azure_batch.install()
+
+
+def test_outside_the_tested_releases_batches_take_azure_cores_path(
+    azurite: str, stock_batches: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from azure.core.pipeline import Pipeline
+
+    store = open_storage("azure", connection_string=azurite, prefix="stock")
+    table, other = store.table("jobs"), store.table("others")  # each table tries install()
+    assert not _azure_batch.installed()
+    assert Pipeline.__dict__["_prepare_multipart_mixed_request"].__func__.__module__ == (
+        "azure.core.pipeline._base"
+    )
+    [warning] = stock_batches  # once, however many tables
+    assert "not a release the batch path was tested on" in warning.getMessage()
+    started: list[threading.Thread] = []
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    table.batch([BatchOp("upsert", Entity("p", f"r{i}", {"v": i})) for i in range(100)])
+    other.batch([BatchOp("insert", Entity("p", "a")), BatchOp("insert", Entity("p", "b"))])
+    assert started, "azure-core's own path prepares sub-requests in its thread pools"
+    assert sorted(e.data["v"] for e in table.query("p")) == list(range(100))
+    assert [e.row_key for e in other.query("p")] == ["a", "b"]
+    store.close()
+
+
+def test_uninstall_restores_azure_cores_own_helpers() -> None:
+    import azure.core.rest._helpers as helpers
+    from azure.core.utils import _pipeline_transport_rest_shared as shared
+
+    assert _azure_batch.install() and _azure_batch.install()  # idempotent
+    assert helpers._prepare_multipart_body_helper is not shared._prepare_multipart_body_helper
+    _azure_batch.uninstall()
+    try:
+        assert helpers._prepare_multipart_body_helper is shared._prepare_multipart_body_helper
+        assert not _azure_batch.installed()
+    finally:
+        assert _azure_batch.install()
 
 
 def _batch_request() -> Any:
