@@ -8,13 +8,19 @@ each next to the same work done without Rallypoint:
 - local blobs:  dd with conv=fdatasync (write) and dd to /dev/null (read)
 - Azure table:  azure-data-tables used directly
 - Azure blobs:  azure-storage-blob used directly (same block size and concurrency)
+- Azure table transactions: the adapter with its in-order batch path
+  (``service/storage/_azure_batch.py``) and with azure-core's own, switched per round;
+  wall-clock transactions/s and this process's CPU per transaction (Azurite's is not
+  counted: on Azure it is not the coordinator's)
 
 Usage: python bench/storage.py [--ops 2000] [--mib 256] [--repeat 5]
+                               [--parts local,azure,batch]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sqlite3
 import statistics
@@ -35,11 +41,13 @@ sys.path.insert(0, str(ROOT))
 
 from rallypoint.service.storage import (  # noqa: E402
     AzureStorage,
+    BatchOp,
     BlobStore,
     Entity,
     LocalStorage,
     Storage,
     Table,
+    _azure_batch,
 )
 from rallypoint.service.storage._azure_blob import PARALLEL_TRANSFERS  # noqa: E402
 from tests._azurite import running_azurite  # noqa: E402
@@ -158,6 +166,59 @@ def sdk_table_baseline(conn: str, ops: int) -> tuple[Callable[[], float], Callab
     return inserts, cas
 
 
+def adapter_transactions(table: Table, ops: int, size: int) -> Callable[[], float]:
+    """``ops`` upserts in transactions of ``size`` (a join writes 2, heartbeats 100)."""
+
+    def work() -> float:
+        part = uuid.uuid4().hex
+        count = max(1, ops // size)
+        for i in range(count):
+            table.batch(
+                [BatchOp("upsert", Entity(part, f"r{j:03d}", {"beat": i})) for j in range(size)]
+            )
+        return count
+
+    return work
+
+
+def with_batch_path(patched: bool, work: Callable[[], float]) -> Callable[[], float]:
+    def switched() -> float:
+        if patched:
+            assert _azure_batch.install(), "azure-core is outside the tested releases"
+        else:
+            _azure_batch.uninstall()
+        return work()
+
+    return switched
+
+
+def measure_transactions(conn: str, args: argparse.Namespace) -> None:
+    """The in-order batch path against azure-core's own, rounds alternating."""
+    store = AzureStorage("benchtx", connection_string=conn)
+    table = store.table("batches")
+    print(f"  {'transactions':28} {'in order':>10} {'azure-core':>10}  ratio")
+    for size in (2, 100):
+        work = adapter_transactions(table, args.ops, size)
+        ours, stock = with_batch_path(True, work), with_batch_path(False, work)
+        ours(), stock()  # warm-up
+        walls: tuple[list[float], list[float]] = ([], [])
+        cpus: tuple[list[float], list[float]] = ([], [])
+        for _ in range(args.repeat):
+            for run, wall, cpu in ((ours, walls[0], cpus[0]), (stock, walls[1], cpus[1])):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                count = run()
+                wall.append(count / (time.perf_counter() - start))
+                cpu.append((time.process_time() - start_cpu) * 1000 / count)
+        for metric, (mine, base) in (
+            (f"{size}-op transactions/s", walls),
+            (f"{size}-op CPU ms/transaction", cpus),
+        ):
+            a, b = statistics.median(mine), statistics.median(base)
+            print(f"  {metric:28} {a:10.2f} {b:10.2f}  {a / b:5.2f}", flush=True)
+    _azure_batch.install()
+    store.close()
+
+
 # --- blobs ------------------------------------------------------------------------------
 
 
@@ -253,45 +314,64 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=2000, help="table operations per round")
     parser.add_argument("--mib", type=int, default=256, help="blob size in MiB")
     parser.add_argument("--repeat", type=int, default=5, help="rounds; the median is shown")
+    parser.add_argument(
+        "--parts", default="local,azure,batch", help="comma-separated: local, azure, batch"
+    )
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= {"local", "azure", "batch"}:
+        parser.error(f"unknown parts: {', '.join(sorted(parts - {'local', 'azure', 'batch'}))}")
 
     with tempfile.TemporaryDirectory(
         prefix="rp-bench-", dir=ROOT / "build" if (ROOT / "build").is_dir() else None
     ) as tmp:
         work = Path(tmp)
         source = work / "source.bin"
-        with source.open("wb") as f:
-            for _ in range(args.mib):
-                f.write(os.urandom(MiB))
-        print(
-            f"{args.ops} table ops and a {args.mib} MiB blob per round, median of "
-            f"{args.repeat} after one warm-up; {os.cpu_count()} CPUs; files under {work}"
-        )
-        print(f"  {'store':6} {'metric':28} {'rallypoint':>10} {'baseline':>10}  ratio")
-        local = LocalStorage(work / "store", "bench")
-        rows = measure(
-            "local",
-            local,
-            sqlite_baseline(work / "raw.sqlite3", args.ops),
-            dd_baseline(source, work),
-            ("sqlite3 txn", "dd fdatasync"),
-            args,
-            source,
-        )
-        local.close()
-        with running_azurite() as conn:
-            azure = AzureStorage("bench", connection_string=conn)
+        rows: list[tuple[str, str, float, float, str]] = []
+        if parts & {"local", "azure"}:
+            with source.open("wb") as f:
+                for _ in range(args.mib):
+                    f.write(os.urandom(MiB))
+            print(
+                f"{args.ops} table ops and a {args.mib} MiB blob per round, median of "
+                f"{args.repeat} after one warm-up; {os.cpu_count()} CPUs; files under {work}"
+            )
+            print(f"  {'store':6} {'metric':28} {'rallypoint':>10} {'baseline':>10}  ratio")
+        if "local" in parts:
+            local = LocalStorage(work / "store", "bench")
             rows += measure(
-                "azure",
-                azure,
-                sdk_table_baseline(conn, args.ops),
-                sdk_blob_baseline(conn, source),
-                ("azure-data-tables", "azure-storage-blob"),
+                "local",
+                local,
+                sqlite_baseline(work / "raw.sqlite3", args.ops),
+                dd_baseline(source, work),
+                ("sqlite3 txn", "dd fdatasync"),
                 args,
                 source,
             )
-            azure.close()
-    print("\nbaselines: " + "; ".join(sorted({f"{r[0]}: {r[4]}" for r in rows})))
+            local.close()
+        if parts & {"azure", "batch"}:
+            with running_azurite() as conn:
+                if "azure" in parts:
+                    azure = AzureStorage("bench", connection_string=conn)
+                    rows += measure(
+                        "azure",
+                        azure,
+                        sdk_table_baseline(conn, args.ops),
+                        sdk_blob_baseline(conn, source),
+                        ("azure-data-tables", "azure-storage-blob"),
+                        args,
+                        source,
+                    )
+                    azure.close()
+                if "batch" in parts:
+                    print(
+                        f"\nAzure table transactions, {args.ops} upserts per round, median of "
+                        f"{args.repeat} after one warm-up; azure-core "
+                        f"{importlib.metadata.version('azure-core')}"
+                    )
+                    measure_transactions(conn, args)
+    if rows:
+        print("\nbaselines: " + "; ".join(sorted({f"{r[0]}: {r[4]}" for r in rows})))
 
 
 if __name__ == "__main__":
