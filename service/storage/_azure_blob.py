@@ -81,9 +81,18 @@ class AzureBlobStore(BlobStore):
         container: The container's name; it is created if missing.
         account_key: The account key, to sign SAS URLs; without it, URLs carry a user
             delegation SAS, which needs the identity to hold "Storage Blob Delegator".
+        account_name: The account SAS URLs are signed for; by default the one the SDK
+            reads from the endpoint, which a custom domain does not name.
     """
 
-    def __init__(self, service: BlobServiceClient, container: str, account_key: str | None) -> None:
+    def __init__(
+        self,
+        service: BlobServiceClient,
+        container: str,
+        account_key: str | None,
+        *,
+        account_name: str | None = None,
+    ) -> None:
         self.name = container
         self._service = service
         self._container = service.get_container_client(container)
@@ -94,6 +103,7 @@ class AzureBlobStore(BlobStore):
             if getattr(exc, "error_code", None) != "ContainerAlreadyExists":
                 raise translate(exc, f"container {container}") from exc
         self._account_key = account_key
+        self._account_name = account_name or self._container.account_name
         self._delegation: UserDelegationKey | None = None
         self._delegation_expiry = datetime.min.replace(tzinfo=timezone.utc)
         self._lock = threading.Lock()
@@ -256,7 +266,7 @@ class AzureBlobStore(BlobStore):
             else {"user_delegation_key": self._user_delegation_key(expires)}
         )
         sas = generate_blob_sas(
-            self._container.account_name,
+            self._account_name,
             self.name,
             name,
             permission=permission,

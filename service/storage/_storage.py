@@ -8,14 +8,37 @@ import re
 import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..errors import BadRequest
 from ._blob import BlobStore
 from ._table import Table
 
-__all__ = ["DEFAULT_STORAGE", "AzureStorage", "LocalStorage", "Storage", "open_storage"]
+__all__ = [
+    "ACCOUNT_ENV",
+    "BLOB_ENDPOINT_ENV",
+    "CONNECTION_STRING_ENV",
+    "DEFAULT_STORAGE",
+    "ENDPOINT_SUFFIX_ENV",
+    "TABLE_ENDPOINT_ENV",
+    "AzureStorage",
+    "LocalStorage",
+    "Storage",
+    "open_storage",
+]
 
 DEFAULT_STORAGE = "local:.rallypoint"
+
+# The variables open_storage reads for ``azure``; an argument wins over its variable.
+#: An account connection string (``AccountKey=``); it names its own endpoints.
+CONNECTION_STRING_ENV = "AZURE_STORAGE_CONNECTION_STRING"
+#: Without a connection string: the account, with DefaultAzureCredential.
+ACCOUNT_ENV = "AZURE_STORAGE_ACCOUNT"
+#: With the account: the table and blob services' URLs (private endpoints, custom
+#: domains), and the suffix of the default ones (sovereign clouds).
+TABLE_ENDPOINT_ENV = "AZURE_STORAGE_TABLE_ENDPOINT"
+BLOB_ENDPOINT_ENV = "AZURE_STORAGE_BLOB_ENDPOINT"
+ENDPOINT_SUFFIX_ENV = "AZURE_STORAGE_ENDPOINT_SUFFIX"
 _PREFIX = re.compile(r"[a-z][a-z0-9]{0,23}")
 _LOGICAL = re.compile(r"[a-z][a-z0-9]{2,30}")
 
@@ -28,6 +51,38 @@ def _check_names(prefix: str, name: str | None = None) -> None:
         )
     if name is not None and not _LOGICAL.fullmatch(name):
         raise BadRequest(f"table or container name {name!r} must be 3-31 lowercase letters/digits")
+
+
+def _endpoint(setting: str, url: str | None) -> str | None:
+    if not url:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc or parts.query:
+        raise BadRequest(
+            f"{setting} {url!r} must be a service URL such as "
+            "https://ACCOUNT.blob.core.windows.net (http only for an emulator; no query: "
+            "a SAS in it would not be used)"
+        )
+    return url.rstrip("/")
+
+
+def _what_signs(connection_string: str | None, credential: Any) -> str:
+    """What credentials are there that sign nothing, for the error that refuses them."""
+    if connection_string:
+        keys = {part.split("=", 1)[0].strip().lower() for part in connection_string.split(";")}
+        if "sharedaccesssignature" in keys:
+            return "a shared access signature (SharedAccessSignature=) and no AccountKey"
+        return "no AccountKey"
+    return f"a {type(credential).__name__}, neither a key nor a token credential"
+
+
+def _suffix(suffix: str) -> str:
+    suffix = suffix.strip(".")
+    if not re.fullmatch(r"[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)+", suffix):
+        raise BadRequest(
+            f"{ENDPOINT_SUFFIX_ENV} {suffix!r} must be a DNS suffix such as core.windows.net"
+        )
+    return suffix
 
 
 class Storage(abc.ABC):
@@ -117,14 +172,31 @@ class LocalStorage(Storage):
 
 
 class AzureStorage(Storage):
-    """Azure Table + Blob storage, by connection string or by managed identity.
+    """Azure Table + Blob storage, by connection string or by account and credential.
+
+    The coordinator signs a SAS for each checkpoint object it hands out, so it needs an
+    account key (in the connection string, or an ``AzureNamedKeyCredential``) or a token
+    credential (managed identity: user delegation SAS). An account SAS cannot sign one
+    and is refused: handing it out would grant the whole account.
 
     Args:
         prefix: The deployment prefix of table and container names.
-        connection_string: An account connection string (Azurite's too).
+        connection_string: An account connection string (Azurite's too); it names its
+            own endpoints (``TableEndpoint=``, ``BlobEndpoint=``, ``EndpointSuffix=``).
         account: The account name, for DefaultAzureCredential (managed identity,
             workload identity, ``az login``) when there is no connection string.
-        credential: Another azure-identity credential to use with ``account``.
+        credential: Another credential to use with ``account``: an azure-identity one,
+            or an ``AzureNamedKeyCredential`` of the account's name and key.
+        table_endpoint: With ``account``: the table service's URL, for private
+            endpoints and custom domains.
+        blob_endpoint: With ``account``: the blob service's URL.
+        endpoint_suffix: With ``account``: the DNS suffix of the default endpoints
+            (``core.windows.net``; ``core.chinacloudapi.cn``, ``core.usgovcloudapi.net``
+            in sovereign clouds).
+
+    Raises:
+        BadRequest: No credentials, endpoints without an account, a malformed endpoint
+            or connection string, or credentials that cannot sign per-object URLs.
     """
 
     backend = "azure"
@@ -136,40 +208,80 @@ class AzureStorage(Storage):
         connection_string: str | None = None,
         account: str | None = None,
         credential: Any = None,
+        table_endpoint: str | None = None,
+        blob_endpoint: str | None = None,
+        endpoint_suffix: str | None = None,
     ) -> None:
         super().__init__(prefix)
         from azure.data.tables import TableServiceClient
         from azure.storage.blob import BlobServiceClient
 
+        overrides = {
+            TABLE_ENDPOINT_ENV: table_endpoint,
+            BLOB_ENDPOINT_ENV: blob_endpoint,
+            ENDPOINT_SUFFIX_ENV: endpoint_suffix,
+        }
+        given = ", ".join(name for name, value in overrides.items() if value)
+
         # 8 MiB blocks: Azure's throughput per request levels off around there.
         blob_options: dict[str, Any] = {"max_block_size": 8 << 20, "max_single_put_size": 8 << 20}
-        if connection_string:
-            self._tables_client = TableServiceClient.from_connection_string(connection_string)
-            self._blob_client = BlobServiceClient.from_connection_string(
-                connection_string, **blob_options
-            )
-            fields = dict(
-                part.split("=", 1) for part in connection_string.split(";") if "=" in part
-            )
-            self._account_key: str | None = fields.get("AccountKey")
-            self._where = fields.get("AccountName", "connection string")
-        elif account:
-            if credential is None:
-                from azure.identity import DefaultAzureCredential
+        try:
+            if connection_string:
+                if given:
+                    raise BadRequest(
+                        f"{given} apply with {ACCOUNT_ENV}; with {CONNECTION_STRING_ENV} put "
+                        "TableEndpoint=, BlobEndpoint= or EndpointSuffix= in the connection string"
+                    )
+                setting = CONNECTION_STRING_ENV
+                self._tables_client = TableServiceClient.from_connection_string(connection_string)
+                self._blob_client = BlobServiceClient.from_connection_string(
+                    connection_string, **blob_options
+                )
+                fields = dict(
+                    part.split("=", 1) for part in connection_string.split(";") if "=" in part
+                )
+                self._where = fields.get("AccountName", "connection string")
+            elif account:
+                setting = ACCOUNT_ENV
+                suffix = _suffix(endpoint_suffix or "core.windows.net")
+                if credential is None:
+                    from azure.identity import DefaultAzureCredential
 
-                credential = DefaultAzureCredential()
-            self._tables_client = TableServiceClient(
-                f"https://{account}.table.core.windows.net", credential=credential
-            )
-            self._blob_client = BlobServiceClient(
-                f"https://{account}.blob.core.windows.net", credential=credential, **blob_options
-            )
-            self._account_key = None
-            self._where = account
-        else:
+                    credential = DefaultAzureCredential()
+                self._tables_client = TableServiceClient(
+                    _endpoint(TABLE_ENDPOINT_ENV, table_endpoint)
+                    or f"https://{account}.table.{suffix}",
+                    credential=credential,
+                )
+                self._blob_client = BlobServiceClient(
+                    _endpoint(BLOB_ENDPOINT_ENV, blob_endpoint)
+                    or f"https://{account}.blob.{suffix}",
+                    credential=credential,
+                    **blob_options,
+                )
+                self._where = account
+            elif given:
+                raise BadRequest(f"{given} need {ACCOUNT_ENV}, the account's name")
+            else:
+                raise BadRequest(
+                    f"azure storage needs {CONNECTION_STRING_ENV}, or {ACCOUNT_ENV} "
+                    "for a managed identity"
+                )
+        except ValueError as exc:  # the SDKs' word for a malformed setting
+            raise BadRequest(f"azure storage: {exc}") from exc
+        signer = self._blob_client.credential
+        # A shared key (from AccountKey=, or an AzureNamedKeyCredential) signs service
+        # SAS; a token credential gets user delegation keys to sign them.
+        self._account_key: str | None = getattr(signer, "account_key", None)
+        self._account_name = str(getattr(signer, "account_name", None) or account or "")
+        if not self._account_key and not hasattr(signer, "get_token"):
+            self.close()
             raise BadRequest(
-                "azure storage needs AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT "
-                "for a managed identity"
+                f"{setting} gives {_what_signs(connection_string, credential)}: the "
+                "coordinator signs a SAS for each checkpoint object it hands out, which these "
+                "credentials cannot (and handing them out would grant all they grant). Use an "
+                f"account key connection string (AccountKey=), or {ACCOUNT_ENV} with a managed "
+                "identity, which signs with user delegation keys (roles: deploy/README.md)"
             )
 
     def describe(self) -> str:
@@ -189,7 +301,9 @@ class AzureStorage(Storage):
     def _open_blobs(self, name: str) -> BlobStore:
         from ._azure_blob import AzureBlobStore
 
-        return AzureBlobStore(self._blob_client, name, self._account_key)
+        return AzureBlobStore(
+            self._blob_client, name, self._account_key, account_name=self._account_name or None
+        )
 
     def close(self) -> None:
         super().close()
@@ -210,16 +324,24 @@ def open_storage(
         spec: ``local:PATH`` (``local`` alone means ``./.rallypoint``) or ``azure``.
         prefix: The deployment prefix of table and container names.
         connection_string: For ``azure``; defaults to ``AZURE_STORAGE_CONNECTION_STRING``.
-        account: For ``azure`` with a managed identity; defaults to ``AZURE_STORAGE_ACCOUNT``.
+        account: For ``azure`` with a managed identity; defaults to ``AZURE_STORAGE_ACCOUNT``,
+            and its endpoints to ``AZURE_STORAGE_TABLE_ENDPOINT``,
+            ``AZURE_STORAGE_BLOB_ENDPOINT`` and ``AZURE_STORAGE_ENDPOINT_SUFFIX``.
 
     Raises:
-        BadRequest: The spec names no known backend, or azure lacks credentials.
+        BadRequest: The spec names no known backend, or azure lacks usable credentials
+            (see :class:`AzureStorage`).
     """
     kind, _, rest = spec.partition(":")
     if kind == "local":
         return LocalStorage(rest or ".rallypoint", prefix)
     if kind == "azure" and not rest:
-        connection_string = connection_string or os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
-        account = account or os.environ.get("AZURE_STORAGE_ACCOUNT")
-        return AzureStorage(prefix, connection_string=connection_string, account=account)
+        return AzureStorage(
+            prefix,
+            connection_string=connection_string or os.environ.get(CONNECTION_STRING_ENV),
+            account=account or os.environ.get(ACCOUNT_ENV),
+            table_endpoint=os.environ.get(TABLE_ENDPOINT_ENV),
+            blob_endpoint=os.environ.get(BLOB_ENDPOINT_ENV),
+            endpoint_suffix=os.environ.get(ENDPOINT_SUFFIX_ENV),
+        )
     raise BadRequest(f"storage {spec!r} is neither 'local:PATH' nor 'azure'")
