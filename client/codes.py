@@ -38,6 +38,7 @@ __all__ = [
     "METHOD_NOT_ALLOWED",
     "MODIFIED",
     "NOT_FOUND",
+    "NOT_READY",
     "STALE_GENERATION",
     "STORAGE_ERROR",
     "STORAGE_UNAVAILABLE",
@@ -75,6 +76,7 @@ INCOMPLETE_UPLOAD: Final = "incomplete_upload"
 INTERNAL_ERROR: Final = "internal_error"
 STORAGE_ERROR: Final = "storage_error"
 STORAGE_UNAVAILABLE: Final = "storage_unavailable"
+NOT_READY: Final = "not_ready"
 ALREADY_EXISTS: Final = "already_exists"
 MODIFIED: Final = "modified"
 INVALID_NAME: Final = "invalid_name"
@@ -107,6 +109,7 @@ CODES: Final[Mapping[str, str]] = MappingProxyType(
         INTERNAL_ERROR: "500: the coordinator failed (see its log)",
         STORAGE_ERROR: "503: storage failed",
         STORAGE_UNAVAILABLE: "503: storage cannot be reached; retry",
+        NOT_READY: "503: the replica is starting or shutting down; another one answers",
         ALREADY_EXISTS: "409: storage already holds the object",
         MODIFIED: "412: storage changed under the request",
         INVALID_NAME: "400: storage cannot take the name",

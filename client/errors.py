@@ -188,6 +188,7 @@ _BY_CODE.update(
             codes.INTERNAL_ERROR,
             codes.STORAGE_ERROR,
             codes.STORAGE_UNAVAILABLE,
+            codes.NOT_READY,
             codes.ALREADY_EXISTS,
             codes.MODIFIED,
         ),

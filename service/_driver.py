@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import anyio.to_thread
 
 from ._rendezvous import Job, Rendezvous
+from .errors import StorageError
+from .storage import within
 
 __all__ = ["Driver"]
 
@@ -44,6 +46,7 @@ class _JobLoop:
     dropped: dict[str, float] = field(default_factory=dict)
     waiters: Counter[str] = field(default_factory=Counter)
     tick_now: bool = True
+    failing_since: float | None = None  # the first of the passes failing since
     last_used: float = field(default_factory=time.monotonic)
     error: BaseException | None = None
     task: asyncio.Task[None] | None = None
@@ -58,6 +61,9 @@ class Driver:
         max_tick: Seconds between ticks at most, which bounds failure detection.
         idle: Seconds without requests after which a job's task stops.
         reconnect: Seconds a member whose heartbeat watch was cut has to beat again.
+        grace: Seconds that :meth:`snapshot` answers with the last job read while
+            storage does not answer: nothing can change a job meanwhile, as nobody can
+            write it, so heartbeats go on being answered through a storage outage.
     """
 
     def __init__(
@@ -68,12 +74,14 @@ class Driver:
         max_tick: float = 0.5,
         idle: float = 30.0,
         reconnect: float = 1.0,
+        grace: float = 60.0,
     ) -> None:
         self.rdzv = rdzv
         self.interval = interval
         self.max_tick = max_tick
         self.idle = idle
         self.reconnect = reconnect
+        self.grace = grace
         self._checks: set[asyncio.Task[None]] = set()
         self._loops: dict[str, _JobLoop] = {}
         self._closing = False
@@ -92,10 +100,17 @@ class Driver:
 
         Raises:
             UnknownJob: No such job (or whatever else the last read raised).
+            StorageError: Storage has not answered for ``grace`` seconds, or had not
+                since this process began to drive the job.
         """
         loop = self._loop(job_id)
         await loop.ready.wait()
-        if loop.error is not None:
+        if loop.error is not None and not (
+            isinstance(loop.error, StorageError)
+            and loop.job is not None
+            and loop.failing_since is not None
+            and time.monotonic() - loop.failing_since < self.grace
+        ):
             raise loop.error
         assert loop.job is not None
         return loop.job, loop.changed
@@ -188,35 +203,57 @@ class Driver:
         next_waiter_beat = 0.0
         while True:
             started = time.monotonic()
+            known = loop.job
+            timeout = known.spec.heartbeat_timeout.total_seconds() if known else 3.0
+            # A pass's storage calls get a third of the heartbeat timeout: a frozen
+            # account shows as an error within it, not after the SDK's minutes.
+            budget = timeout / 3
+            beats, loop.beats = loop.beats, {}
             try:
-                beats, loop.beats = loop.beats, {}
-                known = loop.job
-                timeout = known.spec.heartbeat_timeout.total_seconds() if known else 3.0
                 if loop.waiters and started >= next_waiter_beat:
                     for node_id in loop.waiters:
                         beats.setdefault(node_id, 0)
                     next_waiter_beat = started + timeout / 3
-                if beats:
-                    await self._write_beats(job_id, beats)
-                fresh: Job
-                if loop.tick_now or started >= next_tick:
-                    loop.tick_now = False
-                    fresh, wait = await anyio.to_thread.run_sync(self.rdzv.tick, job_id)
-                    next_tick = started + min(max(wait, self.interval), self.max_tick)
-                else:
-                    fresh = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
-                if fresh.status == "sealed" and self.rdzv.cached(job_id, fresh.generation) is None:
-                    # Warm the cache before the waiters wake: each needs the members' digest.
-                    sealed = await anyio.to_thread.run_sync(
-                        self.rdzv.sealed, job_id, fresh.generation
-                    )
-                    sealed.members_digest  # noqa: B018 - computed once here, not per reply
+                with within(budget):
+                    if beats:
+                        await self._write_beats(job_id, beats)
+                    fresh: Job
+                    if loop.tick_now or started >= next_tick:
+                        loop.tick_now = False
+                        fresh, wait = await anyio.to_thread.run_sync(self.rdzv.tick, job_id)
+                        next_tick = started + min(max(wait, self.interval), self.max_tick)
+                    else:
+                        fresh = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
+                    if (
+                        fresh.status == "sealed"
+                        and self.rdzv.cached(job_id, fresh.generation) is None
+                    ):
+                        # Warm the cache before the waiters wake: each needs the digest.
+                        sealed = await anyio.to_thread.run_sync(
+                            self.rdzv.sealed, job_id, fresh.generation
+                        )
+                        sealed.members_digest  # noqa: B018 - computed once, not per reply
                 job: Job | None = fresh
+                if loop.failing_since is not None:
+                    log.warning(
+                        "job %s: storage answers again after %.1f s",
+                        job_id,
+                        started - loop.failing_since,
+                    )
                 loop.error = None
+                loop.failing_since = None
             except Exception as exc:  # storage down, job deleted: report to requests, retry
-                log.warning("job %s: %s", job_id, exc)
+                if loop.failing_since is None:
+                    log.warning("job %s: %s", job_id, exc)
+                    loop.failing_since = started
                 loop.error = exc
                 job = None
+                if isinstance(exc, StorageError):
+                    # The beats this pass could not write are written by the next one (a
+                    # beat that arrived meanwhile is newer), and the rendezvous learns that
+                    # beats it did not see may have been lost (see Rendezvous.storage_lost).
+                    loop.beats = {**beats, **loop.beats}
+                    self.rdzv.storage_lost()
             if job is not None:
                 self._publish(loop, job, started)
             loop.ready.set()

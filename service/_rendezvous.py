@@ -415,6 +415,10 @@ class Rendezvous:
         # A coordinator that was down heard no heartbeats: it gives every member a full
         # timeout from its start before declaring one dead (see _check_members).
         self.started_at = clock()
+        # Likewise after a storage outage (see storage_lost): beats written through
+        # other replicas, or buffered here, could not reach storage while it was down.
+        self.resumed_at = self.started_at
+        self._lost = False
         self._sealed: OrderedDict[tuple[str, int], Generation] = OrderedDict()
         self._loading: dict[tuple[str, int], threading.Lock] = {}
         self._lock = threading.Lock()
@@ -777,6 +781,9 @@ class Rendezvous:
             anything (``math.inf`` if only a join can).
         """
         job = self.get_job(job_id)
+        if self._lost:  # storage answered that read: the outage is over
+            self._lost = False
+            self.resumed_at = self.clock()
         if job.status == "open":
             sealed, wait = self._try_seal(job)
         else:
@@ -793,7 +800,7 @@ class Rendezvous:
             for n in self._nodes(
                 job.job_id, (Cond("round", "eq", job.round), Cond("state", "eq", "waiting"))
             )
-            if now - beats.get(n.node_id, -math.inf) < timeout
+            if now - max(beats.get(n.node_id, -math.inf), self.resumed_at) < timeout
         ]
         if len(waiting) < spec.min_nodes:
             return False, math.inf
@@ -872,6 +879,13 @@ class Rendezvous:
             waits.extend(t for t in expiries if t > now)
         return waits
 
+    def storage_lost(self) -> None:
+        """Tells that a storage call failed: heartbeats may have been lost, so the next
+        :meth:`tick` that reads storage again restarts every member's clock (a storage
+        outage must not declare members dead, or waiting nodes gone, for a silence it
+        caused)."""
+        self._lost = True
+
     def _check_members(self, job: Job) -> tuple[bool, float]:
         timeout = _seconds(job.spec.heartbeat_timeout)
         members = self.sealed(job.job_id, job.generation).members
@@ -882,9 +896,10 @@ class Rendezvous:
         if cut:
             return self._end(job, f"node {cut[0]} dropped its heartbeat connection"), 0.0
         # A member's clock starts at the seal at the latest (it was alive to be chosen),
-        # or at this coordinator's start: a restarted coordinator does not kill a job for
-        # the heartbeats nobody could deliver while it was down.
-        since = max(job.changed_at, self.started_at)
+        # or at this coordinator's start, or at the end of the last storage outage it
+        # saw: neither a restarted coordinator nor a storage outage kills a job for the
+        # heartbeats nobody could deliver meanwhile.
+        since = max(job.changed_at, self.started_at, self.resumed_at)
         last = {m.node_id: max(beats.get(m.node_id, 0.0), since) for m in members}
         silent = sorted((t, n) for n, t in last.items() if now - t >= timeout)
         if silent:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import socket
@@ -53,7 +54,7 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
             store.blobs(name)
         app.state.storage = store
         app.state.rdzv = Rendezvous(store.table("jobs"))
-        app.state.driver = Driver(app.state.rdzv)
+        app.state.driver = Driver(app.state.rdzv, grace=settings.storage_grace)
         app.state.kv = KeyValue(store.table("jobs"))
         app.state.tokens = Tokens(store.table("jobs"), settings.token)
         app.state.checkpoints = Checkpoints(
@@ -66,7 +67,11 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
             on_commit=metrics.committed,
             on_restore=metrics.restored,
         )
+        prober = asyncio.create_task(routers.probe(store), name="storage-probe")
         yield
+        prober.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await prober
         await app.state.driver.close()
         if storage is None:
             store.close()

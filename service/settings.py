@@ -49,6 +49,10 @@ class Settings(BaseSettings):
     write_url_ttl: float = Field(300.0, ge=1, le=3600)
     #: Seconds a read URL (or a peer read grant) is valid: a restore must finish in it.
     read_url_ttl: float = Field(3600.0, ge=1, le=7 * 86400)
+    #: Seconds of storage outage this replica rides out: it answers heartbeats from its
+    #: last view of each job and stays ready. Past it, it reports unready and answers
+    #: 503 (see docs/OPERATIONS.md, "Storage outages").
+    storage_grace: float = Field(60.0, gt=0, le=3600)
 
     @field_validator("storage")
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -48,54 +49,100 @@ def azurite_binary() -> str:
     raise RuntimeError("Azurite is not installed: run `npm ci` at the repository root")
 
 
+class Azurite:
+    """One Azurite on free loopback ports, which a test may freeze (SIGSTOP: connections
+    open, nothing answers), kill, and start again on the same ports: with ``location``
+    it keeps its data there (``--location``), else in memory."""
+
+    def __init__(self, location: Path | None = None) -> None:
+        self.location = location
+        self.blob, self.queue, self.table = free_port(), free_port(), free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        fd, log = tempfile.mkstemp(prefix="azurite-", suffix=".log")
+        os.close(fd)
+        self.log = Path(log)
+
+    @property
+    def connection_string(self) -> str:
+        return connection_string(self.blob, self.table)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "not started"
+        return self.proc.pid
+
+    def start(self, deadline_s: float = 60) -> bool:
+        """Starts it; whether it listens within ``deadline_s`` (else it is killed)."""
+        store = (
+            ["--location", str(self.location)]
+            if self.location is not None
+            else ["--inMemoryPersistence"]
+        )
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    azurite_binary(),
+                    *store,
+                    "--disableTelemetry",
+                    "--skipApiVersionCheck",
+                    "--loose",
+                    "--blobHost",
+                    "127.0.0.1",
+                    "--blobPort",
+                    str(self.blob),
+                    "--queueHost",
+                    "127.0.0.1",
+                    "--queuePort",
+                    str(self.queue),
+                    "--tableHost",
+                    "127.0.0.1",
+                    "--tablePort",
+                    str(self.table),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        end = time.monotonic() + deadline_s
+        while self.proc.poll() is None and time.monotonic() < end:
+            if _listening(self.blob) and _listening(self.table):
+                return True
+            time.sleep(0.1)
+        self.kill()
+        return False
+
+    def freeze(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash (what it persisted survives)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.thaw()
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.thaw()
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.unlink(missing_ok=True)
+
+
 @contextmanager
 def running_azurite(deadline_s: float = 60) -> Iterator[str]:
     """Runs Azurite in memory on free loopback ports; yields its connection string."""
-    binary = azurite_binary()
     for _attempt in range(3):  # a free port can be taken between choosing and binding it
-        blob, queue, table = free_port(), free_port(), free_port()
-        log_fd, log = tempfile.mkstemp(prefix="azurite-", suffix=".log")
-        proc = subprocess.Popen(
-            [
-                binary,
-                "--inMemoryPersistence",
-                "--disableTelemetry",
-                "--skipApiVersionCheck",
-                "--loose",
-                "--blobHost",
-                "127.0.0.1",
-                "--blobPort",
-                str(blob),
-                "--queueHost",
-                "127.0.0.1",
-                "--queuePort",
-                str(queue),
-                "--tableHost",
-                "127.0.0.1",
-                "--tablePort",
-                str(table),
-            ],
-            stdout=log_fd,
-            stderr=subprocess.STDOUT,
-        )
-        os.close(log_fd)
-        end = time.monotonic() + deadline_s
-        while proc.poll() is None and time.monotonic() < end:
-            if _listening(blob) and _listening(table):
-                break
-            time.sleep(0.1)
-        if proc.poll() is None and _listening(blob) and _listening(table):
+        azurite = Azurite()
+        if azurite.start(deadline_s):
             try:
-                yield connection_string(blob, table)
+                yield azurite.connection_string
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                Path(log).unlink(missing_ok=True)
+                azurite.stop()
             return
-        proc.kill()
-        proc.wait()
-    raise RuntimeError(f"Azurite did not start; its log is {log}")
+    raise RuntimeError(f"Azurite did not start; its log is {azurite.log}")

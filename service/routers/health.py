@@ -1,20 +1,40 @@
-"""Liveness and readiness: no token, for probes."""
+"""Liveness and readiness: no token, for probes; both answer from memory at once.
+
+Readiness means "this replica can serve": it has started, is not shutting down, and has
+heard from storage within ``RALLYPOINT_STORAGE_GRACE`` (60 s). Storage is shared by every
+replica, so an outage reaches all of them at once; were readiness to follow storage
+itself, a blip would take every replica out of the load balancer, and nodes would lose
+the heartbeats that the replicas can still answer from memory. Within the grace each
+replica stays ready and says what storage does in the body; past it (storage down for
+longer than the coordinator promises to ride out, or this replica alone cut off from
+it) it reports 503 ``storage_unavailable``. A background task pings storage every
+second (see :func:`probe`), so the answer is never older than that.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+import time
 
 import anyio.to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from rallypoint.client import codes
 from rallypoint.client._models import ErrorBody
 
 from .._http import error_response
 from ..errors import StorageError
-from ..storage import Storage
+from ..storage import Storage, within
 
-__all__ = ["router"]
+__all__ = ["probe", "router"]
 
 router = APIRouter(tags=["health"])
+log = logging.getLogger("rallypoint.health")
+
+#: Seconds between the background pings of storage, and the deadline of each.
+PROBE_EVERY = 1.0
 
 
 @router.get("/healthz")
@@ -26,13 +46,52 @@ async def healthz() -> dict[str, str]:
 @router.get(
     "/readyz",
     response_model=None,
-    responses={503: {"model": ErrorBody, "description": "Storage does not answer (its error)"}},
+    responses={
+        503: {
+            "model": ErrorBody,
+            "description": "`storage_unavailable`: storage has not answered for the grace; "
+            "`not_ready`: the replica is shutting down",
+        }
+    },
 )
-async def readyz(request: Request) -> dict[str, str] | JSONResponse:
-    """Storage answers."""
-    store: Storage = request.app.state.storage
-    try:
-        await anyio.to_thread.run_sync(store.ping)
-    except StorageError as exc:
-        return error_response(503, exc.code, exc.message)
-    return {"status": "ready", "storage": store.describe()}
+async def readyz(request: Request) -> dict[str, str | float] | JSONResponse:
+    """This replica can serve (see the module docstring): answered from memory."""
+    state = request.app.state
+    store: Storage | None = getattr(state, "storage", None)
+    driver = getattr(state, "driver", None)
+    if store is None or driver is None or driver.closing:
+        return error_response(503, codes.NOT_READY, "the coordinator is starting or shutting down")
+    grace: float = state.settings.storage_grace
+    down = store.health.down_for()
+    if down >= grace:
+        return error_response(
+            503,
+            codes.STORAGE_UNAVAILABLE,
+            f"storage has not answered for {down:.0f} s (grace {grace:.0f} s)",
+        )
+    return {
+        "status": "ready",
+        "storage": store.describe(),
+        "storage_state": "ok" if down == 0 else "unavailable",
+        "storage_down_s": round(down, 1),
+    }
+
+
+async def probe(store: Storage) -> None:
+    """Pings storage every :data:`PROBE_EVERY` seconds, each ping within that long, and
+    records the outcome in ``store.health`` (runs until cancelled)."""
+
+    def ping() -> None:
+        with within(PROBE_EVERY):
+            store.ping()
+
+    while True:
+        started = time.monotonic()
+        try:
+            await anyio.to_thread.run_sync(ping)
+            store.health.record(True)
+        except StorageError as exc:
+            if store.health.down_for() == 0:
+                log.warning("storage does not answer: %s", exc)
+            store.health.record(False)
+        await asyncio.sleep(max(0.0, PROBE_EVERY - (time.monotonic() - started)))

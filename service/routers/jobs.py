@@ -52,6 +52,7 @@ from ..errors import (
     UnknownJob,
     UnknownNode,
 )
+from ..storage import within
 
 __all__ = ["heartbeat", "pulse", "router"]
 
@@ -277,10 +278,12 @@ async def pulse(
         # changes), so the credential costs a hash, not a storage read.
         sealed = rdzv.cached(job_id, generation)
         if sealed is None:
-            sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, generation)
+            with within(job.spec.heartbeat_timeout.total_seconds() / 3):
+                sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, generation)
         sealed.check_credential(node_id, credential)
     else:
-        node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
+        with within(job.spec.heartbeat_timeout.total_seconds() / 3):
+            node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
         credentials.check(node.cred, credential, node_id)
     state.metrics.heartbeats.labels(job_id).inc()  # a beat of the node itself
     if action == "continue":

@@ -6,6 +6,7 @@ an Azure adapter and an embedded local one. :func:`open_storage` picks the backe
 """
 
 from ._blob import Access, BlobInfo, BlobStore, Data
+from ._budget import Health, remaining, within
 from ._names import check_blob_name, check_blob_prefix, check_key
 from ._storage import DEFAULT_STORAGE, AzureStorage, LocalStorage, Storage, open_storage
 from ._table import BatchOp, Cond, Entity, Page, Table, Value
@@ -20,6 +21,7 @@ __all__ = [
     "Cond",
     "Data",
     "Entity",
+    "Health",
     "LocalStorage",
     "Page",
     "Storage",
@@ -29,4 +31,6 @@ __all__ = [
     "check_blob_prefix",
     "check_key",
     "open_storage",
+    "remaining",
+    "within",
 ]
