@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from ..errors import BadRequest
 from ._blob import BlobStore
+from ._budget import Health
 from ._table import Table
 
 __all__ = [
@@ -100,6 +101,8 @@ class Storage(abc.ABC):
         self._tables: dict[str, Table] = {}
         self._blobs: dict[str, BlobStore] = {}
         self._lock = threading.Lock()
+        #: What this process last heard from the backend (readiness, the breaker).
+        self.health = Health()
 
     def table(self, name: str) -> Table:
         """The table ``name``, created on first use."""
@@ -216,6 +219,9 @@ class AzureStorage(Storage):
         from azure.data.tables import TableServiceClient
         from azure.storage.blob import BlobServiceClient
 
+        from ._azure_transport import blob_options as budgeted_blobs
+        from ._azure_transport import table_options
+
         overrides = {
             TABLE_ENDPOINT_ENV: table_endpoint,
             BLOB_ENDPOINT_ENV: blob_endpoint,
@@ -224,7 +230,12 @@ class AzureStorage(Storage):
         given = ", ".join(name for name, value in overrides.items() if value)
 
         # 8 MiB blocks: Azure's throughput per request levels off around there.
-        blob_options: dict[str, Any] = {"max_block_size": 8 << 20, "max_single_put_size": 8 << 20}
+        blob_options: dict[str, Any] = {
+            "max_block_size": 8 << 20,
+            "max_single_put_size": 8 << 20,
+            **budgeted_blobs(self.health),
+        }
+        tables = table_options(self.health)
         try:
             if connection_string:
                 if given:
@@ -233,7 +244,9 @@ class AzureStorage(Storage):
                         "TableEndpoint=, BlobEndpoint= or EndpointSuffix= in the connection string"
                     )
                 setting = CONNECTION_STRING_ENV
-                self._tables_client = TableServiceClient.from_connection_string(connection_string)
+                self._tables_client = TableServiceClient.from_connection_string(
+                    connection_string, **tables
+                )
                 self._blob_client = BlobServiceClient.from_connection_string(
                     connection_string, **blob_options
                 )
@@ -252,6 +265,7 @@ class AzureStorage(Storage):
                     _endpoint(TABLE_ENDPOINT_ENV, table_endpoint)
                     or f"https://{account}.table.{suffix}",
                     credential=credential,
+                    **tables,
                 )
                 self._blob_client = BlobServiceClient(
                     _endpoint(BLOB_ENDPOINT_ENV, blob_endpoint)
