@@ -167,11 +167,18 @@ def _raw_parts(response: Any, http_response_type: Any) -> Any:
     return response._decode_parts(message, http_response_type, requests)
 
 
+def _azure_core_version() -> str:
+    try:
+        return importlib.metadata.version("azure-core")
+    except importlib.metadata.PackageNotFoundError:  # vendored, without its metadata
+        return "of unknown release"
+
+
 def tested(version: str | None = None) -> bool:
     """Whether ``version`` (by default the installed azure-core's) is in
     :data:`TESTED_AZURE_CORE`; a pre-release counts as its release."""
     if version is None:
-        version = importlib.metadata.version("azure-core")
+        version = _azure_core_version()
     found = re.match(r"\d+(?:\.\d+)*", version)
     if found is None:
         return False
@@ -207,7 +214,7 @@ def install() -> bool:
     with _lock:
         if _saved:
             return True
-        version = importlib.metadata.version("azure-core")
+        version = _azure_core_version()
         targets = _targets() if tested(version) else []
         missing = [
             f"{owner.__name__}.{name}" for owner, name, _ in targets if name not in vars(owner)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import re
 import threading
@@ -74,6 +75,14 @@ def test_a_batch_starts_no_threads(azurite: str, monkeypatch: pytest.MonkeyPatch
 )
 def test_the_batch_path_is_kept_to_tested_azure_core_releases(version: str, tested: bool) -> None:
     assert _azure_batch.tested(version) is tested
+
+
+def test_an_azure_core_without_metadata_counts_as_untested(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unknown(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", unknown)
+    assert not _azure_batch.tested()
 
 
 def test_pyproject_allows_the_azure_core_releases_the_batch_path_was_tested_on() -> None:
