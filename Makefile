@@ -7,9 +7,9 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup browser test lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers clean
+.PHONY: setup browser balancer test lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers clean
 
-setup: $(VENV)/.installed node_modules/.installed browser
+setup: $(VENV)/.installed node_modules/.installed browser balancer
 
 # Debian's Chromium and ChromeDriver, for the status page's test (apt, as root or sudo).
 browser:
@@ -17,6 +17,13 @@ browser:
 	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
+
+# Debian's HAProxy, the load balancer in front of the replicas in tests/test_failover.py.
+balancer:
+	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { \
+	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	  $$sudo apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; }
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

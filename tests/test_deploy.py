@@ -154,6 +154,10 @@ def test_the_kubernetes_manifests_fit_the_coordinator_and_each_other() -> None:
     (container,) = pod["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz" and "/readyz" in routes
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz" and "/healthz" in routes
+    # Both answer from memory (tests/test_failover.py: HAProxy's 1 s checks through a
+    # frozen storage); the grace, not the probe, decides when storage makes one unready.
+    assert container["readinessProbe"]["timeoutSeconds"] == 1
+    assert container["livenessProbe"]["timeoutSeconds"] == 1
     assert _env_names(container) <= KNOWN_ENV
     for env in container["env"]:
         ref = env.get("valueFrom", {}).get("secretKeyRef")
@@ -207,6 +211,7 @@ def test_the_azureml_endpoint_fits_the_coordinator() -> None:
     assert "get" in paths[routes["liveness_route"]["path"]]
     assert routes["liveness_route"]["path"] == "/healthz"
     assert routes["readiness_route"]["path"] == "/readyz"
+    assert deployment["readiness_probe"]["timeout"] == deployment["liveness_probe"]["timeout"] == 1
     assert "post" in paths[routes["scoring_route"]["path"]]
     assert routes["scoring_route"]["path"] == "/v1/envelope"
     env = deployment["environment_variables"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -35,7 +36,12 @@ def test_serves_health_and_readiness_on_local_storage(
     url = start("--storage", f"local:{tmp_path}")
     ready = httpx.get(f"{url}/readyz")
     assert ready.status_code == 200
-    assert ready.json() == {"status": "ready", "storage": f"local:{tmp_path}"}
+    assert ready.json() == {
+        "status": "ready",
+        "storage": f"local:{tmp_path}",
+        "storage_state": "ok",
+        "storage_down_s": 0,
+    }
     assert (tmp_path / "tables.sqlite3").exists()
     assert httpx.get(f"{url}/openapi.json").json()["info"]["title"] == "Rallypoint coordinator"
 
@@ -51,15 +57,34 @@ def test_serves_on_azurite_from_the_environment(azurite: str, start: Callable[..
     assert httpx.get(f"{url}/readyz").json()["storage"] == "azure:devstoreaccount1"
 
 
-def test_readiness_fails_when_storage_goes_away(tmp_path: Path, start: Callable[..., str]) -> None:
-    url = start("--storage", f"local:{tmp_path}")
-    for path in sorted((tmp_path / "blobs").rglob("*"), reverse=True):
-        path.rmdir()
-    (tmp_path / "blobs").rmdir()
-    ready = httpx.get(f"{url}/readyz")
-    assert ready.status_code == 503
-    assert ready.json()["code"] == "storage_unavailable"
+def test_readiness_fails_only_once_storage_is_gone_for_the_grace(
+    tmp_path: Path, start: Callable[..., str]
+) -> None:
+    """Storage is every replica's: within the grace a replica stays ready (taking them
+    all out of the balancer would lose the heartbeats they can answer) and says what
+    storage does; past it, 503. Storage back: ready again, on its own."""
+    url = start("--storage", f"local:{tmp_path}", env={"RALLYPOINT_STORAGE_GRACE": "3"})
+    blobs = tmp_path / "blobs"
+    hidden = tmp_path / "hidden"
+    blobs.rename(hidden)  # the container's folder is gone: its ping fails
+
+    def readiness() -> tuple[int, dict[str, object]]:
+        reply = httpx.get(f"{url}/readyz", timeout=1)
+        return reply.status_code, reply.json()
+
+    def until(check: Callable[[int, dict[str, object]], bool], what: str) -> None:
+        end = time.monotonic() + 10
+        while not check(*readiness()):
+            assert time.monotonic() < end, what
+            time.sleep(0.1)
+
+    until(lambda status, body: body.get("storage_state") == "unavailable", "noticed")
+    assert readiness()[0] == 200
+    until(lambda status, body: status == 503, "unready past the grace")
+    assert readiness()[1]["code"] == "storage_unavailable"
     assert httpx.get(f"{url}/healthz").status_code == 200  # the process itself is fine
+    hidden.rename(blobs)
+    until(lambda status, body: body.get("storage_state") == "ok", "ready again")
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,12 @@ def main() -> None:
         help="every Nth checkpoint goes to blob storage; the rest stay in nodes' memory",
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
+    parser.add_argument(
+        "--if-busy",
+        choices=("wait", "skip"),
+        default="wait",
+        help="a checkpoint due while the last one still uploads: wait for it, or skip",
+    )
     parser.add_argument("--events", help="append JSON lines of what happened to this file")
     args = parser.parse_args()
 
@@ -113,7 +119,9 @@ def main() -> None:
     sampler = ElasticSampler(
         args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=args.batch_size
     )
-    checkpoints = CheckpointManager(client, progress=False, persist_every=args.persist_every)
+    checkpoints = CheckpointManager(
+        client, progress=False, persist_every=args.persist_every, if_busy=args.if_busy
+    )
 
     step = 0
     restored = checkpoints.load_latest()

@@ -1,0 +1,128 @@
+"""The deployed shape for the tests: coordinator replicas behind a real HAProxy.
+
+HAProxy (Debian's package; ``make balancer`` installs it) health-checks every replica
+through ``/readyz`` as a Kubernetes Service or an AzureML endpoint does, and reports
+each server's open sessions on a stats page, so a test can kill the replica that holds
+the long-polls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from ._azurite import free_port
+
+__all__ = ["Balancer", "haproxy_binary"]
+
+
+def haproxy_binary() -> str:
+    found = shutil.which("haproxy") or (
+        "/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None
+    )
+    if found is None:
+        raise RuntimeError("HAProxy is not installed: run `make balancer` (apt, as root)")
+    return found
+
+
+class Balancer:
+    """HAProxy on a free loopback port, round robin over ``servers`` (``host:port``).
+
+    Server connections that fail to open are retried on another server; a request
+    whose server dies while holding it gets 502, which clients retry. Long-polls are
+    held up to 30 s, so the server timeout is above that.
+    """
+
+    def __init__(self, servers: list[str]) -> None:
+        self.servers = servers
+        self.port = free_port()
+        self.stats_port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="haproxy-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def config(self) -> str:
+        lines = [
+            "global",
+            "    maxconn 4000",
+            "defaults",
+            "    mode http",
+            "    timeout connect 1s",
+            "    timeout client 90s",
+            "    timeout server 90s",
+            "    timeout http-keep-alive 60s",
+            "    option redispatch",
+            "    retries 2",
+            "    retry-on conn-failure",
+            "frontend rallypoint",
+            f"    bind 127.0.0.1:{self.port}",
+            "    default_backend coordinators",
+            "frontend stats",
+            f"    bind 127.0.0.1:{self.stats_port}",
+            "    stats enable",
+            "    stats uri /stats",
+            "backend coordinators",
+            "    balance roundrobin",
+            # The probes of the deployments we ship: readiness, 1 s timeout.
+            "    option httpchk GET /readyz",
+            "    http-check expect status 200",
+            "    timeout check 1s",
+            "    default-server inter 500ms fall 2 rise 1",
+        ]
+        lines += [f"    server r{i} {address} check" for i, address in enumerate(self.servers)]
+        return "\n".join(lines) + "\n"
+
+    def start(self, deadline_s: float = 20) -> Balancer:
+        config = self.dir / "haproxy.cfg"
+        config.write_text(self.config())
+        log = (self.dir / "haproxy.log").open("ab")
+        self.proc = subprocess.Popen(
+            [haproxy_binary(), "-db", "-f", str(config)], stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"haproxy exited: {(self.dir / 'haproxy.log').read_text()}")
+            with contextlib.suppress(httpx.TransportError, KeyError):
+                if all(s["status"] == "UP" for s in self.stats().values()):
+                    return self
+            time.sleep(0.1)
+        raise RuntimeError(f"haproxy's servers are not all up: {self.stats()}")
+
+    def stats(self) -> dict[str, dict[str, str]]:
+        """Each server's row of HAProxy's CSV statistics (``status``, ``scur``: open
+        sessions, ...)."""
+        reply = httpx.get(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=2)
+        rows = csv.DictReader(io.StringIO(reply.text.lstrip("# ")))
+        return {
+            row["svname"]: row
+            for row in rows
+            if row["pxname"] == "coordinators" and row["svname"] not in ("FRONTEND", "BACKEND")
+        }
+
+    def busiest(self) -> int:
+        """The index of the server holding the most sessions now."""
+        sessions = {name: int(row["scur"] or 0) for name, row in self.stats().items()}
+        return int(max(sessions, key=lambda name: sessions[name])[1:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
