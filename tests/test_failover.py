@@ -30,12 +30,17 @@ REPLICAS = 3
 class Topology:
     def __init__(self, tmp_path: Path) -> None:
         self.azurite = Azurite(location=tmp_path / "azurite")
-        assert self.azurite.start(), self.azurite.log.read_text()
         env = {"AZURE_STORAGE_CONNECTION_STRING": self.azurite.connection_string}
         self.replicas = [Coordinator(["--storage", "azure"], env=env) for _ in range(REPLICAS)]
-        for replica in self.replicas:
-            replica.start()
-        self.balancer = Balancer([f"127.0.0.1:{r.port}" for r in self.replicas]).start()
+        self.balancer = Balancer([f"127.0.0.1:{r.port}" for r in self.replicas])
+        try:
+            assert self.azurite.start(), self.azurite.log.read_text()
+            for replica in self.replicas:
+                replica.start()
+            self.balancer.start()
+        except BaseException:
+            self.stop()
+            raise
 
     @property
     def url(self) -> str:
