@@ -32,6 +32,7 @@ import math
 import secrets
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -72,6 +73,28 @@ BEAT = "beat:"
 GEN = "gen:"
 #: A partition listing every job; ``~`` cannot occur in a job id.
 INDEX = "~jobs"
+#: Members whose rows (registration and heartbeat) share a table partition. Each member
+#: writes its heartbeat row once a second, and Azure serves about 2,000 entities a
+#: second per partition: a job of more ``max_nodes`` spreads its members' rows over
+#: partitions of their own (``JOB~m0``, ``JOB~m1``, ...), by a hash of the node id. Its
+#: job, generation and checkpoint rows stay in the job's partition, so a seal and a
+#: commit are still one single-partition transaction.
+MEMBERS_PER_PARTITION = 1000
+
+
+def member_partitions(job_id: str, max_nodes: int) -> list[str]:
+    """The partitions holding the rows of a job's nodes (its own, up to
+    :data:`MEMBERS_PER_PARTITION` ``max_nodes``)."""
+    count = -(-max_nodes // MEMBERS_PER_PARTITION)
+    return [job_id] if count <= 1 else [f"{job_id}~m{i}" for i in range(count)]
+
+
+def member_partition(job_id: str, node_id: str, max_nodes: int) -> str:
+    """The partition of one node's rows (the same for its registration and heartbeat,
+    which a join writes in one transaction)."""
+    partitions = member_partitions(job_id, max_nodes)
+    return partitions[zlib.crc32(node_id.encode()) % len(partitions)]
+
 
 Status = Literal["open", "sealed"]
 
@@ -360,9 +383,9 @@ def _node(e: Entity) -> Node:
     )
 
 
-def _node_entity(job_id: str, n: Node) -> Entity:
+def _node_entity(partition: str, n: Node) -> Entity:
     return Entity(
-        job_id,
+        partition,
         NODE + n.node_id,
         {
             "kind": "node",
@@ -380,10 +403,10 @@ def _node_entity(job_id: str, n: Node) -> Entity:
     )
 
 
-def _beat_op(job_id: str, node_id: str, at: float, generation: int) -> BatchOp:
+def _beat_op(partition: str, node_id: str, at: float, generation: int) -> BatchOp:
     return BatchOp(
         "upsert",
-        Entity(job_id, BEAT + node_id, {"kind": "beat", "at": at, "generation": generation}),
+        Entity(partition, BEAT + node_id, {"kind": "beat", "at": at, "generation": generation}),
     )
 
 
@@ -420,6 +443,7 @@ class Rendezvous:
         self.resumed_at = self.started_at
         self._lost = False
         self._sealed: OrderedDict[tuple[str, int], Generation] = OrderedDict()
+        self._max_nodes: dict[str, int] = {}  # per job; a job's spec never changes
         self._loading: dict[tuple[str, int], threading.Lock] = {}
         self._lock = threading.Lock()
 
@@ -461,9 +485,22 @@ class Rendezvous:
             UnknownJob: No job has this id.
         """
         try:
-            return _job(job_id, self.table.get(job_id, JOB_ROW))
+            job = _job(job_id, self.table.get(job_id, JOB_ROW))
         except NotFound:
             raise UnknownJob(f"no job {job_id!r}") from None
+        self._max_nodes[job_id] = job.spec.max_nodes
+        return job
+
+    def _spread(self, job_id: str) -> int:
+        """The job's ``max_nodes``, which decides where its members' rows live."""
+        max_nodes = self._max_nodes.get(job_id)
+        return self.get_job(job_id).spec.max_nodes if max_nodes is None else max_nodes
+
+    def _partitions(self, job_id: str) -> list[str]:
+        return member_partitions(job_id, self._spread(job_id))
+
+    def _partition(self, job_id: str, node_id: str) -> str:
+        return member_partition(job_id, node_id, self._spread(job_id))
 
     def list_jobs(self) -> list[Job]:
         """Every job, in id order."""
@@ -648,8 +685,12 @@ class Rendezvous:
                 registration,
                 credentials.digest(credential),
             )
+            partition = member_partition(job_id, node_id, job.spec.max_nodes)
             self.table.batch(  # one write: registration and first heartbeat together
-                [BatchOp("upsert", _node_entity(job_id, node)), _beat_op(job_id, node_id, now, 0)]
+                [
+                    BatchOp("upsert", _node_entity(partition, node)),
+                    _beat_op(partition, node_id, now, 0),
+                ]
             )
             return replace(node, credential=credential)
 
@@ -663,11 +704,15 @@ class Rendezvous:
         )
 
     def beat(self, job_id: str, node_ids: Iterable[str], generation: int = 0) -> None:
-        """Records that nodes are alive now (in batches of 100: one partition)."""
+        """Records that nodes are alive now (in batches of 100 of one partition)."""
         now = self.clock()
-        ops = [_beat_op(job_id, n, now, generation) for n in dict.fromkeys(node_ids)]
-        for start in range(0, len(ops), 100):
-            self.table.batch(ops[start : start + 100])
+        by_partition: dict[str, list[BatchOp]] = {}
+        for n in dict.fromkeys(node_ids):
+            partition = self._partition(job_id, n)
+            by_partition.setdefault(partition, []).append(_beat_op(partition, n, now, generation))
+        for ops in by_partition.values():
+            for start in range(0, len(ops), 100):
+                self.table.batch(ops[start : start + 100])
 
     def expire(self, job_id: str, node_id: str, since: float) -> bool:
         """Marks a node silent, unless it beat after ``since`` (through any replica).
@@ -675,15 +720,16 @@ class Rendezvous:
         Returns:
             Whether it was marked (by ETag condition: a beat written meanwhile wins).
         """
+        partition = self._partition(job_id, node_id)
         try:
-            e = self.table.get(job_id, BEAT + node_id)
+            e = self.table.get(partition, BEAT + node_id)
         except NotFound:
             return False
         if _float(e.data, "at") > since:
             return False
         data = {**e.data, "at": 0.0, "dropped": since}
         try:
-            self.table.replace(Entity(job_id, BEAT + node_id, data), if_match=e.etag or "")
+            self.table.replace(Entity(partition, BEAT + node_id, data), if_match=e.etag or "")
         except Modified:
             return False
         return True
@@ -692,7 +738,12 @@ class Rendezvous:
         """Each node's last heartbeat; adds to ``dropped`` the nodes whose heartbeat
         watch was cut since (see :meth:`expire`)."""
         out: dict[str, float] = {}
-        for e in self.table.query(job_id, [Cond("kind", "eq", "beat")]):
+        rows = (
+            e
+            for partition in self._partitions(job_id)
+            for e in self.table.query(partition, [Cond("kind", "eq", "beat")])
+        )
+        for e in rows:
             node_id, at = e.row_key[len(BEAT) :], _float(e.data, "at")
             out[node_id] = at
             cut = _opt_float(e.data, "dropped")
@@ -701,7 +752,12 @@ class Rendezvous:
         return out
 
     def _nodes(self, job_id: str, where: tuple[Cond, ...] = ()) -> list[Node]:
-        return [_node(e) for e in self.table.query(job_id, (Cond("kind", "eq", "node"), *where))]
+        where = (Cond("kind", "eq", "node"), *where)
+        return [
+            _node(e)
+            for partition in self._partitions(job_id)
+            for e in self.table.query(partition, where)
+        ]
 
     def outcome(self, job: Job, node_id: str, round: int) -> Generation | Literal["missed"] | None:
         """A waiting node's outcome for ``round``, given a fresh job snapshot.
@@ -766,7 +822,7 @@ class Rendezvous:
             UnknownNode: It never joined.
         """
         try:
-            return _node(self.table.get(job_id, NODE + node_id))
+            return _node(self.table.get(self._partition(job_id, node_id), NODE + node_id))
         except NotFound:
             raise UnknownNode(f"node {node_id!r} never joined job {job_id!r}") from None
 
@@ -970,7 +1026,8 @@ class Rendezvous:
 
     def _depart(self, job: Job, node: Node, reason: str) -> None:
         job_id, node_id = job.job_id, node.node_id
-        self.table.upsert(_node_entity(job_id, replace(node, state="left")))
+        partition = member_partition(job_id, node_id, job.spec.max_nodes)
+        self.table.upsert(_node_entity(partition, replace(node, state="left")))
         while job.status == "sealed" and node_id in self.sealed(job_id, job.generation).ranks:
             if self._end(job, reason):
                 return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+from collections import Counter
 from datetime import timedelta
 
 import pytest
@@ -19,7 +20,7 @@ from rallypoint.service.errors import (
     UnknownJob,
     UnknownNode,
 )
-from rallypoint.service.storage import Storage
+from rallypoint.service.storage import Cond, Storage
 
 from .conftest import Clock
 
@@ -390,3 +391,63 @@ def test_the_operator_removes_a_node_without_its_credential(rdzv: Rendezvous) ->
     assert rdzv.heartbeat(job, "a", 1) == "restart"
     with pytest.raises(UnknownNode):
         rdzv.remove("job", "nobody", "never here")
+
+
+# --- members spread over partitions (Azure serves ~2,000 entities/s per partition) ----------
+
+
+def test_a_large_job_spreads_its_members_heartbeats_under_the_partition_limit() -> None:
+    """Every member writes its heartbeat row once a second: at 10,000 members no
+    partition takes more than 2,000 of them a second, and a small job keeps all its rows
+    in its own partition."""
+    from rallypoint.service._rendezvous import member_partition, member_partitions
+
+    assert member_partitions("job", 1000) == ["job"]
+    assert len(member_partitions("job", 10_000)) == 10
+    per_partition = Counter(member_partition("job", f"node-{i}", 10_000) for i in range(10_000))
+    assert len(per_partition) == 10 and max(per_partition.values()) < 2000, per_partition
+
+
+def test_a_spread_job_seals_in_its_own_partition_and_keeps_members_apart(
+    storage: Storage, clock: Clock
+) -> None:
+    nodes = [f"n{i}" for i in range(40)]
+    s = spec(len(nodes), 2500, last_call=0)
+    rdzvs = [Rendezvous(storage.table("jobs"), clock) for _ in range(3)]  # three replicas
+    rdzvs[0].create_job("job", s)
+    # Joins and ticks of three replicas race: one seal wins, every joiner gets one rank.
+    errors: list[BaseException] = []
+
+    def work(r: Rendezvous, mine: list[str]) -> None:
+        try:
+            for n in mine:
+                r.register("job", n, "h", 1)
+                r.tick("job")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(r, nodes[i::3])) for i, r in enumerate(rdzvs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    table = storage.table("jobs")
+    # Node and heartbeat rows live in the member partitions, none in the job's own.
+    assert not list(table.query("job", [Cond("kind", "eq", "node")]))
+    spread = sum(
+        len(list(table.query(f"job~m{i}", [Cond("kind", "eq", "node")]))) for i in range(3)
+    )
+    assert spread == len(nodes)
+    # However the replicas' seals raced, one generation sealed with every node once.
+    job = rdzvs[1].get_job("job")
+    assert (job.generation, job.status, job.world_size) == (1, "sealed", len(nodes))
+    sealed = rdzvs[2].sealed("job", 1)
+    assert sorted(sealed.ranks) == sorted(nodes)
+    assert sorted(sealed.ranks.values()) == list(range(len(nodes)))
+    # Heartbeats land in the members' partitions, and the rule still sees every one.
+    clock.advance(2)
+    rdzvs[0].beat("job", nodes, 1)
+    job, _ = rdzvs[0].tick("job")
+    assert job.status == "sealed"
+    assert {m.state for m in rdzvs[0].status("job").members} == {"alive"}
