@@ -48,6 +48,7 @@ from rallypoint.service.storage import (  # noqa: E402
     Storage,
     Table,
     _azure_batch,
+    use_batch_path,
 )
 from rallypoint.service.storage._azure_blob import PARALLEL_TRANSFERS  # noqa: E402
 from tests._azurite import running_azurite  # noqa: E402
@@ -352,6 +353,7 @@ def main() -> None:
         if parts & {"azure", "batch"}:
             with running_azurite() as conn:
                 if "azure" in parts:
+                    use_batch_path()  # as `rallypoint serve` runs
                     azure = AzureStorage("bench", connection_string=conn)
                     rows += measure(
                         "azure",

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import socket
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -16,7 +14,7 @@ from fastapi import FastAPI
 import rallypoint
 from rallypoint.client._models import JobStatus
 
-from . import _contract, routers
+from . import _contract, _process, routers
 from ._checkpoints import Checkpoints
 from ._driver import Driver
 from ._fastpath import HeartbeatFastPath
@@ -120,20 +118,11 @@ def serve(settings: Settings) -> None:
     from ._logs import log_config
 
     app = create_app(settings)
-    # The event loop answers heartbeats while storage calls run in worker threads; by
-    # default a thread that wants the GIL waits up to 5 ms for the one holding it, which
-    # made that the median heartbeat's latency at 1,024 beats/s on Azurite (8.7 ms; 1 ms
-    # here: 3.8 ms).
-    sys.setswitchinterval(0.001)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
-            # What exists now (modules, the app, storage clients) lives as long as the
-            # process: out of the collector's sight, a full collection walks only what
-            # requests made. At 1,024 beats/s a full collection ran every ~4.5 s and
-            # held the GIL for 100-150 ms, which set the heartbeats' p99.
-            gc.freeze()
+            _process.tune()  # the process-wide settings, now that the app exists
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             # uvicorn drains in-flight requests before the lifespan's shutdown: without

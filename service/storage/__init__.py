@@ -11,6 +11,16 @@ from ._names import check_blob_name, check_blob_prefix, check_key
 from ._storage import DEFAULT_STORAGE, AzureStorage, LocalStorage, Storage, open_storage
 from ._table import BatchOp, Cond, Entity, Page, Table, Value
 
+
+def use_batch_path() -> bool:
+    """Makes azure-core send table transactions by the in-order batch path, on the
+    releases it was tested on (process-wide: ``rallypoint serve`` calls it at start);
+    whether it is in use. See ``_azure_batch``."""
+    from ._azure_batch import install
+
+    return install()
+
+
 __all__ = [
     "DEFAULT_STORAGE",
     "Access",
@@ -32,5 +42,6 @@ __all__ = [
     "check_key",
     "open_storage",
     "remaining",
+    "use_batch_path",
     "within",
 ]

@@ -18,7 +18,6 @@ from azure.data.tables import (
 )
 
 from ..errors import BadRequest
-from . import _azure_batch
 from ._azure_errors import translate
 from ._table import BatchOp, Cond, Entity, Page, Table, Value, matches
 
@@ -85,7 +84,6 @@ class AzureTable(Table):
     def __init__(self, client: TableClient) -> None:
         self.name = client.table_name
         self._client = client
-        _azure_batch.install()
 
     def _insert(self, entity: Entity) -> Entity:
         try:

@@ -21,6 +21,7 @@ from rallypoint.service.storage import (
     LocalStorage,
     _azure_batch,
     open_storage,
+    use_batch_path,
 )
 from rallypoint.service.storage._azure_table import AzureTable
 
@@ -46,6 +47,7 @@ def test_azure_spec_uses_the_connection_string(azurite: str) -> None:
 def test_a_batch_starts_no_threads(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # azure-core would start a thread pool per transaction (and one per changeset): at
     # a rendezvous of a thousand joins, starting those threads cost more than the writes.
+    assert use_batch_path()  # as `rallypoint serve` does at start-up
     table = open_storage("azure", connection_string=azurite, prefix="threads").table("jobs")
     started: list[threading.Thread] = []
     start = threading.Thread.start
@@ -120,7 +122,8 @@ def test_outside_the_tested_releases_batches_take_azure_cores_path(
     from azure.core.pipeline import Pipeline
 
     store = open_storage("azure", connection_string=azurite, prefix="stock")
-    table, other = store.table("jobs"), store.table("others")  # each table tries install()
+    table, other = store.table("jobs"), store.table("others")
+    assert not use_batch_path() and not use_batch_path()  # serve's start-up asks once
     assert not _azure_batch.installed()
     assert Pipeline.__dict__["_prepare_multipart_mixed_request"].__func__.__module__ == (
         "azure.core.pipeline._base"
@@ -141,6 +144,19 @@ def test_outside_the_tested_releases_batches_take_azure_cores_path(
     assert sorted(e.data["v"] for e in table.query("p")) == list(range(100))
     assert [e.row_key for e in other.query("p")] == ["a", "b"]
     store.close()
+
+
+def test_building_azure_storage_changes_nothing_process_wide(azurite: str) -> None:
+    """Only `rallypoint serve`'s start-up (service._process.tune) takes the batch path:
+    a process that builds storage for itself keeps azure-core as it was."""
+    _azure_batch.uninstall()
+    try:
+        store = open_storage("azure", connection_string=azurite, prefix="quiet")
+        store.table("jobs").batch([BatchOp("upsert", Entity("p", "r", {"v": 1}))])
+        store.close()
+        assert not _azure_batch.installed()
+    finally:
+        assert use_batch_path() and _azure_batch.installed()
 
 
 def test_uninstall_restores_azure_cores_own_helpers() -> None:
@@ -184,7 +200,7 @@ def test_batch_bodies_are_the_bytes_azure_core_writes(monkeypatch: pytest.Monkey
     import azure.core.rest._helpers as helpers
     from azure.core.utils import _pipeline_transport_rest_shared as shared
 
-    _azure_batch.install()  # as every AzureTable does
+    _azure_batch.install()  # as `rallypoint serve` does at start-up
     ours = _batch_request()
     ours.prepare_multipart_body()
     assert helpers._prepare_multipart_body_helper is not shared._prepare_multipart_body_helper
