@@ -34,6 +34,7 @@ def test_the_wheel_holds_only_the_rallypoint_package(tmp_path: Path) -> None:
     for module in (
         "rallypoint/client/__init__.py",
         "rallypoint/client/py.typed",
+        "rallypoint/service/routers/jobs.py",
         "rallypoint/service/storage/_local_table.py",
         "rallypoint/trainer/_transfer.py",
     ):
