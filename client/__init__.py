@@ -24,7 +24,28 @@ from ._client import (
     RetryPolicy,
 )
 from ._grants import GrantClaims, new_signing_key, public_key, sign_grant, verify_grant
-from ._models import (
+from .errors import (
+    CheckpointConflict,
+    CoordinatorError,
+    Forbidden,
+    IncompleteUpload,
+    InvalidCredential,
+    InvalidRequest,
+    JobConflict,
+    JobFull,
+    JoinTimeout,
+    RallypointError,
+    ServerError,
+    SignedUrlError,
+    StaleGeneration,
+    TransportError,
+    Unauthorized,
+    UnknownCheckpoint,
+    UnknownJob,
+    UnknownNode,
+    UnknownToken,
+)
+from .models import (
     CREDENTIAL_HEADER,
     ID_SCHEMA_PATTERN,
     MAX_METADATA_BYTES,
@@ -55,27 +76,6 @@ from ._models import (
     TokenRequest,
     WaitingNode,
     check_id,
-)
-from .errors import (
-    CheckpointConflict,
-    CoordinatorError,
-    Forbidden,
-    IncompleteUpload,
-    InvalidCredential,
-    InvalidRequest,
-    JobConflict,
-    JobFull,
-    JoinTimeout,
-    RallypointError,
-    ServerError,
-    SignedUrlError,
-    StaleGeneration,
-    TransportError,
-    Unauthorized,
-    UnknownCheckpoint,
-    UnknownJob,
-    UnknownNode,
-    UnknownToken,
 )
 
 __all__ = [

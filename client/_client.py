@@ -20,7 +20,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel
 
-from ._models import (
+from .errors import JoinTimeout, RallypointError, TransportError, error_for
+from .models import (
     CREDENTIAL_HEADER,
     ENVELOPE_PATH,
     Assignment,
@@ -50,7 +51,6 @@ from ._models import (
     WaitRequest,
     check_id,
 )
-from .errors import JoinTimeout, RallypointError, TransportError, error_for
 
 __all__ = [
     "CREDENTIAL_ENV",

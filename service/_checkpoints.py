@@ -45,7 +45,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from rallypoint.client import GrantClaims, new_signing_key, public_key, sign_grant
-from rallypoint.client._models import (
+from rallypoint.client.models import (
     MAX_METADATA_BYTES,
     BeginCheckpoint,
     CheckpointBegun,

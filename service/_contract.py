@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from fastapi.dependencies.models import Dependant
 
 from rallypoint.client import codes
-from rallypoint.client._models import ErrorBody
+from rallypoint.client.models import ErrorBody
 
 from ._http import effective_routes
 from .errors import Forbidden, RallypointServiceError, Unauthorized

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rallypoint.client import codes
-from rallypoint.client._models import ENVELOPE_PATH
+from rallypoint.client.models import ENVELOPE_PATH
 
 from .errors import RallypointServiceError
 
@@ -26,6 +26,7 @@ __all__ = [
     "effective_routes",
     "error_response",
     "install_handlers",
+    "service_error_response",
 ]
 
 log = logging.getLogger("rallypoint.http")
@@ -64,6 +65,14 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def service_error_response(method: str, path: str, exc: RallypointServiceError) -> JSONResponse:
+    """The reply to a domain error, wherever it is raised (routes, the heartbeat fast
+    path); a 5xx is logged."""
+    if exc.status >= 500:
+        log.warning("%s %s: %s", method, path, exc.message)
+    return error_response(exc.status, exc.code, exc.message)
+
+
 def effective_routes(app: FastAPI) -> Iterator[Any]:
     """Every route of ``app`` as it serves requests: full path (``path_format``,
     ``path_regex``), ``methods``, and for API routes ``dependant``, ``responses``...
@@ -100,9 +109,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RallypointServiceError)
     async def domain_error(request: Request, exc: RallypointServiceError) -> JSONResponse:
-        if exc.status >= 500:
-            log.warning("%s %s: %s", request.method, request.url.path, exc.message)
-        return error_response(exc.status, exc.code, exc.message)
+        return service_error_response(request.method, request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

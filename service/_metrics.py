@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rallypoint.client._models import JobStatus, RestoreSource
+from rallypoint.client.models import JobStatus, RestoreSource
 
 __all__ = ["Metrics"]
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Literal
 
-from rallypoint.client._models import (
+from rallypoint.client.models import (
     Assignment,
     CheckpointPointer,
     GenerationInfo,

@@ -12,7 +12,7 @@ from datetime import timedelta
 from fastapi import FastAPI
 
 import rallypoint
-from rallypoint.client._models import JobStatus
+from rallypoint.client.models import JobStatus
 
 from . import _contract, _process, routers
 from ._checkpoints import Checkpoints
@@ -34,12 +34,16 @@ TABLES = ("jobs",)
 CONTAINERS = ("checkpoints",)
 
 
-def create_app(settings: Settings | None = None, storage: Storage | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None, storage: Storage | None = None, *, fast_path: bool = True
+) -> FastAPI:
     """Builds the coordinator.
 
     Args:
         settings: Defaults to the environment (``RALLYPOINT_*``).
         storage: Defaults to the backend ``settings.storage`` names.
+        fast_path: Answer well-formed heartbeats before routing (see ``_fastpath``); the
+            answers are the route's either way, only cheaper.
     """
     settings = settings or Settings()
 
@@ -100,7 +104,8 @@ def create_app(settings: Settings | None = None, storage: Storage | None = None)
     app.include_router(routers.envelope)
     app.include_router(routers.metrics)
     app.include_router(routers.pages)
-    app.add_middleware(HeartbeatFastPath)
+    if fast_path:
+        app.add_middleware(HeartbeatFastPath)
     app.add_middleware(BodyLimit)
     app.add_middleware(metrics.middleware)
     return app

@@ -6,11 +6,12 @@ its thread pool, and six thread hops per heartbeat saturated a core at 1,000 bea
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated
 
 from fastapi import Depends, Header, Path, Request
 
-from rallypoint.client._models import CREDENTIAL_HEADER, ENVELOPE_PATH, ID_JSON_SCHEMA, check_id
+from rallypoint.client.models import CREDENTIAL_HEADER, ENVELOPE_PATH, ID_JSON_SCHEMA, check_id
 
 from ._checkpoints import Checkpoints
 from ._contract import raises
@@ -35,6 +36,7 @@ __all__ = [
     "PrincipalDep",
     "RdzvDep",
     "SettingsDep",
+    "authorize",
 ]
 
 
@@ -77,29 +79,47 @@ def _needs_admin(request: Request) -> Forbidden:
     return Forbidden(f"{request.method} {request.scope['path']} needs the admin token")
 
 
-@raises(Unauthorized, Forbidden, StorageUnavailable)
-async def _authorized(request: Request) -> Principal:
-    """Who the request's token makes the caller, and whether that covers the route: a
-    scoped token reads its own job (GET) and, as ``trainer``, acts in it."""
-    tokens: Tokens = request.app.state.tokens
-    principal = await tokens.principal(presented(request.headers))
+async def authorize(
+    tokens: Tokens, headers: Mapping[str, str], method: str, path: str, job_id: str | None
+) -> Principal:
+    """Who a request's token makes the caller, and whether that covers the route: a
+    scoped token reads its own job (GET) and, as ``trainer``, acts in it; routes without
+    a job are the operator's, but for the job list and the envelope. (The routes' auth
+    dependency and the heartbeat fast path both ask this.)
+
+    Raises:
+        Unauthorized: No token, or not a valid one.
+        Forbidden: The token does not cover the route.
+    """
+    principal = await tokens.principal(presented(headers))
     if principal is None:
         raise Unauthorized(
             "this coordinator needs 'Authorization: Bearer <token>' (a valid, unexpired, "
             "unrevoked one)"
         )
-    request.state.principal = principal
-    job_id = request.path_params.get("job_id")
     if job_id is None:
-        if (request.method, request.scope["path"]) in _UNSCOPED or principal.may("admin", None):
+        if (method, path) in _UNSCOPED or principal.may("admin", None):
             return principal
-        raise _needs_admin(request)
-    need: Need = "read" if request.method in ("GET", "HEAD") else "act"
+        raise Forbidden(f"{method} {path} needs the admin token")
+    need: Need = "read" if method in ("GET", "HEAD") else "act"
     if not principal.may(need, job_id):
         raise Forbidden(
             f"a {principal.role} token for job {principal.job_id!r} may not "
             f"{'read' if need == 'read' else 'act in'} job {job_id!r}"
         )
+    return principal
+
+
+@raises(Unauthorized, Forbidden, StorageUnavailable)
+async def _authorized(request: Request) -> Principal:
+    principal = await authorize(
+        request.app.state.tokens,
+        request.headers,
+        request.method,
+        request.scope["path"],
+        request.path_params.get("job_id"),
+    )
+    request.state.principal = principal
     return principal
 
 

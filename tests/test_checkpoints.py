@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 
-from rallypoint.client._models import (
+from rallypoint.client.models import (
     BeginCheckpoint,
     CheckpointInfo,
     ReportShard,

@@ -19,7 +19,7 @@ import pytest
 
 from rallypoint.client import codes
 from rallypoint.client import errors as client_errors
-from rallypoint.client._models import CREDENTIAL_HEADER
+from rallypoint.client.models import CREDENTIAL_HEADER
 from rallypoint.service import _http
 from rallypoint.service import errors as service_errors
 from rallypoint.service.app import create_app

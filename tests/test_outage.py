@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import pytest
 
-from rallypoint.client._models import JobSpec
+from rallypoint.client.models import JobSpec
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import StorageUnavailable
 from rallypoint.service.storage import AzureStorage, Entity, Health, remaining, within

@@ -19,7 +19,7 @@ from rallypoint._demo import Cluster
 from rallypoint.client import CheckpointConflict as ClientCheckpointConflict
 from rallypoint.client import ElasticClient
 from rallypoint.client import UnknownCheckpoint as ClientUnknownCheckpoint
-from rallypoint.client._models import BeginCheckpoint, ReportShard, ShardFile
+from rallypoint.client.models import BeginCheckpoint, ReportShard, ShardFile
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import CheckpointConflict, UnknownCheckpoint, UnknownJob

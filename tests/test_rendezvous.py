@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from rallypoint.client._models import JobSpec
+from rallypoint.client.models import JobSpec
 from rallypoint.service._rendezvous import Job, Node, Rendezvous, _node_entity
 from rallypoint.service.errors import (
     InvalidCredential,

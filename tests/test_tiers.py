@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from rallypoint.client import SignedUrlError, verify_grant
-from rallypoint.client._models import BeginCheckpoint, ReportShard, ShardFile
+from rallypoint.client.models import BeginCheckpoint, ReportShard, ShardFile
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import InvalidRequest

@@ -11,7 +11,7 @@ from typing import Annotated
 import anyio.to_thread
 from fastapi import APIRouter, Body, Path
 
-from rallypoint.client._models import (
+from rallypoint.client.models import (
     BeginCheckpoint,
     CheckpointBegun,
     CheckpointInfo,

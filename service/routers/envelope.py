@@ -14,7 +14,7 @@ from urllib.parse import unquote
 from fastapi import APIRouter, Request, Response
 from starlette.types import Message
 
-from rallypoint.client._models import ENVELOPE_PATH, Envelope
+from rallypoint.client.models import ENVELOPE_PATH, Envelope
 
 from ..deps import Auth
 

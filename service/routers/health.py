@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from rallypoint.client import codes
-from rallypoint.client._models import ErrorBody
+from rallypoint.client.models import ErrorBody
 
 from .._http import error_response
 from ..errors import StorageError

@@ -14,7 +14,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Header, Request, Response
 from starlette.datastructures import State
 
-from rallypoint.client._models import (
+from rallypoint.client.models import (
     Assignment,
     HeartbeatReply,
     HeartbeatRequest,

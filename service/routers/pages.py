@@ -21,7 +21,7 @@ import anyio.to_thread
 from fastapi import APIRouter, Cookie, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from rallypoint.client._models import CheckpointInfo, CheckpointPointer, JobStatus, JobSummary
+from rallypoint.client.models import CheckpointInfo, CheckpointPointer, JobStatus, JobSummary
 
 from .._tokens import Principal, Tokens, presented
 from ..deps import CheckpointsDep, JobId, RdzvDep

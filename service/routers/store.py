@@ -14,7 +14,7 @@ import time
 import anyio.to_thread
 from fastapi import APIRouter, Request
 
-from rallypoint.client._models import MAX_STORE_VALUE_BYTES, StoreReply, StoreRequest
+from rallypoint.client.models import MAX_STORE_VALUE_BYTES, StoreReply, StoreRequest
 
 from .._contract import errors
 from ..deps import Auth, Credential, DriverDep, GenerationNumber, JobId, KeyValueDep, RdzvDep

@@ -1,6 +1,8 @@
 """Wire models: the JSON the coordinator and its clients exchange.
 
-Durations travel as seconds (floats) and are :class:`~datetime.timedelta` in Python.
+Public, as the one definition both sides share: the coordinator (``rallypoint.service``)
+validates requests and builds replies with these classes, the client sends and parses
+them. Durations travel as seconds (floats) and are :class:`~datetime.timedelta` in Python.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ __all__ = [
     "ID_PATTERN",
     "ID_SCHEMA_PATTERN",
     "MAX_METADATA_BYTES",
+    "MAX_NODES_LIMIT",
     "MAX_RANKS",
     "MAX_SHARD_FILES",
     "MAX_STORE_KEYS",
