@@ -1,6 +1,9 @@
 """Rendezvous generations as plain code over the table port.
 
-One partition per job holds:
+One partition per job (the job's id) holds the rows below; a job of more than
+:data:`MEMBERS_PER_PARTITION` ``max_nodes`` keeps its ``node:`` and ``beat:`` rows in
+partitions of their own (``JOB~m0``, ``JOB~m1``, ... by a hash of the node id), since each
+member writes its beat row every second:
 
 - ``job``         the job entity: spec, latest generation, ``open`` or ``sealed``, and the
                   authoritative latest checkpoint. It is the only entity more than one
