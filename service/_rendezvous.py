@@ -735,7 +735,40 @@ class Rendezvous:
             self.table.replace(Entity(partition, BEAT + node_id, data), if_match=e.etag or "")
         except Modified:
             return False
+        self._name_first_cause(job_id, node_id, _int(e.data, "generation"), since)
         return True
+
+    def _name_first_cause(self, job_id: str, node_id: str, generation: int, since: float) -> None:
+        """Makes a generation that ended after a member's heartbeat watch was cut name
+        the cut as its cause.
+
+        A killed node's peers fail in their collectives at once, and their agents join
+        again: that re-join may end the generation before the cut is judged (a second
+        later, see :meth:`Driver.dropped`), and the record would blame a survivor.
+        """
+        for _ in range(3):  # another replica may be writing the same record
+            try:
+                gen = self.generation(job_id, generation)
+            except NotFound:
+                return  # not a member's beat (generation 0), or never sealed
+            reason = gen.ended_reason
+            if (
+                gen.ended_at is None  # still running: the next tick ends it for the cut
+                or gen.ended_at < since  # it ended before the cut
+                or node_id not in gen.ranks
+                or reason is None
+                or reason.startswith(f"node {node_id} ")
+            ):
+                return
+            first = f"node {node_id} dropped its heartbeat connection (then: {reason})"
+            try:
+                self.table.replace(
+                    _generation_entity(job_id, replace(gen, ended_reason=first)),
+                    if_match=gen.etag,
+                )
+                return
+            except Modified:
+                continue
 
     def _beats(self, job_id: str, dropped: set[str] | None = None) -> dict[str, float]:
         """Each node's last heartbeat; adds to ``dropped`` the nodes whose heartbeat

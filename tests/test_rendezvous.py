@@ -451,3 +451,35 @@ def test_a_spread_job_seals_in_its_own_partition_and_keeps_members_apart(
     job, _ = rdzvs[0].tick("job")
     assert job.status == "sealed"
     assert {m.state for m in rdzvs[0].status("job").members} == {"alive"}
+
+
+def test_a_generation_ended_by_a_re_join_after_a_members_watch_was_cut_names_the_cut(
+    rdzv: Rendezvous, clock: Clock
+) -> None:
+    """A killed node's peers fail in their collectives at once and re-join: the record
+    names the first cause (the cut), not the survivor whose re-join ended it."""
+    join_all(rdzv, ["a", "b", "c"], spec(3, 3, last_call=0))
+    rdzv.tick("job")
+    rdzv.beat("job", ["a", "b", "c"], 1)
+    clock.advance(1)
+    cut = clock()  # c's process died: its heartbeat watch closed
+    clock.advance(0.3)
+    rdzv.register("job", "a", "h", 1)  # a survivor's agent joins again first
+    assert rdzv.status("job").history[0].ended_reason == "member a re-joined"
+    clock.advance(0.7)
+    assert rdzv.expire("job", "c", cut)  # a second later: c did not come back
+    reason = rdzv.status("job").history[0].ended_reason
+    assert reason == "node c dropped its heartbeat connection (then: member a re-joined)"
+
+
+def test_a_cut_after_the_generation_ended_leaves_its_reason(rdzv: Rendezvous, clock: Clock) -> None:
+    join_all(rdzv, ["a", "b"], spec(2, 2, last_call=0))
+    rdzv.tick("job")
+    rdzv.beat("job", ["a", "b"], 1)
+    clock.advance(1)
+    rdzv.register("job", "a", "h", 1)  # ends generation 1
+    clock.advance(0.5)
+    cut = clock()  # b's watch is cut only afterwards (it was told to restart)
+    clock.advance(1)
+    assert rdzv.expire("job", "b", cut)
+    assert rdzv.status("job").history[0].ended_reason == "member a re-joined"
