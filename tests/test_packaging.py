@@ -34,6 +34,7 @@ def test_the_wheel_holds_only_the_rallypoint_package(tmp_path: Path) -> None:
     for module in (
         "rallypoint/client/__init__.py",
         "rallypoint/client/py.typed",
+        "rallypoint/localfs/_fileurl.py",
         "rallypoint/service/routers/jobs.py",
         "rallypoint/service/storage/_local_table.py",
         "rallypoint/trainer/_transfer.py",
@@ -51,7 +52,7 @@ def test_the_wheel_holds_only_the_rallypoint_package(tmp_path: Path) -> None:
 
 def test_the_client_imports_nothing_heavy() -> None:
     code = (
-        "import sys, rallypoint.client, rallypoint.client._fileurl; "
+        "import sys, rallypoint.client, rallypoint.localfs; "
         "heavy = {'torch', 'fastapi', 'azure', 'starlette', 'uvicorn'}; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))"
     )
@@ -82,7 +83,7 @@ def test_base_install_runs_the_client_alone(tmp_path: Path) -> None:
         [
             str(py),
             "-c",
-            "import rallypoint.client, importlib.util as u; "
+            "import rallypoint.client, rallypoint.localfs, importlib.util as u; "
             "print([m for m in ('torch','fastapi','azure') if u.find_spec(m)])",
         ],
         capture_output=True,

@@ -24,9 +24,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, cast
 
 import torch
 
-from rallypoint.client._fileurl import SourceError, verify_file_url, write_atomically
-from rallypoint.client._recycle import pin
 from rallypoint.client.errors import SignedUrlError
+from rallypoint.localfs import SourceError, pin, verify_file_url, write_atomically
 
 from ._bytes import as_memoryview, map_private
 from ._progress import Progress

@@ -3,7 +3,7 @@
 Objects keep their names as paths (``blobs/CONTAINER/jobs/j1/...``) so a person can look
 at a checkpoint with ``ls``. Writes go through a temporary file and a rename, so a crash
 never leaves half an object visible; deleted large objects are recycled (see
-``rallypoint.client._recycle``).
+``rallypoint.localfs``).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from rallypoint.client._fileurl import (
+from rallypoint.client.errors import SignedUrlError
+from rallypoint.localfs import (
     SourceError,
     forget_scope,
     load_key,
+    retire,
     revoke_scope,
     scope_key,
     sign_file_url,
     write_atomically,
 )
-from rallypoint.client._recycle import retire
-from rallypoint.client.errors import SignedUrlError
 
 from ..errors import AccessDenied, AlreadyExists, BadRequest, NotFound, StorageUnavailable
 from ._blob import Access, BlobInfo, BlobStore, Data
@@ -160,7 +160,7 @@ class LocalBlobStore(BlobStore):
         if scope is None:
             return sign_file_url(self._store, self._key, signed_name, permission, expiry)
         # A scoped URL is signed with the scope's own key: revoking the scope ends it
-        # wherever the URL is (see rallypoint.client._fileurl).
+        # wherever the URL is (see rallypoint.localfs).
         signed_scope = f"{self.name}/{scope}"
         try:
             key = scope_key(self._store, signed_scope, create=True)

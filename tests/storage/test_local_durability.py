@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rallypoint.client._fileurl import SCOPES
+from rallypoint.localfs import SCOPES
 from rallypoint.service.errors import AccessDenied
 from rallypoint.service.storage import Entity, LocalStorage
 from rallypoint.trainer import TransferDenied, upload

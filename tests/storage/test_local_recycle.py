@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rallypoint.client._recycle import RECYCLE_DIR
+from rallypoint.localfs import RECYCLE_DIR
 from rallypoint.service.storage import BlobStore, LocalStorage
 from rallypoint.trainer._bytes import as_memoryview
 from rallypoint.trainer._transfer import read_object

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import BinaryIO, cast
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
+from rallypoint.client.errors import SignedUrlError
+
 from ._recycle import claim
-from .errors import SignedUrlError
 
 __all__ = [
     "KEY_FILE",
