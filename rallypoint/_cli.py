@@ -54,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        from rallypoint.trainer._launch import run
+        from rallypoint.trainer import run
     except ImportError as exc:
         print(
             f"rallypoint run needs the trainer extra: pip install 'rallypoint[trainer]' ({exc})",

@@ -18,7 +18,7 @@ Example::
 
 from ._checkpoint import CheckpointManager, Restored, SaveHandle
 from ._dcp import RallypointReader, RallypointWriter
-from ._launch import torchrun_argv
+from ._launch import run, torchrun_argv
 from ._preemption import RESTART_EXIT_CODE, Notice, PreemptionWatcher
 from ._progress import Progress
 from ._rendezvous import BACKEND, RallypointRendezvousHandler, RendezvousSettings
@@ -58,6 +58,7 @@ __all__ = [
     "TransferError",
     "TransferNotFound",
     "download",
+    "run",
     "torchrun_argv",
     "upload",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "WARM_ENV",
     "WARM_MODULES",
     "WORKER_ENV_FILE",
+    "run",
     "torchrun_argv",
 ]
 
