@@ -10,6 +10,7 @@ when its owner reorganizes, so it fails here, read from the source with ``ast``.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,6 +122,15 @@ def test_every_package_folder_ships() -> None:
         if init.parent not in listed and "__pycache__" not in init.parts
     )
     assert not unlisted, f"package folders missing from pyproject's packages: {unlisted}"
+
+
+def test_the_image_copies_every_package_folder() -> None:
+    """deploy/Dockerfile copies the source folder by folder: one left out fails the
+    image's ``pip install`` (setuptools finds no directory for its package)."""
+    settings = _setuptools()
+    copied = set(re.findall(r"^COPY (\S+) ", (ROOT / "deploy" / "Dockerfile").read_text(), re.M))
+    folders = {folder.split("/")[0] for folder in settings["package-dir"].values()}
+    assert folders <= copied, f"not copied into the image: {sorted(folders - copied)}"
 
 
 def test_the_check_sees_relative_and_aliased_imports() -> None:
