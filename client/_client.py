@@ -92,6 +92,14 @@ _POLL = 30.0
 _RETRY_STATUS = {429, 502, 503, 504}
 
 
+def _retry_after(response: httpx.Response) -> float | None:
+    """A reply's ``Retry-After`` in seconds, if it gives one as a number."""
+    try:
+        return max(0.0, float(response.headers["Retry-After"]))
+    except (KeyError, ValueError):
+        return None
+
+
 class RetryPolicy(BaseModel):
     """Capped exponential backoff with full jitter, for transport errors and 429/5xx.
 
@@ -263,17 +271,21 @@ class ElasticClient:
                 )
             except httpx.TransportError as exc:
                 problem: str = f"{type(exc).__name__}: {exc}"
+                soon: float | None = None
             else:
                 if response.status_code < 400:
                     return response
                 if response.status_code not in _RETRY_STATUS:
                     raise self._error(response)
                 problem = f"HTTP {response.status_code}"
+                soon = _retry_after(response)
             delay = next(delays, None)
             if delay is None:
                 raise TransportError(
                     f"{method} {self.url}{path} failed for {retry.deadline}: {problem}"
                 )
+            if soon is not None:
+                delay = min(delay, soon)  # the coordinator knows when it is worth asking
             log.info("%s %s: %s; retrying in %.2f s", method, path, problem, delay)
             time.sleep(delay)
 

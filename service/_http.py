@@ -62,6 +62,11 @@ def error_response(
         body["detail"] = detail
     if status == 401:
         headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
+    if code == codes.STORAGE_UNAVAILABLE:
+        # While storage is down, a replica lets one storage call through a second (see
+        # storage/_budget.py): a retry sooner learns nothing, one much later waits for
+        # nothing once storage is back.
+        headers = {**(headers or {}), "Retry-After": "1"}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -140,6 +141,7 @@ def azure(own_azurite: Azurite) -> Iterator[AzureStorage]:
     storage.close()
 
 
+@pytest.mark.azurite
 def test_a_call_under_a_deadline_fails_within_it_when_storage_is_frozen(
     azure: AzureStorage, own_azurite: Azurite
 ) -> None:
@@ -169,3 +171,60 @@ def test_a_call_under_a_deadline_fails_within_it_when_storage_is_frozen(
             assert time.monotonic() < deadline
             time.sleep(0.2)
     assert azure.health.down_for() == 0
+
+
+# --- what callers are told -------------------------------------------------------------------
+
+
+@pytest.mark.azurite
+def test_a_write_during_an_outage_is_503_with_retry_after(
+    azure: AzureStorage, own_azurite: Azurite, tmp_path: Path
+) -> None:
+    from starlette.testclient import TestClient
+
+    from rallypoint.service.app import create_app
+    from rallypoint.service.settings import Settings
+
+    app = create_app(Settings(storage=f"local:{tmp_path}"), storage=azure)
+    with TestClient(app) as coordinator:
+        own_azurite.freeze()
+        try:
+            reply = coordinator.post(
+                "/v1/jobs/j/join",
+                json={"node_id": "a", "addr": "h", "spec": {"min_nodes": 1, "max_nodes": 1}},
+            )
+        finally:
+            own_azurite.thaw()
+    assert reply.status_code == 503 and reply.json()["code"] == "storage_unavailable"
+    assert reply.headers["Retry-After"] == "1"
+
+
+def test_the_client_retries_no_later_than_retry_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's backoff grows to 10 s; a coordinator that says when to come back
+    (a second, while storage is down) is asked again by then."""
+    import httpx
+
+    from rallypoint.client import ElasticClient, RetryPolicy
+    from rallypoint.client import _client as client_module
+
+    replies = iter(
+        [
+            httpx.Response(
+                503,
+                headers={"Retry-After": "1"},
+                json={"code": "storage_unavailable", "message": "down"},
+            ),
+            httpx.Response(200, json={"jobs": []}),
+        ]
+    )
+    slept: list[float] = []
+    monkeypatch.setattr(client_module.time, "sleep", slept.append)
+    client = ElasticClient(
+        "http://coordinator",
+        "j",
+        "a",
+        retry=RetryPolicy(initial=timedelta(seconds=10)),
+        http_transport=httpx.MockTransport(lambda request: next(replies)),
+    )
+    client._request("GET", "/v1/jobs")
+    assert len(slept) == 1 and slept[0] <= 1.0
