@@ -1,9 +1,27 @@
+"""Fixtures shared by the tests, and the lanes every test falls in.
+
+Lanes (registered in pyproject.toml; ``make test-fast`` runs the first two): each test is
+in exactly one, the heaviest thing it needs, found from its fixtures here or from a mark
+where fixtures cannot tell.
+
+- ``unit``: starts no process. Coordinators run in the test's process (``start``).
+- ``azurite``: the session's Azurite (``azurite``, or the ``azure`` case of ``storage`` or
+  ``backend``), and no other process.
+- ``e2e``: any other process: a ``rallypoint serve`` (``spawn``), torchrun, the CLI,
+  HAProxy, Chromium. A module or test that starts one itself says so with
+  ``pytest.mark.e2e``; one that forgets fails, as outside e2e starting a process does.
+"""
+
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,8 +31,110 @@ from rallypoint.service.storage import AzureStorage, BlobStore, LocalStorage, St
 
 from ._azurite import running_azurite
 from ._coordinator import Coordinator
+from ._inprocess import InProcessCoordinator
 
-Start = Callable[..., Coordinator]
+Start = Callable[..., InProcessCoordinator]
+Spawn = Callable[..., Coordinator]
+
+LANES = ("unit", "azurite", "e2e")
+_LANE = pytest.StashKey[str]()
+
+
+def _lane(item: pytest.Item) -> str:
+    marked = {m.name for m in item.iter_markers()}
+    fixtures = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    if "e2e" in marked or "spawn" in fixtures:
+        return "e2e"
+    if (
+        "azurite" in marked
+        or "azurite" in fixtures
+        or "azure" in (params.get("storage"), params.get("backend"))
+    ):
+        return "azurite"
+    return "unit"
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the marks added here
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        lane = item.stash[_LANE] = _lane(item)
+        if item.get_closest_marker(lane) is None:
+            item.add_marker(lane)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    with _no_processes(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    with _no_processes(item):
+        return (yield)
+
+
+class _SpawnRefused(Exception):
+    pass
+
+
+# What libraries run to look at the machine (platform.processor() for the Azure SDKs'
+# user agent), gone before the call returns: no lane's business.
+_PROBES = {"uname", "ldconfig"}
+
+
+@contextlib.contextmanager
+def _no_processes(item: pytest.Item) -> Iterator[None]:
+    """Outside e2e, starting a process (Azurite aside, in the azurite lane) fails the test
+    with the mark it needs: the fast lane stays fast without anyone remembering."""
+    lane = item.stash.get(_LANE, "e2e")
+    if lane == "e2e":
+        yield
+        return
+    real = subprocess.Popen.__init__
+
+    def refuse(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+        argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        program = Path(os.fsdecode(argv[0])).name
+        if program in _PROBES:
+            return real(self, args, *rest, **kw)
+        if program != "azurite":
+            raise _SpawnRefused(f"{item.nodeid} starts {program}: mark it pytest.mark.e2e")
+        if lane == "unit":
+            raise _SpawnRefused(f"{item.nodeid} starts Azurite: mark it pytest.mark.azurite")
+        return real(self, args, *rest, **kw)
+
+    subprocess.Popen.__init__ = refuse  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = real  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_tls_context() -> Iterator[None]:
+    """One default TLS context for every httpx client the tests make. httpx builds one
+    per client by loading certifi's bundle (25 ms); the tests' URLs are all http://, and
+    making clients was a third of the unit lane's time."""
+    from httpx._transports import default
+
+    made = default.create_ssl_context
+    shared: dict[tuple[Any, ...], Any] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return made(verify=verify, cert=cert, trust_env=trust_env)
+        # What else decides the context: the variables httpx reads.
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in shared:
+            shared[key] = made(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(default, "create_ssl_context", create_ssl_context)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +189,24 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], 
 
 @pytest.fixture
 def start(backend: tuple[list[str], dict[str, str]]) -> Iterator[Start]:
+    """Starts coordinators in this process (``rallypoint serve`` flags after the
+    backend's), each on its own port; all stop after the test."""
+    started: list[InProcessCoordinator] = []
+
+    def run(*extra: str) -> InProcessCoordinator:
+        args, env = backend
+        started.append(InProcessCoordinator([*args, *extra], env).start())
+        return started[-1]
+
+    yield run
+    for coordinator in started:
+        coordinator.stop()
+
+
+@pytest.fixture
+def spawn(backend: tuple[list[str], dict[str, str]]) -> Iterator[Spawn]:
+    """As ``start``, but each a ``rallypoint serve`` process: for tests that kill one,
+    read its log, or run it beside other processes (their lane is e2e)."""
     started: list[Coordinator] = []
 
     def run(*extra: str) -> Coordinator:

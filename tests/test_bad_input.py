@@ -12,7 +12,7 @@ import pytest
 
 from rallypoint.client import CREDENTIAL_HEADER
 
-from ._coordinator import Coordinator
+from ._inprocess import InProcessCoordinator
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     """A coordinator's URL and the credential of its job's one member, node a (every
     request here acts as a, so that the request itself is what is wrong)."""
     store = tmp_path_factory.mktemp("store")
-    coordinator = Coordinator(["--storage", f"local:{store}"], {}).start()
+    coordinator = InProcessCoordinator(["--storage", f"local:{store}"]).start()
     # One job with one sealed generation, which no bad request may disturb.
     spec = {"min_nodes": 1, "max_nodes": 1, "last_call": 0, "heartbeat_timeout": 60}
     reply = httpx.post(
@@ -303,7 +303,7 @@ def test_a_streamed_oversized_body_is_refused(url: str) -> None:
 
 
 def test_a_zombie_from_an_ended_generation_is_fenced(tmp_path: Path) -> None:
-    coordinator = Coordinator(["--storage", f"local:{tmp_path}"], {}).start()
+    coordinator = InProcessCoordinator(["--storage", f"local:{tmp_path}"]).start()
     try:
         spec = {"min_nodes": 1, "max_nodes": 2, "last_call": 0, "heartbeat_timeout": 60}
         base = f"{coordinator.url}/v1/jobs/job"

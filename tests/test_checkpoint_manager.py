@@ -25,7 +25,7 @@ from rallypoint.trainer import (
     RallypointWriter,
 )
 
-from .conftest import Start
+from .conftest import Spawn, Start
 from .test_coordinator import clients, join_all, spec
 
 # Every test here runs with the client calling each route, and through the envelope.
@@ -285,8 +285,8 @@ print("finished", flush=True)
 
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
-def test_a_rank_killed_mid_upload_never_becomes_latest(start: Start, tmp_path: Path) -> None:
-    url = start().url
+def test_a_rank_killed_mid_upload_never_becomes_latest(spawn: Spawn, tmp_path: Path) -> None:
+    url = spawn().url
     s = spec(1, 1)
     ElasticClient(url, "job", "x").create_job(
         1,

@@ -19,6 +19,8 @@ from rallypoint.trainer import CheckpointManager, upload
 from ._coordinator import Coordinator
 from .test_coordinator import join_all, spec
 
+pytestmark = pytest.mark.e2e
+
 TOKEN = "cli-token"
 FILE = "data.distcp"
 COMMAND = [sys.executable, "-m", "rallypoint"]

@@ -25,7 +25,7 @@ from rallypoint.service import errors as service_errors
 from rallypoint.service.app import create_app
 from rallypoint.service.settings import Settings
 
-from ._coordinator import Coordinator
+from ._inprocess import InProcessCoordinator
 
 HOOKS = Path(__file__).with_name("_contract_hooks.py")
 CONFIG = Path(__file__).with_name("schemathesis.toml")
@@ -39,11 +39,12 @@ TOKEN = secrets.token_urlsafe(24)
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     store = tmp_path_factory.mktemp("store")
-    coordinator = Coordinator(["--storage", f"local:{store}", "--token", TOKEN], {}).start()
+    coordinator = InProcessCoordinator(["--storage", f"local:{store}", "--token", TOKEN]).start()
     yield coordinator.url
     coordinator.stop()
 
 
+@pytest.mark.e2e  # schemathesis's CLI, in a process of its own
 def test_schemathesis_finds_nothing(url: str, tmp_path: Path) -> None:
     """Every check schemathesis has (status codes, bodies, headers, accepted and refused
     data, methods, auth) over >= 1,000 generated requests, with the admin token. Node

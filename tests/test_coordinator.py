@@ -1,4 +1,5 @@
-"""The coordinator end to end: real uvicorn processes, real ElasticClients."""
+"""The coordinator end to end: real uvicorn servers (in this process, or a process of its
+own where one is killed), real ElasticClients."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from rallypoint.client import (
     UnknownJob,
 )
 
-from .conftest import Start
+from .conftest import Spawn, Start
 
 # Every test here runs with the client calling each route, and through the envelope.
 pytestmark = pytest.mark.usefixtures("transport")
@@ -141,8 +142,8 @@ def registered(client: ElasticClient, count: int) -> bool:
         return False
 
 
-def test_a_coordinator_killed_mid_rendezvous_loses_nothing(start: Start) -> None:
-    coordinator = start()
+def test_a_coordinator_killed_mid_rendezvous_loses_nothing(spawn: Spawn) -> None:
+    coordinator = spawn()
     patient = RetryPolicy(initial=timedelta(milliseconds=100), deadline=timedelta(seconds=60))
     nodes = clients(coordinator.url, ["a", "b", "c"], retry=patient)
     results: dict[str, Assignment] = {}
@@ -218,12 +219,12 @@ while True:
 """
 
 
-def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(start: Start) -> None:
+def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(spawn: Spawn) -> None:
     import signal
     import subprocess
     import sys
 
-    coordinator = start()
+    coordinator = spawn()
     ElasticClient(coordinator.url, "cut", "x").create_job(
         2, 2, heartbeat_timeout=timedelta(seconds=60)
     )

@@ -90,6 +90,7 @@ def _endpoint(conn: str, kind: str) -> str:
     return re.search(rf"{kind}Endpoint=(http://[^/;]+)", conn).group(1)  # type: ignore[union-attr]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_compose_commands_train_against_azurite_outside_containers(
     azurite: str, tmp_path: Path
@@ -290,6 +291,7 @@ class _Forward(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_the_azureml_job_command_trains_through_a_scoring_only_gateway(
     azurite: str, tmp_path: Path

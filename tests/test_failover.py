@@ -22,7 +22,7 @@ from ._azurite import Azurite
 from ._balancer import Balancer
 from ._coordinator import Coordinator
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 REPLICAS = 3
 

@@ -20,7 +20,7 @@ from .test_torchrun import status
 #: The torchrun tests' coordinator (local storage, logged), as a fixture here too.
 coordinator = test_torchrun.coordinator
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_fsdp2_resumes_resharded_after_a_node_is_killed(

@@ -17,7 +17,7 @@ from rallypoint.client import ElasticClient
 from rallypoint.trainer import torchrun_argv
 
 from ._azurite import free_port
-from .conftest import Start
+from .conftest import Spawn
 
 ENV = {"RALLYPOINT_URL": "http://coord:8080", "RALLYPOINT_JOB": "job1"}
 
@@ -62,6 +62,7 @@ def test_azureml_variables_name_the_job_and_its_size() -> None:
     assert (given["rdzv-id"], given["nnodes"]) == ("run_42", "1:4")
 
 
+@pytest.mark.e2e
 def test_without_a_coordinator_it_says_what_to_set() -> None:
     with pytest.raises(ValueError, match="RALLYPOINT_URL"):
         torchrun_argv(["train.py"], {"RALLYPOINT_JOB": "j"})
@@ -96,9 +97,9 @@ WORKER = textwrap.dedent(
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 def test_rallypoint_run_starts_torchrun_with_the_plugin(
-    start: Start, tmp_path: Path, warm: bool
+    spawn: Spawn, tmp_path: Path, warm: bool
 ) -> None:
-    coordinator = start()
+    coordinator = spawn()
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = {
@@ -142,6 +143,7 @@ def test_rallypoint_run_starts_torchrun_with_the_plugin(
     assert [g.generation for g in status.history] == [1]
 
 
+@pytest.mark.e2e
 def test_rallypoint_run_starts_warm_workers_under_another_backend_too(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(
@@ -177,6 +179,7 @@ done
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_without_torchrun_a_shell_loop_restarts_the_script_on_a_membership_change(
     tmp_path: Path,

@@ -107,6 +107,7 @@ def test_a_memory_tier_that_cannot_take_a_copy_never_fails_a_save(
     assert restored.bytes_from["memory"] == 0 and torch.equal(restored.state["w"], torch.ones(1024))
 
 
+@pytest.mark.e2e
 def test_an_agent_reclaims_what_dead_agents_left(tmp_path: Path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
@@ -146,6 +147,7 @@ with open(os.environ["OUT"], "a") as f: f.write(json.dumps(out) + "\n")
 """
 
 
+@pytest.mark.e2e
 def test_workers_restarted_by_torchrun_read_nothing_from_storage(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:

@@ -27,6 +27,8 @@ from ._coordinator import Coordinator
 from .test_cli import save_by_hand
 from .test_coordinator import join_all, spec
 
+pytestmark = pytest.mark.e2e
+
 TOKEN = "ops-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 MANIFEST = "manifest.json"

@@ -25,6 +25,7 @@ from rallypoint.trainer._transfer import upload_parts
 from rallypoint.trainer.errors import TransferDenied, TransferError, TransferNotFound
 
 from . import test_torchrun
+from ._inprocess import InProcessCoordinator
 from ._ranks import run_ranks
 from .test_torchrun import status
 
@@ -106,6 +107,7 @@ def run_and_kill(
     return cluster.events(), history, memory, by_rank
 
 
+@pytest.mark.e2e
 def test_a_killed_node_is_restored_from_its_peer_replica(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
@@ -140,6 +142,7 @@ def test_a_killed_node_is_restored_from_its_peer_replica(
         assert list((memory / node).glob("*/*")) == []
 
 
+@pytest.mark.e2e
 def test_two_adjacent_nodes_lost_fall_back_to_the_newest_durable_version(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
@@ -174,6 +177,7 @@ def run(client, a):
 """
 
 
+@pytest.mark.e2e
 def test_a_copy_that_fails_goes_to_storage_instead(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
@@ -224,10 +228,12 @@ class Pair:
 
 
 @pytest.fixture
-def pair(coordinator: Coordinator, tmp_path: Path) -> Iterator[Pair]:
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    coordinator = InProcessCoordinator(["--storage", f"local:{tmp_path / 'storage'}"]).start()
     p = Pair(coordinator.url, tmp_path / "shm")
     yield p
     p.close()
+    coordinator.stop()
 
 
 def one_file(size: int) -> tuple[memoryview, list[tuple[int, int, str]]]:

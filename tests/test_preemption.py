@@ -19,7 +19,7 @@ from rallypoint.client import ElasticClient
 from rallypoint.trainer import RESTART_EXIT_CODE, PreemptionWatcher
 
 from ._azurite import free_port
-from .conftest import Start
+from .conftest import Spawn
 
 
 @pytest.fixture
@@ -103,9 +103,9 @@ FINISH = textwrap.dedent(
 
 
 def test_finish_leaves_for_the_notified_node_and_restarts_the_others(
-    start: Start, imds: FakeImds
+    spawn: Spawn, imds: FakeImds
 ) -> None:
-    coordinator = start()
+    coordinator = spawn()
     ElasticClient(coordinator.url, "fin", "x").create_job(2, 2)
     procs = {
         node: subprocess.Popen(

@@ -27,7 +27,7 @@ from rallypoint.service.storage import BatchOp, BlobStore, Entity, Storage, Tabl
 from rallypoint.trainer import upload
 
 from ._coordinator import Coordinator
-from .conftest import Clock, Start
+from .conftest import Clock, Spawn
 from .test_cli import TOKEN, cli
 from .test_coordinator import clients, join_all
 from .test_coordinator import spec as coordinator_spec
@@ -364,9 +364,9 @@ def by_hand(node: ElasticClient, step: int) -> int:
 
 
 def test_operators_quarantine_through_the_api_and_the_cli_and_see_it_everywhere(
-    start: Start, transport: str
+    spawn: Spawn, transport: str
 ) -> None:
-    url = start("--token", TOKEN).url
+    url = spawn("--token", TOKEN).url
     (node,) = clients(url, ["a"], job="ops", token=TOKEN)
     join_all([node], coordinator_spec(1, 1))
     good, bad = by_hand(node, 10), by_hand(node, 20)
@@ -463,6 +463,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_torchrun_job_resumes_from_the_good_version_on_every_rank(tmp_path: Path) -> None:
     coordinator = Coordinator(["--storage", f"local:{tmp_path / 'storage'}"]).start()

@@ -14,6 +14,8 @@ import pytest
 
 from ._coordinator import Coordinator
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def start() -> Iterator[Callable[..., str]]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ._ranks import run_ranks
-from .conftest import Start
+from .conftest import Spawn
 
 MiB = 1 << 20
 
@@ -60,10 +60,10 @@ def run(client, a):
 
 
 @pytest.mark.parametrize("backend", ["local", "azure"], indirect=True)
-def test_dtensors_reshard_to_another_world_and_placement(start: Start, tmp_path: Path) -> None:
+def test_dtensors_reshard_to_another_world_and_placement(spawn: Spawn, tmp_path: Path) -> None:
     """Shard(0) on 4 processes restores in place into a Shard(1) template on 2; each
     process reads about its share of the bytes."""
-    url = start().url
+    url = spawn().url
     saved = run_ranks(url, "job", [f"s{i}" for i in range(4)], SAVE_SHARDED, tmp_path)
     assert [r.get("error") for r in saved] == [None] * 4
     loaded = run_ranks(url, "job", ["l0", "l1"], LOAD_RESHARDED, tmp_path)
@@ -114,9 +114,9 @@ def run(client, a):
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
 def test_replicated_state_is_written_once_and_restores_at_any_world(
-    start: Start, tmp_path: Path
+    spawn: Spawn, tmp_path: Path
 ) -> None:
-    url = start().url
+    url = spawn().url
     saved = run_ranks(url, "job", ["a", "b", "c"], SAVE_REPLICATED, tmp_path)
     assert [r.get("error") for r in saved] == [None] * 3
     # DCP writes each replicated tensor once, spread over the ranks.
@@ -160,9 +160,9 @@ def run(client, a):
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
 def test_a_plain_tensor_that_differs_across_ranks_is_refused_and_skips_are_unanimous(
-    start: Start, tmp_path: Path
+    spawn: Spawn, tmp_path: Path
 ) -> None:
-    results = run_ranks(start().url, "job", ["a", "b"], SAVE_DIVERGED, tmp_path)
+    results = run_ranks(spawn().url, "job", ["a", "b"], SAVE_DIVERGED, tmp_path)
     for r in results:
         assert r["refused"] is not None and "seed" in r["refused"], r
         assert "rank_state" in r["refused"] and "w" not in r["refused"].split(":")[1]

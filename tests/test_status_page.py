@@ -22,6 +22,8 @@ from rallypoint.client import ElasticClient, JobSpec
 from ._coordinator import Coordinator
 from .test_cli import save_by_hand
 
+pytestmark = pytest.mark.e2e
+
 TOKEN = "page-token"
 # Debian's packages (.ci/run installs them): nothing is downloaded at test time.
 CHROMIUM = "/usr/bin/chromium"

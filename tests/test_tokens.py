@@ -18,7 +18,7 @@ from rallypoint.service._tokens import ADMIN, FRESH, PARTITION, Principal, Token
 from rallypoint.service.errors import UnknownToken as NoSuchToken
 from rallypoint.service.storage import Storage
 
-from .conftest import Clock, Start
+from .conftest import Clock, Spawn, Start
 
 
 class Monotonic:
@@ -213,8 +213,8 @@ def test_the_status_page_shows_a_reader_its_job_only(start: Start) -> None:
     assert httpx.post(f"{url}/login", data={"token": "rpt_nope"}).status_code == 401
 
 
-def test_the_cli_creates_lists_and_revokes(start: Start) -> None:
-    url = start("--token", "adm").url
+def test_the_cli_creates_lists_and_revokes(spawn: Spawn) -> None:
+    url = spawn("--token", "adm").url
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

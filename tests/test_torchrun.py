@@ -17,7 +17,7 @@ import pytest
 from rallypoint._demo import Cluster, Coordinator, example_script, judge
 from rallypoint._fake_imds import FakeImds
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 @pytest.fixture

@@ -181,6 +181,7 @@ def test_an_account_sas_is_refused_as_it_cannot_sign_per_object_urls(azurite: st
         )
 
 
+@pytest.mark.e2e
 def test_serve_refuses_an_account_sas_at_start_up(azurite: str) -> None:
     fields = _fields(azurite)
     env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT}

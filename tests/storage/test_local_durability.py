@@ -31,6 +31,7 @@ def _run(code: str, *args: str) -> subprocess.Popen[bytes]:
     )
 
 
+@pytest.mark.e2e
 def test_sigkill_mid_write_never_leaves_half_an_object(tmp_path: Path) -> None:
     store = LocalStorage(tmp_path, "rp")
     blobs = store.blobs("ckpt")
@@ -64,6 +65,7 @@ def test_sigkill_mid_write_never_leaves_half_an_object(tmp_path: Path) -> None:
     assert [b.name for b in blobs.list()] == ["v/shard"]
 
 
+@pytest.mark.e2e
 def test_two_processes_share_one_table_without_losing_updates(tmp_path: Path) -> None:
     table = LocalStorage(tmp_path, "rp").table("jobs")
     table.insert(Entity("job", "counter", {"n": 0}))

@@ -1,0 +1,117 @@
+"""A coordinator in the test's own process: the app ``rallypoint serve`` builds, with its
+lifespan, under a real uvicorn on a loopback port, in a thread.
+
+Clients, ``httpx`` calls and even other processes reach it by URL exactly as they reach a
+``rallypoint serve`` process, so an API test moves between the two by fixture alone. It
+takes the same flags, but not what only a process has: a SIGKILL and a restart, a log,
+``serve``'s logging set-up and process-wide tuning (the GIL switch interval, a frozen
+collector; it does take the table batch path). Tests of those use ``spawn`` (conftest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+from rallypoint._cli import _parser
+from rallypoint.service.app import create_app
+from rallypoint.service.settings import Settings
+from rallypoint.service.storage import Storage, open_storage, use_batch_path
+
+__all__ = ["InProcessCoordinator"]
+
+# The ``rallypoint serve`` flags that become settings (as in rallypoint._cli).
+_FLAGS = ("storage", "token", "insecure", "access_log", "log_format")
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """``env`` added to this process's environment while settings and storage are read
+    (what a spawned coordinator's environment gives it), then taken away again."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class _Server(uvicorn.Server):
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # As serve() does: answer held long-polls first, or shutdown waits out each hold.
+        driver = getattr(self.config.app.state, "driver", None)  # type: ignore[attr-defined]
+        if driver is not None:
+            await driver.close()
+        await super().shutdown(sockets)
+
+
+class InProcessCoordinator:
+    """The coordinator of ``rallypoint serve ARGS`` with ``ENV``, served from a thread.
+
+    Args:
+        args: ``rallypoint serve`` flags, e.g. ``["--storage", "local:/tmp/s"]``.
+        env: Variables the settings and the storage read (``RALLYPOINT_*``, ``AZURE_*``).
+    """
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.env = env or {}
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = int(self._sock.getsockname()[1])
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._storage: Storage | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, deadline_s: float = 30) -> InProcessCoordinator:
+        flags = _parser().parse_args(["serve", *self.args])
+        overrides = {k: v for k in _FLAGS if (v := getattr(flags, k)) not in (None, False)}
+        with _environ(self.env):
+            settings = Settings(**overrides)
+            self._storage = open_storage(settings.storage, prefix=settings.storage_prefix)
+        if settings.storage == "azure":
+            use_batch_path()  # the table transactions' path `rallypoint serve` takes
+        config = uvicorn.Config(
+            create_app(settings, self._storage),
+            log_config=None,  # the test process's logging stays as pytest set it
+            access_log=settings.access_log,
+            timeout_graceful_shutdown=10,
+        )
+        self._server = _Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run,
+            args=([self._sock],),
+            name=f"coordinator-{self.port}",
+            daemon=True,  # one a test failed to stop does not hold pytest's exit
+        )
+        self._thread.start()
+        end = time.monotonic() + deadline_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > end:
+                self.stop()
+                raise RuntimeError(f"the in-process coordinator on {self.url} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(30)
+        if self._storage is not None:
+            self._storage.close()  # create_app leaves a storage it was given open
+            self._storage = None
+        self._sock.close()
