@@ -1,5 +1,6 @@
-# Every target sets up what it needs: a venv in .venv (with the CPU build of torch, so
-# no CUDA wheels are pulled), Azurite in node_modules, and Debian's chromium.
+# Every target sets up what it needs and no more: the venv in .venv (with the CPU build
+# of torch, so no CUDA wheels are pulled) for all; Azurite in node_modules for the
+# benchmarks on it; the full test run also Debian's chromium and HAProxy.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,9 +8,14 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup browser balancer test lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers clean
+.PHONY: setup venv azurite browser balancer test test-fast lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers clean
 
-setup: $(VENV)/.installed node_modules/.installed browser balancer
+# What `make test` needs: everything below.
+setup: venv azurite browser balancer
+
+venv: $(VENV)/.installed
+
+azurite: node_modules/.installed
 
 # Debian's Chromium and ChromeDriver, for the status page's test (apt, as root or sudo).
 browser:
@@ -36,35 +42,39 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-lint: setup
+lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: setup
+typecheck: venv
 	PATH=$(abspath $(BIN)):$$PATH scripts/typecheck
 
-test: lint typecheck
+test: setup lint typecheck
 	$(BIN)/python -m pytest
 
-serve: setup
+# The unit lane: tests that start no process (tests/conftest.py says which are which).
+test-fast: venv
+	$(BIN)/python -m pytest -m unit
+
+serve: venv
 	$(BIN)/rallypoint serve --storage $(STORAGE) --port $(PORT)
 
-demo: setup
+demo: venv
 	$(BIN)/rallypoint demo
 
-bench-storage: setup
+bench-storage: venv azurite
 	$(BIN)/python bench/storage.py
 
-bench-rendezvous: setup
+bench-rendezvous: venv azurite
 	$(BIN)/python bench/rendezvous.py
 
-bench-checkpoint: setup
+bench-checkpoint: venv azurite
 	$(BIN)/python bench/checkpoint.py
 
-bench-recovery: setup
+bench-recovery: venv
 	$(BIN)/python bench/recovery.py
 
-bench-tiers: setup
+bench-tiers: venv
 	$(BIN)/python bench/tiers.py
 
 clean:
