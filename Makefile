@@ -1,6 +1,7 @@
 # Every target sets up what it needs and no more: the venv in .venv (with the CPU build
-# of torch, so no CUDA wheels are pulled) for all; Azurite in node_modules for the
-# benchmarks on it; the full test run also Debian's chromium and HAProxy.
+# of torch, so no CUDA wheels are pulled) for all; the dev extra in it for the tests and
+# linters; Azurite in node_modules for the benchmarks on it; the full test run also
+# Debian's chromium and HAProxy.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,12 +9,16 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup venv azurite browser balancer test test-fast lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers clean
+.PHONY: setup venv dev azurite browser balancer test test-fast lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers clean
 
 # What `make test` needs: everything below.
-setup: venv azurite browser balancer
+setup: dev azurite browser balancer
 
+# The package with every extra: what the demo, the coordinator and the benchmarks run.
 venv: $(VENV)/.installed
+
+# The same venv with the tools the tests and linters use (the dev extra).
+dev: $(VENV)/.dev
 
 azurite: node_modules/.installed
 
@@ -35,6 +40,10 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[all]'
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[all,dev]'
 	touch $@
 
@@ -42,18 +51,18 @@ node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
-lint: venv
+lint: dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: venv
+typecheck: dev
 	PATH=$(abspath $(BIN)):$$PATH scripts/typecheck
 
 test: setup lint typecheck
 	$(BIN)/python -m pytest
 
 # The unit lane: tests that start no process (tests/conftest.py says which are which).
-test-fast: venv
+test-fast: dev
 	$(BIN)/python -m pytest -m unit
 
 serve: venv
