@@ -1,28 +1,40 @@
 """Rendezvous, side by side with torch's dynamic rendezvous on the c10d backend.
 
-Three measurements, each against real coordinator processes (uvicorn):
+Each part runs against a fresh real coordinator process (uvicorn), on local storage or
+on Azurite:
 
-1. rounds: N nodes (real ElasticClients, as threads of this process) join a job with
-   min = max = N; the time from their common start until the last one holds its
-   assignment. On local storage and on Azurite, and for torch's dynamic rendezvous
-   (N handlers on one TCPStore, as threads of a subprocess) for the smaller N.
-2. heartbeats: N members heartbeat once a second each for a while, on Azurite; the
-   latency percentiles seen by the nodes and the coordinator's CPU.
-3. failure detection: 4 node processes with heartbeat_timeout 3 s; one is SIGKILLed;
+1. rounds: N nodes join a job with min = max = N; the time from the first join until
+   the last node holds its assignment, and the CPU seconds the coordinator, Azurite and
+   the simulated nodes used meanwhile. Nodes are real ElasticClients (threads of
+   processes of 128) for ``--client-sizes``, and the load generator (bench/_loadgen.py:
+   one asyncio process, a keep-alive connection per node, the client's bytes on the
+   wire) for ``--sizes``; a size in both is measured both ways. torch's dynamic
+   rendezvous (N handlers on one TCPStore, as threads of a subprocess) for
+   ``--torch-sizes``.
+2. transports: the load generator's CPU per request on raw HTTP/1.1 streams and on
+   httpx's AsyncClient, beside the coordinator's.
+3. heartbeats: N members beat once a second, each held for ``--beat-holds`` seconds
+   (1: as ElasticClient.heartbeats() does at a 1 s interval; 0: plain beats); latency
+   percentiles seen by the nodes, and CPU.
+4. failure detection: 4 node processes with heartbeat_timeout 3 s; one is SIGKILLed;
    the time until every survivor's heartbeat answered "restart".
 
-Usage: python bench/rendezvous.py [--sizes 8,32,64,256,1024] [--torch-sizes 8,32,64]
-       [--beat-nodes 1024] [--beat-seconds 60] [--only rounds|heartbeats|detection]
+The bench raises RLIMIT_NOFILE for a connection per node if it must (the coordinator
+inherits it). ``--profile`` records the coordinator with py-spy in each loadgen round
+and heartbeat run (build/profile-*.txt) and prints the functions with the most samples.
+
+Usage: python bench/rendezvous.py [--sizes 256,1024,4096,10000]
+       [--client-sizes 8,32,64,256] [--torch-sizes 8,32,64] [--storages local,azurite]
+       [--beat-nodes 2048] [--beat-seconds 30] [--beat-holds 1,0] [--profile]
+       [--only rounds|transports|heartbeats|detection]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
+import contextlib
 import multiprocessing
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -30,16 +42,24 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import _loadgen  # noqa: E402
 import httpx  # noqa: E402
+from _loadgen import Beats, Loadgen, LoadgenError, Round  # noqa: E402
 
-from rallypoint.client import CREDENTIAL_HEADER, ElasticClient, JobSpec  # noqa: E402
+from rallypoint._demo import descendants  # noqa: E402
+from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
+from rallypoint.client.models import MAX_NODES_LIMIT  # noqa: E402
 from tests._azurite import free_port, running_azurite  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
 
@@ -53,26 +73,44 @@ def cpu_seconds(pid: int) -> float:
 
 
 def spec(n: int, timeout: float = 30) -> JobSpec:
-    return JobSpec(
-        min_nodes=n,
-        max_nodes=n,
-        last_call=timedelta(0),
-        heartbeat_timeout=timedelta(seconds=timeout),
-        join_timeout=timedelta(seconds=600),
-    )
+    fields: dict[str, Any] = {
+        "min_nodes": n,
+        "max_nodes": n,
+        "last_call": timedelta(0),
+        "heartbeat_timeout": timedelta(seconds=timeout),
+        "join_timeout": timedelta(seconds=600),
+    }
+    if n > MAX_NODES_LIMIT:
+        # Unchecked here: the coordinator's answer to a job this large is the result.
+        return JobSpec.model_construct(**fields)
+    return JobSpec(**fields)
 
 
 THREADS_PER_PROCESS = 128
 
 
+class _Recording(httpx.HTTPTransport):
+    """Notes the size of every 200 reply to a join or a wait: the one with the assignment."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sizes: list[int] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if response.status_code == 200 and request.url.path.endswith(("/join", "/wait")):
+            self.sizes.append(len(response.read()))
+        return response
+
+
 def _node_process(
-    url: str, job: str, names: list[str], n: int, timeout: float, ready: Any, go: Any, out: Any
+    url: str, job: str, names: list[str], n: int, ready: Any, go: Any, out: Any
 ) -> None:
     """One process of simulated nodes: a thread and a real ElasticClient per node."""
     sys.setswitchinterval(0.0005)  # hundreds of threads: hand the GIL on quickly
     # One transport for the process's nodes (each still gets its own connection): an
     # httpx client per node would load the CA certificates once per node.
-    shared = httpx.HTTPTransport(limits=httpx.Limits(max_connections=None))
+    shared = _Recording(limits=httpx.Limits(max_connections=None))
     clients = [ElasticClient(url, job, name, http_transport=shared) for name in names]
     done: list[float] = []
     errors: list[str] = []
@@ -80,7 +118,7 @@ def _node_process(
     def node(c: ElasticClient, port: int) -> None:
         go.wait()
         try:
-            c.join("127.0.0.1", port, spec=spec(n, timeout))
+            c.join("127.0.0.1", port, spec=spec(n))
             done.append(time.time())
         except Exception as exc:
             errors.append(repr(exc))
@@ -91,28 +129,28 @@ def _node_process(
     ]
     for t in threads:
         t.start()
+    cpu = time.process_time()  # the threads wait for go: from here on, CPU is the round's
     ready.release()
     for t in threads:
         t.join()
     ranks = [(c.assignment.generation, c.assignment.rank) for c in clients if c.assignment]
-    credentials = {c.node_id: c.credential for c in clients if c.credential}
-    out.put((max(done, default=0.0), ranks, errors, credentials))
+    out.put((max(done, default=0.0), ranks, errors, time.process_time() - cpu, shared.sizes))
 
 
-def join_round(url: str, job: str, n: int, timeout: float = 30) -> tuple[float, dict[str, str]]:
-    """N nodes join at once; seconds from their common start until the last assignment,
-    and each node's credential (by node id, in join order) for acting as it later.
+def join_round(url: str, job: str, n: int) -> tuple[float, float, float]:
+    """N ElasticClients join at once; seconds from their common start until the last
+    assignment, their processes' CPU seconds over that time, and the mean size of the
+    reply that carried an assignment.
 
     Nodes are threads spread over processes of at most 128 (real nodes are separate
     machines; a thousand threads in one process mostly measure its GIL).
     """
     ctx = multiprocessing.get_context("spawn")
-    names = [f"n{i:04d}" for i in range(n)]
+    names = [f"n{i:05d}" for i in range(n)]
     groups = [names[i : i + THREADS_PER_PROCESS] for i in range(0, n, THREADS_PER_PROCESS)]
     ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     procs = [
-        ctx.Process(target=_node_process, args=(url, job, g, n, timeout, ready, go, out))
-        for g in groups
+        ctx.Process(target=_node_process, args=(url, job, g, n, ready, go, out)) for g in groups
     ]
     for p in procs:
         p.start()
@@ -124,14 +162,15 @@ def join_round(url: str, job: str, n: int, timeout: float = 30) -> tuple[float, 
     results = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join()
-    errors = [e for _, _, errs, _ in results for e in errs]
+    errors = [e for _, _, errs, _, _ in results for e in errs]
     if errors:
         raise RuntimeError(f"{len(errors)} joins failed; first: {errors[0]}")
-    ranks = sorted(r for _, rs, _, _ in results for r in rs)
+    ranks = sorted(r for _, rs, _, _, _ in results for r in rs)
     assert ranks == [(1, i) for i in range(n)], ranks[:5]
-    credentials = {k: v for _, _, _, creds in results for k, v in creds.items()}
-    assert sorted(credentials) == names, "a node joined without a credential"
-    return max(t for t, _, _, _ in results) - start, {name: credentials[name] for name in names}
+    sizes = [size for *_, sizes in results for size in sizes]
+    assert len(sizes) == n, f"{len(sizes)} assignments for {n} nodes"
+    seconds = max(t for t, *_ in results) - start
+    return seconds, sum(cpu for *_, cpu, _ in results), sum(sizes) / n
 
 
 TORCH_ROUND = """
@@ -183,120 +222,310 @@ def torch_round(n: int) -> float | None:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def bench_rounds(sizes: list[int], torch_sizes: list[int], azurite: str) -> None:
-    print("\n## One rendezvous round (seconds, all N nodes assigned)")
-    print(f"{'N':>6} {'local':>9} {'azurite':>9} {'torch c10d':>11}  c10d/local")
-    backends = {
-        "local": Coordinator(
-            ["--storage", f"local:{ROOT / 'build' / f'rdzv-{uuid.uuid4().hex[:6]}'}"], {}
-        ),
-        "azurite": Coordinator(
-            ["--storage", "azure"],
-            {
-                "AZURE_STORAGE_CONNECTION_STRING": azurite,
-                "RALLYPOINT_STORAGE_PREFIX": "b" + uuid.uuid4().hex[:8],
-            },
-        ),
-    }
-    for coordinator in backends.values():
-        coordinator.start()
-    try:
-        for n in sizes:
-            row = {}
-            for name, coordinator in backends.items():
-                row[name], _ = join_round(coordinator.url, f"round-{n}", n)
-            anchor = torch_round(n) if n in torch_sizes else None
-            anchor_text = (
-                f"{anchor:11.2f}"
-                if anchor is not None
-                else (f"{'>' + str(int(TORCH_LIMIT_S)):>11}" if n in torch_sizes else f"{'-':>11}")
-            )
-            ratio = f"{anchor / row['local']:10.1f}x" if anchor else ""
-            print(
-                f"{n:>6} {row['local']:9.2f} {row['azurite']:9.2f} {anchor_text}  {ratio}",
-                flush=True,
-            )
-    finally:
-        for coordinator in backends.values():
-            coordinator.stop()
-
-
-async def _beats(
-    port: int, job: str, nodes: dict[str, str], generation: int, seconds: float
-) -> tuple[list[tuple[float, float]], int, int]:
-    """Each node (id to credential) sends one heartbeat a second on its own connection
-    (raw HTTP/1.1, so the load generator costs little CPU), with its credential as the
-    coordinator checks it; returns (seconds since the start, latency) per beat,
-    restarts and errors."""
-    loop = asyncio.get_running_loop()
-    latencies: list[tuple[float, float]] = []
-    restarts = errors = 0
-    body = json.dumps({"generation": generation}).encode()
-    start = loop.time() + 2.0
-    end = start + seconds
-
-    async def node(i: int, node_id: str, credential: str) -> None:
-        nonlocal restarts, errors
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        request = (
-            f"POST /v1/jobs/{job}/nodes/{node_id}/heartbeat HTTP/1.1\r\nHost: bench\r\n"
-            f"{CREDENTIAL_HEADER}: {credential}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode() + body
-        at = start + i / len(nodes)  # spread evenly over each second
-        while at < end:
-            await asyncio.sleep(max(0.0, at - loop.time()))
-            sent = loop.time()
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            size = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
-            payload = await reader.readexactly(size)
-            latencies.append((sent - start, loop.time() - sent))
-            if not head.startswith(b"HTTP/1.1 200"):
-                errors += 1
-            elif b'"restart"' in payload:
-                restarts += 1
-            at += 1.0
-        writer.close()
-
-    await asyncio.gather(*(node(i, n, c) for i, (n, c) in enumerate(nodes.items())))
-    return latencies, restarts, errors
-
-
-def bench_heartbeats(n: int, seconds: float, azurite: str) -> None:
-    print(f"\n## Heartbeats: {n} nodes at 1 Hz for {seconds:.0f} s, Azurite")
-    coordinator = Coordinator(
+def coordinator_for(storage: str, azurite: str) -> Coordinator:
+    """A fresh coordinator on ``local`` storage or on Azurite (its own table prefix):
+    one per measurement, so no earlier job's members time out during it."""
+    tag = uuid.uuid4().hex[:8]
+    if storage == "local":
+        return Coordinator(["--storage", f"local:{ROOT / 'build' / f'rdzv-{tag}'}"], {})
+    return Coordinator(
         ["--storage", "azure"],
-        {
-            "AZURE_STORAGE_CONNECTION_STRING": azurite,
-            "RALLYPOINT_STORAGE_PREFIX": "hb" + uuid.uuid4().hex[:8],
-        },
-    ).start()
-    try:
-        # Nobody heartbeats while a thousand nodes join: the timeout must outlast that.
-        _, nodes = join_round(coordinator.url, "beats", n, timeout=600)
-        generation = 1
-        assert coordinator.proc is not None
-        cpu0, wall0 = cpu_seconds(coordinator.proc.pid), time.monotonic()
-        latencies, restarts, errors = asyncio.run(
-            _beats(coordinator.port, "beats", nodes, generation, seconds)
-        )
-        cpu = (cpu_seconds(coordinator.proc.pid) - cpu0) / (time.monotonic() - wall0)
-        print(
-            f"requests {len(latencies)} ({len(latencies) / seconds:.0f}/s), errors {errors}, "
-            f"restarts {restarts}\ncoordinator CPU: {cpu * 100:.0f}% of one core"
-        )
-        # The first seconds also hold the end of the join round (a thousand long-polls
-        # answered and closed) and a thousand connections opening: shown apart.
-        for label, since in (("all", 0.0), (f"after the first {WARM_S:.0f} s", WARM_S)):
-            window = [latency for at, latency in latencies if at >= since]
-            q = statistics.quantiles(window, n=100)
-            print(
-                f"latency ms, {label}: p50 {q[49] * 1e3:.1f}, p99 {q[98] * 1e3:.1f}, "
-                f"max {max(window) * 1e3:.1f}"
+        {"AZURE_STORAGE_CONNECTION_STRING": azurite, "RALLYPOINT_STORAGE_PREFIX": "b" + tag},
+    )
+
+
+def azurite_pid() -> int | None:
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(OSError):
+            if b"azurite" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
+RATE = 20  # py-spy's samples a second: 100 took a core from the two here and tripled a round
+
+
+class Profile:
+    """``py-spy record`` of the coordinator over one measurement (``--profile``): the
+    thread holding the GIL (where its CPU goes), as raw collapsed stacks under build/,
+    and the functions in the most samples."""
+
+    def __init__(self, pid: int, label: str, enabled: bool) -> None:
+        self.path = ROOT / "build" / f"profile-{label}.txt"
+        self.proc: subprocess.Popen[bytes] | None = None
+        if enabled:
+            spy = Path(sys.executable).with_name("py-spy")
+            record = ["record", "--pid", str(pid), "--rate", str(RATE), "--nonblocking", "--gil"]
+            self.proc = subprocess.Popen(
+                [str(spy), *record, "--format", "raw", "--output", str(self.path)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
+            time.sleep(1.0)  # py-spy attaches
+
+    def stop(self, top: int = 8) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(60)
+        print(f"  profile of the coordinator ({self.path.name}):")
+        for line in summarize(self.path, top):
+            print(f"    {line}")
+
+
+# Where a sample's own frame lies, by the first of these in its file's path.
+AREAS = (
+    ("rallypoint/", "rallypoint"),
+    ("azure/core/", "azure-core"),
+    ("core/", "azure-core"),
+    ("tables/", "azure-data-tables"),
+    ("storage/blob", "azure-storage-blob"),
+    ("requests/", "requests"),
+    ("urllib3/", "urllib3"),
+    ("http/client", "http.client"),
+    ("uvicorn/", "uvicorn"),
+    ("starlette/", "starlette"),
+    ("fastapi/", "fastapi"),
+    ("pydantic", "pydantic"),
+    ("anyio/", "anyio"),
+    ("asyncio/", "asyncio"),
+)
+
+
+def summarize(path: Path, top: int) -> list[str]:
+    """py-spy's raw stacks as three lists: the share of samples whose own frame is in
+    each library, the coordinator's functions in the most samples (inclusive), and the
+    own frames in the most samples."""
+    total, areas, ours, own = 0, Counter[str](), Counter[str](), Counter[str]()
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = [f for f in stack.split(";") if not f.startswith("process ")]
+        if not frames:
+            continue
+        total += int(count)
+        leaf = frames[-1]
+        where = leaf.rpartition(" (")[2]
+        stdlib = where.rpartition(":")[0].removesuffix(".py").removeprefix("<frozen ")
+        areas[next((name for key, name in AREAS if key in where), stdlib.rstrip(">"))] += int(count)
+        own[leaf] += int(count)
+        # The coordinator's own functions, less the frames every sample of a thread has.
+        for frame in {f.partition(" (")[0] for f in frames if "(rallypoint/service/" in f}:
+            if frame not in ("serve", "Server.run", "<module>"):
+                ours[frame] += int(count)
+
+    def share(counts: Counter[str]) -> str:
+        return ", ".join(f"{k} {v / total:.0%}" for k, v in counts.most_common(top))
+
+    return [
+        f"{total} samples holding the GIL at {RATE} Hz",
+        f"own frame in: {share(areas)}",
+        f"in rallypoint's: {share(ours)}",
+        f"own frames: {share(own)}",
+    ]
+
+
+@dataclass
+class Row:
+    n: int
+    storage: str
+    nodes_as: str
+    seconds: float
+    coordinator_cpu: float
+    nodes_cpu: float
+    azurite_cpu: float | None
+    assignment_bytes: float
+    wire_bytes: float | None = None
+    retries: int = 0
+
+    def print(self) -> None:
+        azurite = f"{self.azurite_cpu:9.2f}" if self.azurite_cpu is not None else f"{'-':>9}"
+        wire = f"{self.wire_bytes:11,.0f}" if self.wire_bytes is not None else f"{'-':>11}"
+        print(
+            f"{self.n:>6} {self.storage:>8} {self.nodes_as:>13} {self.seconds:8.2f}"
+            f" {self.coordinator_cpu:8.2f} {self.nodes_cpu:8.2f} {azurite}"
+            f" {self.assignment_bytes:8.0f} {wire}"
+            + (f"  ({self.retries} answers of 429/5xx retried)" if self.retries else ""),
+            flush=True,
+        )
+
+
+ROW_HEAD = (
+    f"{'N':>6} {'storage':>8} {'nodes as':>13} {'round s':>8} {'coord':>8} {'nodes':>8}"
+    f" {'Azurite':>9} {'B/assign':>8} {'wire B/node':>11}\n"
+    f"{'':>37} {'(CPU seconds over the round)':>28}"
+)
+
+
+def client_row(storage: str, n: int, azurite: str) -> Row:
+    """A round of real ElasticClients (threads of processes of 128)."""
+    with running(coordinator_for(storage, azurite)) as (coordinator, pid):
+        store_pid = azurite_pid() if storage == "azurite" else None
+        before = cpu_seconds(pid), cpu_seconds(store_pid) if store_pid else 0.0
+        seconds, nodes_cpu, assignment_bytes = join_round(coordinator.url, f"round-{n}", n)
+        return Row(
+            n,
+            storage,
+            "ElasticClient",
+            seconds,
+            cpu_seconds(pid) - before[0],
+            nodes_cpu,
+            cpu_seconds(store_pid) - before[1] if store_pid else None,
+            assignment_bytes,
+        )
+
+
+def loadgen_row(storage: str, n: int, azurite: str, profile: bool) -> Row:
+    """A round of N loadgen nodes, connected before the clock starts."""
+    with running(coordinator_for(storage, azurite)) as (coordinator, pid):
+        store_pid = azurite_pid() if storage == "azurite" else None
+        cpu: list[float] = []
+
+        def go() -> None:
+            cpu.extend((cpu_seconds(pid), cpu_seconds(store_pid) if store_pid else 0.0))
+
+        async def main() -> Round:
+            gen = Loadgen("127.0.0.1", coordinator.port, f"round-{n}", n)
+            try:
+                await gen.connect()
+                spy = Profile(pid, f"round-{n}-{storage}", profile)
+                try:
+                    return await gen.join(spec(n), go)
+                finally:
+                    spy.stop()
+            finally:
+                gen.close()
+
+        result = _loadgen.run(main())
+        if result.retried:
+            print(f"  retried answers, e.g.: {result.retried}")
+        return Row(
+            n,
+            storage,
+            "loadgen",
+            result.seconds,
+            cpu_seconds(pid) - cpu[0],
+            result.loadgen_cpu,
+            cpu_seconds(store_pid) - cpu[1] if store_pid else None,
+            result.assignment_bytes,
+            result.wire_bytes,
+            result.retries,
+        )
+
+
+@contextlib.contextmanager
+def running(coordinator: Coordinator) -> Iterator[tuple[Coordinator, int]]:
+    coordinator.start()
+    try:
+        assert coordinator.proc is not None
+        yield coordinator, coordinator.proc.pid
     finally:
         coordinator.stop()
+
+
+def bench_rounds(
+    sizes: list[int],
+    client_sizes: list[int],
+    torch_sizes: list[int],
+    storages: list[str],
+    azurite: str,
+    profile: bool,
+) -> None:
+    print("\n## One rendezvous round: N nodes join (min = max = N), until all are assigned")
+    print(ROW_HEAD)
+    local_clients: dict[int, float] = {}
+    for n in sorted(set(sizes) | set(client_sizes)):
+        for storage in storages:
+            if n in client_sizes:
+                row = client_row(storage, n, azurite)
+                row.print()
+                if storage == "local":
+                    local_clients[n] = row.seconds
+            if n in sizes:
+                try:
+                    loadgen_row(storage, n, azurite, profile).print()
+                except LoadgenError as exc:
+                    print(f"{n:>6} {storage:>8} {'loadgen':>13}  refused: {exc}"[:300], flush=True)
+    for n in torch_sizes:
+        anchor = torch_round(n)
+        ours = local_clients.get(n)
+        text = (
+            f"{anchor:.2f} s" if anchor is not None else f"did not finish in {TORCH_LIMIT_S:.0f} s"
+        )
+        ratio = (
+            f" ({anchor / ours:.1f}x ElasticClients on local storage)" if anchor and ours else ""
+        )
+        print(f"torch c10d, {n} nodes: {text}{ratio}", flush=True)
+
+
+def bench_transports(nodes: int, beats: int) -> None:
+    """Which is cheaper for the load generator, per request: raw HTTP/1.1 on asyncio
+    streams, or httpx's AsyncClient; the coordinator's cost per request beside them."""
+    print(f"\n## Load generator transports: {nodes} nodes x {beats} plain heartbeats, local")
+    with running(coordinator_for("local", "")) as (coordinator, pid):
+
+        async def main() -> None:
+            gen = Loadgen("127.0.0.1", coordinator.port, "transports", nodes)
+            await gen.connect()
+            await gen.join(spec(nodes, timeout=60))
+            requests = nodes * beats
+            for name in ("raw", "httpx", "raw", "httpx"):
+                before, wall = cpu_seconds(pid), time.perf_counter()
+                if name == "raw":
+                    own = await gen.beat_raw(nodes, beats)
+                else:
+                    own = await gen.beat_httpx(coordinator.url, nodes, beats)
+                theirs = cpu_seconds(pid) - before
+                print(
+                    f"{name:>6}: {requests / (time.perf_counter() - wall):6.0f} requests/s, "
+                    f"CPU per request: load generator {own / requests * 1e6:4.0f} us, "
+                    f"coordinator {theirs / requests * 1e6:4.0f} us",
+                    flush=True,
+                )
+            gen.close()
+
+        _loadgen.run(main())
+
+
+def bench_heartbeats(
+    n: int, seconds: float, holds: list[float], storage: str, azurite: str, profile: bool
+) -> None:
+    print(f"\n## Heartbeats: {n} members at 1 Hz, {seconds:.0f} s per hold, {storage}")
+    with running(coordinator_for(storage, azurite)) as (coordinator, pid):
+
+        async def main() -> None:
+            gen = Loadgen("127.0.0.1", coordinator.port, "beats", n)
+            await gen.connect()
+            # Members beat once all are assigned: the timeout outlasts a large round.
+            joined = await gen.join(spec(n, timeout=60))
+            print(f"joined in {joined.seconds:.2f} s")
+            for hold in holds:
+                cpu0, wall0 = cpu_seconds(pid), time.monotonic()
+                spy = Profile(pid, f"beats-{n}-hold{hold:g}-{storage}", profile)
+                beats = await gen.heartbeats(seconds, hold=timedelta(seconds=hold))
+                spy.stop()
+                wall = time.monotonic() - wall0
+                cpu = (cpu_seconds(pid) - cpu0) / wall
+                report_beats(beats, seconds, hold, cpu, beats.loadgen_cpu / wall)
+            gen.close()
+
+        _loadgen.run(main())
+
+
+def report_beats(beats: Beats, seconds: float, hold: float, cpu: float, own: float) -> None:
+    what = f"held {hold:g} s (ElasticClient.heartbeats)" if hold else "not held (heartbeat())"
+    print(
+        f"{what}: {len(beats.samples)} beats ({len(beats.samples) / seconds:.0f}/s), "
+        f"restarts {beats.restarts}; CPU, % of one core: coordinator {cpu * 100:.0f}, "
+        f"load generator {own * 100:.0f}"
+    )
+    # The first seconds hold a thousand connections' first beats: shown apart.
+    for label, since in (("all", 0.0), (f"after the first {WARM_S:.0f} s", WARM_S)):
+        window = [latency for at, latency in beats.samples if at >= since]
+        q = statistics.quantiles(window, n=100)
+        print(
+            f"  latency{' beyond the hold' if hold else ''} ms, {label}: p50 {q[49] * 1e3:.1f},"
+            f" p99 {q[98] * 1e3:.1f}, max {max(window) * 1e3:.1f}"
+        )
 
 
 NODE = """
@@ -357,24 +586,52 @@ def bench_detection(repeats: int, nodes: int = 4) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="8,32,64,256,1024")
+    parser.add_argument("--sizes", default="256,1024,4096,10000")
+    parser.add_argument("--client-sizes", default="8,32,64,256")
     parser.add_argument("--torch-sizes", default="8,32,64")
-    parser.add_argument("--beat-nodes", type=int, default=1024)
-    parser.add_argument("--beat-seconds", type=float, default=60)
+    parser.add_argument("--storages", default="local,azurite")
+    parser.add_argument("--transport-nodes", type=int, default=64)
+    parser.add_argument("--transport-beats", type=int, default=100)
+    parser.add_argument("--beat-nodes", type=int, default=2048)
+    parser.add_argument("--beat-seconds", type=float, default=30)
+    parser.add_argument("--beat-holds", default="1,0")
+    parser.add_argument("--beat-storage", default="azurite", choices=["local", "azurite"])
     parser.add_argument("--detect-repeats", type=int, default=5)
-    parser.add_argument("--only", choices=["rounds", "heartbeats", "detection"])
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--only", choices=["rounds", "transports", "heartbeats", "detection"])
     args = parser.parse_args()
+
+    def ints(text: str) -> list[int]:
+        return [int(s) for s in text.split(",") if s]
+
     (ROOT / "build").mkdir(exist_ok=True)
-    print(f"{os.cpu_count()} CPUs; coordinator, Azurite and the nodes share them")
+    largest = max([*ints(args.sizes), args.beat_nodes, args.transport_nodes])
+    soft, hard = _loadgen.raise_nofile(largest)
+    print(
+        f"{os.cpu_count()} CPUs; coordinator, Azurite and the nodes share them; "
+        f"RLIMIT_NOFILE {soft}/{hard}"
+    )
     with running_azurite() as azurite:
         if args.only in (None, "rounds"):
             bench_rounds(
-                [int(s) for s in args.sizes.split(",")],
-                [int(s) for s in args.torch_sizes.split(",")],
+                ints(args.sizes),
+                ints(args.client_sizes),
+                ints(args.torch_sizes),
+                args.storages.split(","),
                 azurite,
+                args.profile,
             )
+        if args.only in (None, "transports"):
+            bench_transports(args.transport_nodes, args.transport_beats)
         if args.only in (None, "heartbeats"):
-            bench_heartbeats(args.beat_nodes, args.beat_seconds, azurite)
+            bench_heartbeats(
+                args.beat_nodes,
+                args.beat_seconds,
+                [float(h) for h in args.beat_holds.split(",")],
+                args.beat_storage,
+                azurite,
+                args.profile,
+            )
     if args.only in (None, "detection"):
         bench_detection(args.detect_repeats)
 

@@ -1,0 +1,397 @@
+"""Simulated nodes for the rendezvous bench: N nodes in one asyncio process.
+
+Each node keeps one HTTP/1.1 connection open and writes on it the bytes an
+``ElasticClient`` writes (httpx's request line and headers, in its order; the same JSON
+bodies, checked against the client's own models): ``join`` with the job's spec, ``wait``
+long-polls until the seal, then heartbeats with the credential the join returned. It
+reads only the status, ``content-length`` and the JSON it needs, so a request costs this
+process a fraction of what it costs the coordinator (``bench/rendezvous.py --only
+transports`` measures it beside httpx's ``AsyncClient``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import resource
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import httpx
+
+from rallypoint.client import CREDENTIAL_HEADER, JobSpec
+from rallypoint.client.models import HeartbeatRequest, JoinRequest, WaitRequest
+
+__all__ = [
+    "Beats",
+    "Loadgen",
+    "LoadgenError",
+    "Round",
+    "raise_nofile",
+    "run",
+]
+
+_T = TypeVar("_T")
+_CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
+_RETRY_AFTER = re.compile(rb"(?i)\r\nretry-after: *(\d+(?:\.\d*)?)\r\n")
+_RETRY_STATUS = {429, 502, 503, 504}  # as ElasticClient retries them
+_POLL = 30.0  # ElasticClient's long-poll hold
+_CONNECTING = 256  # connections opened at once: uvicorn's listen backlog is 2,048
+
+
+class LoadgenError(RuntimeError):
+    pass
+
+
+def run(main: Coroutine[Any, Any, _T]) -> _T:
+    """Runs ``main`` on uvloop (the coordinator's loop; cheaper here too) if present."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop comes with rallypoint[service]
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def raise_nofile(connections: int) -> tuple[int, int]:
+    """Lets this process (and the coordinator it starts, which inherits it) hold a file
+    descriptor per connection and then some; returns the (soft, hard) limit now.
+
+    Raises:
+        LoadgenError: The hard limit is lower and this process may not raise it.
+    """
+    need = connections + 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= need:
+        return soft, hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, max(hard, need)))
+    except (ValueError, OSError) as exc:
+        raise LoadgenError(f"RLIMIT_NOFILE is {soft}/{hard}; {need} needed: {exc}") from exc
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+class _Connection:
+    """One node's keep-alive connection; a reply is read by its ``content-length`` (the
+    coordinator sends no chunked replies)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.sent = self.received = 0
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def request(self, head: bytes, body: bytes) -> tuple[int, bytes, bytes]:
+        """Sends a request's head and body; returns the reply's status, head and body. Like
+        httpx, it opens a new connection once if the server closed the idle one."""
+        for attempt in (0, 1):
+            if self.writer is None or self.writer.is_closing():
+                await self.open()
+            assert self.reader is not None and self.writer is not None
+            # Two writes, as httpx makes them (h11 hands over the head, then the body,
+            # on a TCP_NODELAY socket).
+            self.writer.write(head)
+            self.writer.write(body)
+            try:
+                reply_head = await self.reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                self.writer.close()
+                self.writer = None
+                if attempt:
+                    raise
+                continue
+            match = _CONTENT_LENGTH.search(reply_head)
+            reply = await self.reader.readexactly(int(match[1])) if match else b""
+            self.sent += len(head) + len(body)
+            self.received += len(reply_head) + len(reply)
+            return int(reply_head[9:12]), reply_head, reply
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class _Node:
+    """A simulated node: its connection, its requests' fixed parts, what it was told."""
+
+    def __init__(self, host: str, port: int, job: str, node_id: str) -> None:
+        self.node_id = node_id
+        self.conn = _Connection(host, port)
+        # httpx's request head, header for header (Host, its defaults, then ours).
+        self._common = (
+            f"HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: */*\r\n"
+            f"Accept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\n"
+            f"User-Agent: python-httpx/{httpx.__version__}\r\n"
+        ).encode()
+        self._job = f"/v1/jobs/{job}".encode()
+        self._node = f"/v1/jobs/{job}/nodes/{node_id}".encode()
+        self.credential = b""
+        self.generation = 0
+        self.rank = -1
+        self.assignment_bytes = 0
+        self.assigned_at = 0.0
+        self.retries = 0
+        self.retried = ""  # the first answer retried
+
+    def _head(self, path: bytes, body: bytes) -> bytes:
+        credential = b"%s: %s\r\n" % (CREDENTIAL_HEADER.encode(), self.credential)
+        return b"POST %s %s%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
+            path,
+            self._common,
+            credential if self.credential else b"",
+            len(body),
+        )
+
+    async def call(self, path: bytes, body: bytes) -> tuple[int, bytes]:
+        """One request, retried on 429/5xx as ElasticClient's default RetryPolicy does
+        (full jitter, from 0.2 s doubling to 10 s, no later than a ``Retry-After``, for
+        120 s); raises on other errors."""
+        cap, end = 0.2, time.monotonic() + 120.0
+        head = self._head(path, body)
+        while True:
+            status, reply_head, reply = await self.conn.request(head, body)
+            if status < 400:
+                return status, reply
+            answer = f"HTTP {status} {reply[:300].decode(errors='replace')}"
+            delay = random.uniform(0, cap)
+            if status not in _RETRY_STATUS or time.monotonic() + delay > end:
+                raise LoadgenError(f"{self.node_id}: {answer}")
+            self.retries += 1
+            self.retried = self.retried or answer
+            soon = _RETRY_AFTER.search(reply_head)
+            await asyncio.sleep(min(delay, float(soon[1])) if soon else delay)
+            cap = min(cap * 2, 10.0)
+
+
+@dataclass
+class Round:
+    """One rendezvous round as the nodes saw it.
+
+    Attributes:
+        seconds: From the first join written until the last node held its assignment.
+        loadgen_cpu: This process's CPU seconds over that time.
+        assignment_bytes: The mean body of the reply that carried a node's assignment.
+        wire_bytes: Bytes sent and received per node over the round, HTTP heads included.
+        requests: Joins and waits sent.
+        retries: Of those, answers of 429/5xx that were retried.
+        retried: One of those answers.
+    """
+
+    seconds: float
+    loadgen_cpu: float
+    assignment_bytes: float
+    wire_bytes: float
+    requests: int
+    retries: int
+    retried: str = ""
+
+
+@dataclass
+class Beats:
+    """Heartbeats as the nodes saw them.
+
+    Attributes:
+        samples: (seconds since the first beat, latency beyond the hold) per beat.
+        loadgen_cpu: This process's CPU seconds over the beats.
+        restarts: Replies that said ``restart``.
+    """
+
+    samples: list[tuple[float, float]] = field(default_factory=list)
+    loadgen_cpu: float = 0.0
+    restarts: int = 0
+
+
+def _check_bodies(node_id: str, spec: JobSpec, join_id: str) -> tuple[bytes, bytes]:
+    """The join and the first wait body, as ElasticClient serialises them."""
+    join = JoinRequest(
+        node_id=node_id, addr="127.0.0.1", port=20000, spec=spec, wait=_POLL, join_id=join_id
+    )
+    wait = WaitRequest(round=1, wait=_POLL)
+    return (
+        join.model_dump_json(exclude_none=True).encode(),
+        wait.model_dump_json(exclude_none=True).encode(),
+    )
+
+
+class Loadgen:
+    """N simulated nodes of one job on one coordinator (see the module docstring).
+
+    Args:
+        host, port: The coordinator.
+        job: The job id.
+        n: Nodes, named ``n00000`` and on.
+    """
+
+    def __init__(self, host: str, port: int, job: str, n: int) -> None:
+        self.job = job
+        self.nodes = [_Node(host, port, job, f"n{i:05d}") for i in range(n)]
+
+    async def connect(self) -> float:
+        """Opens every node's connection (at most 256 at a time); returns the seconds."""
+        gate = asyncio.Semaphore(_CONNECTING)
+        started = time.perf_counter()
+
+        async def one(node: _Node) -> None:
+            async with gate:
+                await node.conn.open()
+
+        await asyncio.gather(*(one(node) for node in self.nodes))
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.conn.close()
+
+    async def join(self, spec: JobSpec, go: Callable[[], None] = lambda: None) -> Round:
+        """Every node joins at once with ``spec`` and long-polls until it is assigned,
+        exactly as ``ElasticClient.join(spec=spec)``; ``go`` runs as the first join is
+        written (the bench reads the coordinator's CPU there).
+
+        Raises:
+            LoadgenError: A request was refused, or the ranks are not 0..N-1.
+        """
+        n = len(self.nodes)
+        join_ids = [uuid.uuid4().hex for _ in self.nodes]
+        spec_json = spec.model_dump_json().encode()
+        joins = [
+            b'{"node_id":"%s","addr":"127.0.0.1","port":%d,"spec":%s,"wait":%r,"join_id":"%s"}'
+            % (node.node_id.encode(), 20000 + i % 40000, spec_json, _POLL, join_ids[i].encode())
+            for i, node in enumerate(self.nodes)
+        ]
+        expected = _check_bodies(self.nodes[0].node_id, spec, join_ids[0])
+        if (joins[0], self._wait_body(1)) != expected:
+            raise LoadgenError(f"bodies differ from the client's: {joins[0]!r} {expected!r}")
+        for node in self.nodes:
+            node.conn.sent = node.conn.received = 0
+        requests = 0
+        loop = asyncio.get_running_loop()
+
+        async def one(node: _Node, body: bytes) -> None:
+            nonlocal requests
+            requests += 1
+            _, reply = await node.call(self._join_path, body)
+            data = json.loads(reply)
+            node.credential = data["credential"].encode()
+            while data["status"] != "sealed":
+                requests += 1
+                _, reply = await node.call(node._node + b"/wait", self._wait_body(data["round"]))
+                data = json.loads(reply)
+            node.assigned_at = loop.time()
+            node.assignment_bytes = len(reply)
+            assignment = data["assignment"]
+            node.generation, node.rank = assignment["generation"], assignment["rank"]
+
+        cpu = time.process_time()
+        started = loop.time()
+        go()
+        await asyncio.gather(
+            *(one(node, body) for node, body in zip(self.nodes, joins, strict=True))
+        )
+        seconds = max(node.assigned_at for node in self.nodes) - started
+        cpu = time.process_time() - cpu
+        ranks = sorted(node.rank for node in self.nodes)
+        if ranks != list(range(n)) or len({node.generation for node in self.nodes}) != 1:
+            raise LoadgenError(f"ranks are not 0..{n - 1} of one generation: {ranks[:5]}...")
+        return Round(
+            seconds=seconds,
+            loadgen_cpu=cpu,
+            assignment_bytes=sum(node.assignment_bytes for node in self.nodes) / n,
+            wire_bytes=sum(node.conn.sent + node.conn.received for node in self.nodes) / n,
+            requests=requests,
+            retries=sum(node.retries for node in self.nodes),
+            retried=next((node.retried for node in self.nodes if node.retried), ""),
+        )
+
+    @property
+    def _join_path(self) -> bytes:
+        return self.nodes[0]._job + b"/join"
+
+    @staticmethod
+    def _wait_body(round: int) -> bytes:
+        return b'{"round":%d,"wait":%r}' % (round, _POLL)
+
+    async def heartbeats(
+        self,
+        seconds: float,
+        interval: timedelta = timedelta(seconds=1),
+        hold: timedelta = timedelta(0),
+    ) -> Beats:
+        """Every node heartbeats for ``seconds`` as ``ElasticClient.heartbeats(interval)``
+        does: a beat asks the coordinator to hold it ``hold`` (the client's thread holds
+        each for ``interval``; 0 is a plain ``heartbeat()``), and the next one starts an
+        ``interval`` after the last one started, or at once if the reply came later.
+        The nodes' first beats are spread evenly over one interval.
+        """
+        every, held = interval.total_seconds(), hold.total_seconds()
+        body = HeartbeatRequest(generation=self.nodes[0].generation, wait=held)
+        data = body.model_dump_json(exclude_none=True).encode()
+        loop = asyncio.get_running_loop()
+        beats = Beats()
+        start = loop.time() + 0.5
+        end = start + seconds
+        path = b"/heartbeat"
+
+        async def one(i: int, node: _Node) -> None:
+            at = start + every * i / len(self.nodes)
+            await asyncio.sleep(at - loop.time())
+            while at < end:
+                sent = loop.time()
+                _, reply = await node.call(node._node + path, data)
+                now = loop.time()
+                beats.samples.append((sent - start, now - sent - held))
+                if b'"restart"' in reply:
+                    beats.restarts += 1
+                    return
+                at = sent + every
+                await asyncio.sleep(max(0.0, at - now))
+
+        cpu = time.process_time()
+        await asyncio.gather(*(one(i, node) for i, node in enumerate(self.nodes)))
+        beats.loadgen_cpu = time.process_time() - cpu
+        return beats
+
+    async def beat_raw(self, nodes: int, beats: int) -> float:
+        """The first ``nodes`` nodes each send ``beats`` plain heartbeats, one after the
+        other, on their connections; returns this process's CPU seconds (beside
+        :meth:`beat_httpx`, to show which is cheaper per request)."""
+        body = HeartbeatRequest(generation=self.nodes[0].generation).model_dump_json()
+
+        async def one(node: _Node) -> None:
+            path = node._node + b"/heartbeat"
+            for _ in range(beats):
+                _, reply = await node.call(path, body.encode())
+                json.loads(reply)
+
+        cpu = time.process_time()
+        await asyncio.gather(*(one(node) for node in self.nodes[:nodes]))
+        return time.process_time() - cpu
+
+    async def beat_httpx(self, url: str, nodes: int, beats: int) -> float:
+        """:meth:`beat_raw` through one httpx ``AsyncClient`` (a connection per node)."""
+        body = HeartbeatRequest(generation=self.nodes[0].generation).model_dump_json()
+        limits = httpx.Limits(max_connections=nodes, max_keepalive_connections=nodes)
+        async with httpx.AsyncClient(base_url=url, limits=limits) as client:
+
+            async def one(node: _Node) -> None:
+                path = node._node.decode() + "/heartbeat"
+                headers = {
+                    CREDENTIAL_HEADER: node.credential.decode(),
+                    "Content-Type": "application/json",
+                }
+                for _ in range(beats):
+                    reply = await client.post(path, content=body, headers=headers)
+                    reply.raise_for_status()
+                    json.loads(reply.content)
+
+            cpu = time.process_time()
+            await asyncio.gather(*(one(node) for node in self.nodes[:nodes]))
+            return time.process_time() - cpu
