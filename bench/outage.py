@@ -186,6 +186,21 @@ def report(steady: Run, outage: Run) -> dict[str, Any]:
     }
 
 
+def bench_outage(
+    nodes: int = 256, replicas: int = 2, outage: float = 30, before: float = 15, after: float = 30
+) -> dict[str, Any]:
+    """The outage run and its anchor (see the module docstring); prints and returns the
+    figures. ``bench/rendezvous.py --only outage`` runs it too."""
+    args = argparse.Namespace(
+        nodes=nodes, replicas=replicas, outage=outage, before=before, after=after
+    )
+    print(f"outage: {nodes} members at 1 Hz, {replicas} replicas behind HAProxy, Azurite")
+    figures = report(one_run(args, freeze=False), one_run(args, freeze=True))
+    for key, value in figures.items():
+        print(f"  {key}: {value}")
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=256)
@@ -194,11 +209,7 @@ def main() -> None:
     parser.add_argument("--before", type=float, default=15)
     parser.add_argument("--after", type=float, default=30)
     args = parser.parse_args()
-    print(f"{args.nodes} members at 1 Hz, {args.replicas} replicas behind HAProxy, Azurite")
-    steady = one_run(args, freeze=False)
-    outage = one_run(args, freeze=True)
-    for key, value in report(steady, outage).items():
-        print(f"  {key}: {value}")
+    bench_outage(args.nodes, args.replicas, args.outage, args.before, args.after)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ on Azurite:
    percentiles seen by the nodes, and CPU.
 4. failure detection: 4 node processes with heartbeat_timeout 3 s; one is SIGKILLed;
    the time until every survivor's heartbeat answered "restart".
+5. outage (bench/outage.py): 256 members at 1 Hz through HAProxy to 2 replicas on
+   Azurite, Azurite frozen 30 s, beside the same run without the freeze.
 
 The bench raises RLIMIT_NOFILE for a connection per node if it must (the coordinator
 inherits it). ``--profile`` records the coordinator with py-spy in each loadgen round
@@ -26,7 +28,7 @@ and heartbeat run (build/profile-*.txt) and prints the functions with the most s
 Usage: python bench/rendezvous.py [--sizes 256,1024,4096,10000]
        [--client-sizes 8,32,64,256] [--torch-sizes 8,32,64] [--storages local,azurite]
        [--beat-nodes 2048] [--beat-seconds 30] [--beat-holds 1,0] [--profile]
-       [--only rounds|transports|heartbeats|detection]
+       [--only rounds|transports|heartbeats|detection|outage]
 """
 
 from __future__ import annotations
@@ -598,7 +600,9 @@ def main() -> None:
     parser.add_argument("--beat-storage", default="azurite", choices=["local", "azurite"])
     parser.add_argument("--detect-repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--only", choices=["rounds", "transports", "heartbeats", "detection"])
+    parser.add_argument(
+        "--only", choices=["rounds", "transports", "heartbeats", "detection", "outage"]
+    )
     args = parser.parse_args()
 
     def ints(text: str) -> list[int]:
@@ -634,6 +638,11 @@ def main() -> None:
             )
     if args.only in (None, "detection"):
         bench_detection(args.detect_repeats)
+    if args.only in (None, "outage"):
+        # 256 members through HAProxy, storage frozen 30 s, beside a run without it.
+        from outage import bench_outage
+
+        bench_outage()
 
 
 if __name__ == "__main__":
