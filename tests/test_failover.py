@@ -115,7 +115,11 @@ def test_a_replica_killed_while_it_holds_the_round_costs_the_round_nothing(
     assert sorted(a.rank for a in assignments.values()) == [0, 1, 2]
     history = topology.status("round")["history"]
     assert [g["generation"] for g in history] == [1] and history[0]["ended_at"] is None
-    assert topology.balancer.stats()[f"r{killed}"]["status"].startswith("DOWN")
+    wait_until(  # two failed checks 0.5 s apart: the balancer takes it out
+        lambda: topology.balancer.stats()[f"r{killed}"]["status"].startswith("DOWN"),
+        10,
+        "the balancer to mark the killed replica down",
+    )
 
 
 def cluster(topology: Topology, job: str, tmp_path: Path, steps: int, **kw: Any) -> Cluster:
