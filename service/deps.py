@@ -75,8 +75,8 @@ async def _settings(request: Request) -> Settings:
 _UNSCOPED = {("GET", "/v1/jobs"), ("POST", ENVELOPE_PATH)}
 
 
-def _needs_admin(request: Request) -> Forbidden:
-    return Forbidden(f"{request.method} {request.scope['path']} needs the admin token")
+def _needs_admin(method: str, path: str) -> Forbidden:
+    return Forbidden(f"{method} {path} needs the admin token")
 
 
 async def authorize(
@@ -100,7 +100,7 @@ async def authorize(
     if job_id is None:
         if (method, path) in _UNSCOPED or principal.may("admin", None):
             return principal
-        raise Forbidden(f"{method} {path} needs the admin token")
+        raise _needs_admin(method, path)
     need: Need = "read" if method in ("GET", "HEAD") else "act"
     if not principal.may(need, job_id):
         raise Forbidden(
@@ -127,7 +127,7 @@ async def _authorized(request: Request) -> Principal:
 async def _admin(request: Request) -> None:
     principal: Principal | None = getattr(request.state, "principal", None)
     if principal is None or not principal.may("admin", None):
-        raise _needs_admin(request)
+        raise _needs_admin(request.method, request.scope["path"])
 
 
 async def _principal(request: Request) -> Principal:
