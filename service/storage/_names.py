@@ -32,7 +32,6 @@ MAX_SEGMENT_BYTES = 255  # one path segment is one file name on the local backen
 INT64 = (-(2**63), 2**63 - 1)
 
 # Control characters are refused everywhere; Azure also refuses these in table keys.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _KEY_FORBIDDEN = re.compile(r"[/\\#?\x00-\x1f\x7f-\x9f]")
 # `%` would let an encoded `/` or `..` (`%2F`, `%2e%2e`) reach a server that decodes it.
 _BLOB_FORBIDDEN = re.compile(r"[\\%?#\x00-\x1f\x7f-\x9f]")
