@@ -251,10 +251,19 @@ class Loadgen:
         for node in self.nodes:
             node.conn.close()
 
-    async def join(self, spec: JobSpec, go: Callable[[], None] = lambda: None) -> Round:
-        """Every node joins at once with ``spec`` and long-polls until it is assigned,
-        exactly as ``ElasticClient.join(spec=spec)``; ``go`` runs as the first join is
-        written (the bench reads the coordinator's CPU there).
+    async def join(
+        self,
+        spec: JobSpec,
+        go: Callable[[], None] = lambda: None,
+        waves: tuple[int, float] | None = None,
+    ) -> Round:
+        """Every node joins with ``spec`` and long-polls until it is assigned, exactly as
+        ``ElasticClient.join(spec=spec)``; ``go`` runs as the first join is written (the
+        bench reads the coordinator's CPU there).
+
+        Args:
+            waves: (nodes, seconds): that many nodes start their join at once, the next
+                as many that much later; None: all at once.
 
         Raises:
             LoadgenError: A request was refused, or the ranks are not 0..N-1.
@@ -275,8 +284,10 @@ class Loadgen:
         requests = 0
         loop = asyncio.get_running_loop()
 
-        async def one(node: _Node, body: bytes) -> None:
+        async def one(i: int, node: _Node, body: bytes) -> None:
             nonlocal requests
+            if waves is not None:
+                await asyncio.sleep(i // waves[0] * waves[1])
             requests += 1
             _, reply = await node.call(self._join_path, body)
             data = json.loads(reply)
@@ -293,9 +304,7 @@ class Loadgen:
         cpu = time.process_time()
         started = loop.time()
         go()
-        await asyncio.gather(
-            *(one(node, body) for node, body in zip(self.nodes, joins, strict=True))
-        )
+        await asyncio.gather(*(one(i, self.nodes[i], joins[i]) for i in range(n)))
         seconds = max(node.assigned_at for node in self.nodes) - started
         cpu = time.process_time() - cpu
         ranks = sorted(node.rank for node in self.nodes)

@@ -275,6 +275,8 @@ class Profile:
             print(f"    {line}")
 
 
+# The coordinator's files as py-spy names them (an editable install or a wheel's).
+OURS = ("service/", "client/", "rallypoint/")
 # Where a sample's own frame lies, by the first of these in its file's path.
 AREAS = (
     ("rallypoint/", "rallypoint"),
@@ -308,11 +310,14 @@ def summarize(path: Path, top: int) -> list[str]:
         leaf = frames[-1]
         where = leaf.rpartition(" (")[2]
         stdlib = where.rpartition(":")[0].removesuffix(".py").removeprefix("<frozen ")
-        areas[next((name for key, name in AREAS if key in where), stdlib.rstrip(">"))] += int(count)
+        area = next((name for key, name in AREAS if key in where), stdlib.rstrip(">"))
+        areas["rallypoint" if where.startswith(OURS) else area] += int(count)
         own[leaf] += int(count)
         # The coordinator's own functions, less the frames every sample of a thread has.
-        for frame in {f.partition(" (")[0] for f in frames if "(rallypoint/service/" in f}:
-            if frame not in ("serve", "Server.run", "<module>"):
+        for frame in {
+            f.partition(" (")[0] for f in frames if f.partition(" (")[2].startswith(OURS)
+        }:
+            if frame not in ("serve", "_serve", "main", "Server.run", "<module>"):
                 ours[frame] += int(count)
 
     def share(counts: Counter[str]) -> str:
@@ -446,7 +451,7 @@ def bench_rounds(
                 try:
                     loadgen_row(storage, n, azurite, profile).print()
                 except LoadgenError as exc:
-                    print(f"{n:>6} {storage:>8} {'loadgen':>13}  refused: {exc}"[:300], flush=True)
+                    print(f"{n:>6} {storage:>8} {'loadgen':>13}  failed: {exc}"[:200], flush=True)
     for n in torch_sizes:
         anchor = torch_round(n)
         ours = local_clients.get(n)
@@ -498,8 +503,10 @@ def bench_heartbeats(
             gen = Loadgen("127.0.0.1", coordinator.port, "beats", n)
             await gen.connect()
             # Members beat once all are assigned: the timeout outlasts a large round.
-            joined = await gen.join(spec(n, timeout=60))
-            print(f"joined in {joined.seconds:.2f} s")
+            # They join 256 at a time, 3 s apart: a burst of 2,048 joins on Azurite queued
+            # the driver's storage reads past their deadline (503s, retried in a storm).
+            joined = await gen.join(spec(n, timeout=60), waves=(256, 3.0))
+            print(f"joined in {joined.seconds:.2f} s, {joined.retries} answers retried")
             for hold in holds:
                 cpu0, wall0 = cpu_seconds(pid), time.monotonic()
                 spy = Profile(pid, f"beats-{n}-hold{hold:g}-{storage}", profile)
