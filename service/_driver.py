@@ -214,25 +214,14 @@ class Driver:
                     for node_id in loop.waiters:
                         beats.setdefault(node_id, 0)
                     next_waiter_beat = started + timeout / 3
-                with within(budget):
-                    if beats:
-                        await self._write_beats(job_id, beats)
-                    fresh: Job
-                    if loop.tick_now or started >= next_tick:
-                        loop.tick_now = False
-                        fresh, wait = await anyio.to_thread.run_sync(self.rdzv.tick, job_id)
-                        next_tick = started + min(max(wait, self.interval), self.max_tick)
-                    else:
-                        fresh = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
-                    if (
-                        fresh.status == "sealed"
-                        and self.rdzv.cached(job_id, fresh.generation) is None
-                    ):
-                        # Warm the cache before the waiters wake: each needs the digest.
-                        sealed = await anyio.to_thread.run_sync(
-                            self.rdzv.sealed, job_id, fresh.generation
-                        )
-                        sealed.members_digest  # noqa: B018 - computed once, not per reply
+                tick = loop.tick_now or started >= next_tick
+                if tick:
+                    loop.tick_now = False
+                fresh, wait = await anyio.to_thread.run_sync(
+                    self._storage_pass, job_id, beats, tick, budget
+                )
+                if wait is not None:
+                    next_tick = started + min(max(wait, self.interval), self.max_tick)
                 job: Job | None = fresh
                 if loop.failing_since is not None:
                     log.warning(
@@ -262,9 +251,29 @@ class Driver:
                 return
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
-    async def _write_beats(self, job_id: str, beats: dict[str, int]) -> None:
-        by_generation: dict[int, list[str]] = {}
-        for node_id, generation in beats.items():
-            by_generation.setdefault(generation, []).append(node_id)
-        for generation, nodes in by_generation.items():
-            await anyio.to_thread.run_sync(self.rdzv.beat, job_id, nodes, generation)
+    def _storage_pass(
+        self, job_id: str, beats: dict[str, int], tick: bool, budget: float
+    ) -> tuple[Job, float | None]:
+        """A pass's storage work, in one worker thread: writes the beats, then ticks (or
+        reads the job) and warms the sealed generation's cache. The deadline starts here,
+        in the thread: the wait for a worker thread, behind a thousand joins' own storage
+        calls, is not storage being slow.
+
+        Returns:
+            The job, and the tick's wait (None without a tick).
+        """
+        with within(budget):
+            by_generation: dict[int, list[str]] = {}
+            for node_id, generation in beats.items():
+                by_generation.setdefault(generation, []).append(node_id)
+            for generation, nodes in by_generation.items():
+                self.rdzv.beat(job_id, nodes, generation)
+            wait: float | None = None
+            if tick:
+                fresh, wait = self.rdzv.tick(job_id)
+            else:
+                fresh = self.rdzv.get_job(job_id)
+            if fresh.status == "sealed" and self.rdzv.cached(job_id, fresh.generation) is None:
+                # Warm the cache before the waiters wake: each needs the members' digest.
+                self.rdzv.sealed(job_id, fresh.generation).members_digest  # noqa: B018
+        return fresh, wait
