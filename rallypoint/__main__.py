@@ -1,4 +1,4 @@
-from rallypoint._cli import main
+from rallypoint.cli import main
 
 # Guarded: multiprocessing may import this module in helper processes.
 if __name__ == "__main__":

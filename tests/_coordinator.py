@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from rallypoint._demo import Coordinator as _Coordinator
+from rallypoint.cli._demo import Coordinator as _Coordinator
 
 __all__ = ["Coordinator"]
 

@@ -19,14 +19,14 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from rallypoint._cli import _parser
+from rallypoint.cli._main import _parser
 from rallypoint.service.app import create_app
 from rallypoint.service.settings import Settings
 from rallypoint.service.storage import Storage, open_storage, use_batch_path
 
 __all__ = ["InProcessCoordinator"]
 
-# The ``rallypoint serve`` flags that become settings (as in rallypoint._cli).
+# The ``rallypoint serve`` flags that become settings (as in rallypoint.cli).
 _FLAGS = ("storage", "token", "insecure", "access_log", "log_format")
 
 

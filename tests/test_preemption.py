@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from rallypoint._fake_imds import FakeImds
+from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import RESTART_EXIT_CODE, PreemptionWatcher
 

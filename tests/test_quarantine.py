@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rallypoint._demo import Cluster
+from rallypoint.cli._demo import Cluster
 from rallypoint.client import CheckpointConflict as ClientCheckpointConflict
 from rallypoint.client import ElasticClient
 from rallypoint.client import UnknownCheckpoint as ClientUnknownCheckpoint

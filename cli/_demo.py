@@ -394,7 +394,7 @@ def _history(url: str, job: str) -> list[dict[str, Any]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from rallypoint._fake_imds import FakeImds
+    from .fake_imds import FakeImds
 
     parser = argparse.ArgumentParser(prog="rallypoint demo", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)

@@ -1,8 +1,5 @@
-"""The ``rallypoint`` command.
-
-Each subcommand imports only the part of the package it needs, so the client-only
-install can run the commands that need no coordinator code.
-"""
+"""The ``rallypoint`` command: its parser, and ``serve``, ``run`` and ``demo``; the
+inspection and token commands are in ``_inspect`` and ``_admin``."""
 
 from __future__ import annotations
 
@@ -74,7 +71,7 @@ def _demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from rallypoint._demo import main as demo
+    from ._demo import main as demo
 
     return demo(args.demo_args)
 
@@ -130,8 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("demo_args", nargs=argparse.REMAINDER)
     demo.set_defaults(run=_demo)
 
-    from rallypoint._admin import add_commands as add_admin_commands
-    from rallypoint._inspect import add_commands
+    from ._admin import add_commands as add_admin_commands
+    from ._inspect import add_commands
 
     add_commands(commands)
     add_admin_commands(commands)

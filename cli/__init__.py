@@ -1,0 +1,11 @@
+"""The ``rallypoint`` command, the local demo, and what runs it: coordinator and torchrun
+processes (:mod:`.processes`) and a stand-in for Azure's metadata service
+(:mod:`.fake_imds`).
+
+Each subcommand imports only the part of the package it needs, so the client-only
+install can run the commands that need no coordinator code.
+"""
+
+from ._main import main
+
+__all__ = ["main"]
