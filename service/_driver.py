@@ -40,7 +40,11 @@ log = logging.getLogger("rallypoint.driver")
 class _JobLoop:
     job: Job | None = None
     read_at: float = 0.0  # when the read that produced ``job`` started
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Resolved when the job changes, then replaced: a future, not an Event, so that a
+    # thousand held requests wait on it with asyncio.wait and no task of their own.
+    changed: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     beats: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, float] = field(default_factory=dict)
@@ -95,8 +99,8 @@ class Driver:
         loop.last_used = time.monotonic()
         return loop
 
-    async def snapshot(self, job_id: str) -> tuple[Job, asyncio.Event]:
-        """The job as of at most one interval ago, and an event set when it changes.
+    async def snapshot(self, job_id: str) -> tuple[Job, asyncio.Future[None]]:
+        """The job as of at most one interval ago, and a future resolved when it changes.
 
         Raises:
             UnknownJob: No such job (or whatever else the last read raised).
@@ -123,13 +127,16 @@ class Driver:
         """Reads the job now and asks for a tick on the next pass.
 
         Called after a departure through this process, so the next heartbeat here
-        already answers ``restart``: read-your-writes on one replica. (Joins only
+        already answers ``restart``: read-your-writes on one replica; and after a join
+        created the job, which the last pass did not find. (Other joins only
         :meth:`poke`: their outcome reaches the joiner through the long-poll anyway.)
         """
         self.poke(job_id)
         started = time.monotonic()
         job = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
-        self._publish(self._loop(job_id), job, started)
+        loop = self._loop(job_id)
+        loop.error = None  # a pass's failure (say, no job before a join created it) is past
+        self._publish(loop, job, started)
 
     @staticmethod
     def _publish(loop: _JobLoop, job: Job, read_at: float) -> None:
@@ -138,8 +145,9 @@ class Driver:
         loop.read_at = read_at
         if loop.job is None or job.etag != loop.job.etag:
             loop.job = job
-            loop.changed.set()
-            loop.changed = asyncio.Event()
+            if not loop.changed.done():
+                loop.changed.set_result(None)
+            loop.changed = asyncio.get_running_loop().create_future()
 
     def beat(self, job_id: str, node_id: str, generation: int) -> None:
         """Queues a heartbeat; it is written within one interval."""
@@ -186,7 +194,8 @@ class Driver:
         """Stops every task and wakes every long-poll (which then answers)."""
         self._closing = True
         for loop in self._loops.values():
-            loop.changed.set()
+            if not loop.changed.done():
+                loop.changed.set_result(None)
             if loop.task is not None:
                 loop.task.cancel()
         for loop in self._loops.values():

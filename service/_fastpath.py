@@ -18,7 +18,6 @@ from typing import Protocol, cast
 
 from pydantic import ConfigDict, ValidationError, create_model
 from starlette.datastructures import Headers
-from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -109,7 +108,7 @@ class HeartbeatFastPath:
                 beat.wait,
                 credential,
                 state,
-                Request(scope, receive).is_disconnected,
+                receive,
             )
             response = Response(_body(reply), media_type="application/json")
         except RallypointServiceError as exc:

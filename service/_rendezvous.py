@@ -26,7 +26,6 @@ from storage. What a replica caches (generation members) is immutable.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import hmac
@@ -229,6 +228,8 @@ class Node:
     #: The credential itself: only in what :meth:`Rendezvous.register` returns, never
     #: stored.
     credential: str | None = field(default=None, compare=False, repr=False)
+    #: The stored row's ETag (None for a node that was never read or written here).
+    etag: str | None = field(default=None, compare=False, repr=False)
 
 
 def _int(d: Mapping[str, Value | None], key: str) -> int:
@@ -383,6 +384,7 @@ def _node(e: Entity) -> Node:
         peer=str(d["peer"]) if d.get("peer") else None,
         registration=str(d["reg"]) if d.get("reg") else None,
         cred=str(d["cred"]) if d.get("cred") else None,
+        etag=e.etag,
     )
 
 
@@ -449,6 +451,10 @@ class Rendezvous:
         self._max_nodes: dict[str, int] = {}  # per job; a job's spec never changes
         self._loading: dict[tuple[str, int], threading.Lock] = {}
         self._lock = threading.Lock()
+        # Node rows as this process last read or wrote them, with their ETags: a join
+        # writes its registration on the condition that the row is still what it was
+        # here, so the usual join costs one storage call rather than a read and a write.
+        self._rows: dict[tuple[str, str], Node] = {}
 
     # --- jobs ---------------------------------------------------------------------------
 
@@ -606,6 +612,7 @@ class Rendezvous:
         join_id: str | None = None,
         peer: str | None = None,
         registration: str | None = None,
+        known: Job | None = None,
     ) -> Node:
         """Registers a node for the job's next generation.
 
@@ -620,6 +627,9 @@ class Rendezvous:
             peer: The node's replica server (see :class:`JoinRequest`).
             registration: Keeps this registration (and so the credential its caller
                 holds) for a node that missed its round and waits for the next.
+            known: A recent snapshot of the job (the driver's), instead of reading it.
+                A stale one costs nothing but a wasted round: the node registers for a
+                round that sealed without it, and its wait sees it missed that round.
 
         Returns:
             The node's registration, with its ``credential``; its ``round`` is the
@@ -630,18 +640,17 @@ class Rendezvous:
             JobConflict: ``spec`` differs from the job's.
             JobFull: The running generation has ``max_nodes`` members and this is not one.
         """
-        if spec is not None:
+        if known is not None:
+            job = known  # a job's spec never changes, so the snapshot's is the job's
+            if spec is not None and job.spec != spec:
+                raise JobConflict(
+                    f"job {job_id!r} exists with {job.spec.model_dump(mode='json')}, "
+                    f"not {spec.model_dump(mode='json')}"
+                )
+        elif spec is not None:
             job, _ = self.create_job(job_id, spec)
         else:
             job = self.get_job(job_id)
-        registered: Node | None = None
-        if join_id is not None:
-            with contextlib.suppress(UnknownNode):
-                registered = self.node(job_id, node_id)
-            if registered is not None and (
-                registered.join_id != join_id or registered.state != "waiting"
-            ):
-                registered = None
         if registration is None:
             # Retries of one join are one registration, so they get the same credential,
             # whichever of them lands its write last.
@@ -654,14 +663,23 @@ class Rendezvous:
             node_id,
             registration,
         )
+        partition = member_partition(job_id, node_id, job.spec.max_nodes)
+        # The row as this process last saw it; the write below is conditioned on it. A
+        # join with the same key as the row's may be a retry: that reads the row itself.
+        row = self._rows.get((job_id, node_id))
+        if join_id is not None and row is not None and row.join_id == join_id:
+            row = self._node_row(job_id, node_id)
         while True:
             if (
-                registered is not None
-                and registered.registration == registration
-                and self._registered(job, registered)
+                row is not None
+                and join_id is not None
+                and row.join_id == join_id
+                and row.state == "waiting"
+                and row.registration == registration
+                and self._registered(job, row)
             ):
                 # a retry of a join that already registered
-                return replace(registered, credential=credential)
+                return replace(row, credential=credential)
             if job.status == "sealed":
                 running = self.sealed(job_id, job.generation)
                 if node_id not in running.ranks:
@@ -688,13 +706,23 @@ class Rendezvous:
                 registration,
                 credentials.digest(credential),
             )
-            partition = member_partition(job_id, node_id, job.spec.max_nodes)
-            self.table.batch(  # one write: registration and first heartbeat together
-                [
-                    BatchOp("upsert", _node_entity(partition, node)),
-                    _beat_op(partition, node_id, now, 0),
-                ]
-            )
+            if join_id is None:
+                write = BatchOp("upsert", _node_entity(partition, node))
+            elif row is None:
+                write = BatchOp("insert", _node_entity(partition, node))
+            else:
+                write = BatchOp("replace", _node_entity(partition, node), if_match=row.etag)
+            try:
+                stored, _ = self.table.batch(  # registration and first heartbeat together
+                    [write, _beat_op(partition, node_id, now, 0)]
+                )
+            except (AlreadyExists, Modified, NotFound):
+                # Written (or removed) since this process saw it (perhaps by this very join, retried
+                # through another replica): decide on the row as it is now.
+                row = self._node_row(job_id, node_id)
+                continue
+            node = replace(node, etag=stored.etag if stored is not None else None)
+            self._rows[(job_id, node_id)] = node
             return replace(node, credential=credential)
 
     def _registered(self, job: Job, node: Node) -> bool:
@@ -789,11 +817,14 @@ class Rendezvous:
 
     def _nodes(self, job_id: str, where: tuple[Cond, ...] = ()) -> list[Node]:
         where = (Cond("kind", "eq", "node"), *where)
-        return [
+        nodes = [
             _node(e)
             for partition in self._partitions(job_id)
             for e in self.table.query(partition, where)
         ]
+        for n in nodes:  # the driver's ticks read every waiting node: the joins' cache
+            self._rows[(job_id, n.node_id)] = n
+        return nodes
 
     def outcome(self, job: Job, node_id: str, round: int) -> Generation | Literal["missed"] | None:
         """A waiting node's outcome for ``round``, given a fresh job snapshot.
@@ -857,10 +888,20 @@ class Rendezvous:
         Raises:
             UnknownNode: It never joined.
         """
+        node = self._node_row(job_id, node_id)
+        if node is None:
+            raise UnknownNode(f"node {node_id!r} never joined job {job_id!r}")
+        return node
+
+    def _node_row(self, job_id: str, node_id: str) -> Node | None:
+        """Reads a node's row (None if it has none), and keeps it as last seen here."""
         try:
-            return _node(self.table.get(self._partition(job_id, node_id), NODE + node_id))
+            node = _node(self.table.get(self._partition(job_id, node_id), NODE + node_id))
         except NotFound:
-            raise UnknownNode(f"node {node_id!r} never joined job {job_id!r}") from None
+            self._rows.pop((job_id, node_id), None)
+            return None
+        self._rows[(job_id, node_id)] = node
+        return node
 
     # --- driving ------------------------------------------------------------------------
 

@@ -265,6 +265,59 @@ def test_a_retried_join_is_the_same_join(rdzv: Rendezvous) -> None:
     assert rdzv.get_job("job").status == "open"
 
 
+def storage_calls(rdzv: Rendezvous) -> Counter[str]:
+    """Counts the table calls ``rdzv`` makes from now on (the real table answers them)."""
+    calls: Counter[str] = Counter()
+    table = rdzv.table
+    for name in ("get", "insert", "replace", "upsert", "delete", "query", "batch"):
+
+        def counted(*args: object, _name: str = name, _call: object = getattr(table, name)):
+            calls[_name] += 1
+            return _call(*args)  # type: ignore[operator]
+
+        setattr(table, name, counted)
+    return calls
+
+
+def test_a_join_on_a_recent_snapshot_is_one_storage_call(rdzv: Rendezvous) -> None:
+    s = spec(2, 2, last_call=0)
+    job, _ = rdzv.create_job("job", s)
+    a = rdzv.register("job", "a", "h", 1, s, join_id="ka", known=job)  # makes the job's key
+    calls = storage_calls(rdzv)
+    rdzv.register("job", "b", "h", 2, s, join_id="kb", known=job)
+    assert calls == {"batch": 1}  # registration and first beat, nothing read
+    job, _ = rdzv.tick("job")
+    assert job.generation == a.round == 1 and job.status == "sealed"
+    rdzv.leave(
+        "job", "b", 1, "preempted", rdzv.register("job", "b", "h", 2, join_id="kb").credential
+    )
+    job = rdzv.get_job("job")
+    calls.clear()
+    # A restart round: the rows as the last tick read them are still the rows.
+    again = rdzv.register("job", "a", "h", 1, join_id="ka2", known=job)
+    assert calls == {"batch": 1} and again.round == 2
+
+
+def test_a_join_decides_on_the_row_as_stored_not_as_last_seen(
+    storage: Storage, clock: Clock
+) -> None:
+    here, there = (Rendezvous(storage.table("jobs"), clock) for _ in range(2))
+    s = spec(2, 2)
+    job, _ = here.create_job("job", s)
+    here.register("job", "a", "h", 1, s, join_id="k1", known=job)
+    # The node's next join (a restarted process) registered through another replica, and
+    # its reply was lost; its retry comes here, where the row is still the first join's.
+    first = there.register("job", "a", "h", 1, s, join_id="k2")
+    row = there.node("job", "a")
+    retry = here.register("job", "a", "h", 1, s, join_id="k2", known=job)
+    assert retry.credential == first.credential and retry.round == first.round
+    assert here.node("job", "a").etag == row.etag  # a retry writes nothing
+    # A replica that never saw the row: its insert fails, and it reads the row.
+    third = Rendezvous(storage.table("jobs"), clock)
+    assert third.register("job", "a", "h", 1, s, join_id="k2").credential == first.credential
+    assert third.node("job", "a").etag == row.etag
+
+
 def test_a_node_that_missed_the_seal_registers_again_with_its_key(rdzv: Rendezvous) -> None:
     rdzv.join("job", "a", "h", 1, spec(1, 2, last_call=0), join_id="ka")
     rdzv.tick("job")  # sealed with a alone
