@@ -35,7 +35,7 @@ import _loadgen  # noqa: E402
 import httpx  # noqa: E402
 from _loadgen import Beats, Loadgen  # noqa: E402
 
-from rallypoint.cli._demo import Coordinator  # noqa: E402
+from rallypoint.cli.processes import Coordinator  # noqa: E402
 from rallypoint.client import ElasticClient, JobSpec, ShardFile  # noqa: E402
 from rallypoint.trainer._transfer import upload  # noqa: E402
 from tests._azurite import Azurite  # noqa: E402

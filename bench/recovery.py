@@ -46,8 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rallypoint.cli._demo import Cluster, Coordinator, descendants, free_port, judge
 from rallypoint.cli.fake_imds import FakeImds
+from rallypoint.cli.processes import Cluster, Coordinator, descendants, free_port, judge
 from rallypoint.trainer._memory import MEMORY_ENV
 
 STEP_TIME = 0.05

@@ -59,7 +59,7 @@ import _loadgen  # noqa: E402
 import httpx  # noqa: E402
 from _loadgen import Beats, Loadgen, LoadgenError, Round  # noqa: E402
 
-from rallypoint.cli._demo import descendants  # noqa: E402
+from rallypoint.cli.processes import descendants  # noqa: E402
 from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
 from rallypoint.client.models import MAX_NODES_LIMIT  # noqa: E402
 from tests._azurite import free_port, running_azurite  # noqa: E402

@@ -1,9 +1,9 @@
-"""Runs real coordinators (``python -m rallypoint serve``) for the tests: the demo's
-``Coordinator``, whose log a test does not keep."""
+"""Runs real coordinators (``python -m rallypoint serve``) for the tests:
+:class:`rallypoint.cli.processes.Coordinator`, whose log a test does not keep."""
 
 from __future__ import annotations
 
-from rallypoint.cli._demo import Coordinator as _Coordinator
+from rallypoint.cli.processes import Coordinator as _Coordinator
 
 __all__ = ["Coordinator"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rallypoint.cli._demo import Cluster, example_script, judge
+from rallypoint.cli.processes import Cluster, example_script, judge
 from rallypoint.client import Assignment, ElasticClient, JobSpec
 
 from ._azurite import Azurite

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rallypoint.cli._demo import Cluster, Coordinator, example_script, judge
+from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
 
 from . import test_torchrun
 from .test_torchrun import status

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli._demo import judge
+from rallypoint.cli.processes import judge
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import torchrun_argv
 
@@ -184,7 +184,7 @@ done
 def test_without_torchrun_a_shell_loop_restarts_the_script_on_a_membership_change(
     tmp_path: Path,
 ) -> None:
-    from rallypoint.cli._demo import Coordinator, example_script
+    from rallypoint.cli.processes import Coordinator, example_script
 
     storage = ["--storage", f"local:{tmp_path / 's'}"]
     coordinator = Coordinator(storage, log=tmp_path / "c.log").start()

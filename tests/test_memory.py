@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rallypoint.cli._demo import Coordinator
+from rallypoint.cli.processes import Coordinator
 from rallypoint.trainer._memory import MEMORY_ENV, NodeMemory
 
 from . import test_torchrun

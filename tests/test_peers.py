@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rallypoint.cli._demo import Cluster, Coordinator
+from rallypoint.cli.processes import Cluster, Coordinator
 from rallypoint.client import ElasticClient, JobSpec, ShardFile
 from rallypoint.trainer._bytes import as_memoryview, checksum
 from rallypoint.trainer._memory import NodeMemory

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rallypoint.cli._demo import Cluster
+from rallypoint.cli.processes import Cluster
 from rallypoint.client import CheckpointConflict as ClientCheckpointConflict
 from rallypoint.client import ElasticClient
 from rallypoint.client import UnknownCheckpoint as ClientUnknownCheckpoint

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rallypoint.cli._demo import Cluster, Coordinator, example_script, judge
 from rallypoint.cli.fake_imds import FakeImds
+from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

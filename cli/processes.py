@@ -1,0 +1,363 @@
+"""The processes of an elastic job on one machine, for the demo, the end-to-end tests and
+the benchmarks: a ``rallypoint serve`` coordinator (:class:`Coordinator`), torchrun
+agents running the DDP example or any script (:class:`Cluster`), and :func:`judge`,
+which checks from the example's events that every rank resumed from the checkpoint the
+coordinator named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+__all__ = [
+    "Agent",
+    "Cluster",
+    "Coordinator",
+    "Event",
+    "Verdict",
+    "descendants",
+    "example_script",
+    "free_port",
+    "judge",
+]
+
+# One line of the example's ``--events`` file, or a mark the demo adds to its timeline.
+Event = dict[str, Any]
+
+
+def free_port() -> int:
+    """A loopback port free when asked (another process may take it before it is bound)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def example_script() -> Path:
+    """The DDP example, wherever the package is installed."""
+    return Path(str(files("rallypoint.trainer").joinpath("examples/train_ddp.py")))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux ``/proc``): torchrun starts its workers in
+    sessions of their own, so killing the agent's group leaves them running."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+@dataclass
+class Coordinator:
+    """A ``rallypoint serve`` process on loopback; ``start`` again after ``kill`` brings it
+    back on the same port.
+
+    Args:
+        args: ``rallypoint serve`` flags, e.g. ``["--storage", "local:/tmp/s"]``.
+        env: Variables added to this process's environment.
+    """
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    # A file, not a pipe: nobody reads a pipe, and a full one would block the server.
+    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(suffix=".log")[1]))
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def start(self, deadline_s: float = 30) -> Coordinator:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "rallypoint", "serve", "--port", str(self.port), *self.args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+            )
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"coordinator exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            time.sleep(0.05)
+        raise RuntimeError("the coordinator did not answer /healthz in time")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hook runs, nothing is flushed."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Agent:
+    """A torchrun agent :meth:`Cluster.add` started, and its log."""
+
+    node_id: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+class Cluster:
+    """torchrun agents (``--rdzv-backend=rallypoint``) running the example, one per node.
+
+    Args:
+        url: The coordinator.
+        job: The job id.
+        workdir: Logs and the event file go here.
+        nnodes: torchrun's ``--nnodes``.
+        steps: Train until this step.
+        step_time: Extra seconds per step (the example is tiny; this paces it).
+        heartbeat_timeout: Seconds (``--rdzv-conf``).
+        last_call: Seconds (``--rdzv-conf``).
+        imds_url: The metadata service the workers' PreemptionWatcher polls.
+        checkpoint_every: Steps between asynchronous checkpoints.
+        persist_every: Every Nth checkpoint goes to blob storage, the others stay in the
+            nodes' memory tiers (and their peers').
+        script: The training script and its arguments, instead of the example.
+        rdzv: torchrun's rendezvous flags, instead of the rallypoint backend's.
+        nproc: Worker processes per node (torchrun's ``--nproc-per-node``).
+        memory: A folder in which each node gets a memory tier of its own
+            (``memory/NODE``), as on separate machines; None: the agents' default
+            (``/dev/shm``, shared by the agents of this machine).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        workdir: Path,
+        *,
+        nnodes: str = "1:3",
+        steps: int = 200,
+        step_time: float = 0.05,
+        heartbeat_timeout: int = 3,
+        last_call: int = 2,
+        imds_url: str | None = None,
+        checkpoint_every: int = 10,
+        persist_every: int = 1,
+        script: Sequence[str] | None = None,
+        rdzv: Sequence[str] | None = None,
+        nproc: int = 1,
+        memory: Path | None = None,
+    ) -> None:
+        self.url, self.job, self.workdir = url, job, workdir
+        self.nproc = nproc
+        self.memory = memory
+        self.events_file = workdir / f"{job}.events.jsonl"
+        self.nnodes = nnodes
+        self.conf = f"heartbeat_timeout={heartbeat_timeout},last_call={last_call}"
+        self.imds_url = imds_url
+        self.script = (
+            list(script)
+            if script is not None
+            else [
+                str(example_script()),
+                "--steps",
+                str(steps),
+                "--step-time",
+                str(step_time),
+                "--checkpoint-every",
+                str(checkpoint_every),
+                "--persist-every",
+                str(persist_every),
+                "--events",
+                str(self.events_file),
+            ]
+        )
+        self.rallypoint = rdzv is None
+        self.rdzv = (
+            list(rdzv)
+            if rdzv is not None
+            else [
+                "--rdzv-backend=rallypoint",
+                f"--rdzv-endpoint={self.url}",
+                f"--rdzv-id={self.job}",
+                f"--rdzv-conf={self.conf}",
+            ]
+        )
+        self.agents: dict[str, Agent] = {}
+
+    def add(self, node_id: str) -> Agent:
+        """Starts a torchrun agent as node ``node_id`` (its VM name too)."""
+        env = {
+            **os.environ,
+            "RALLYPOINT_NODE": node_id,
+            "RALLYPOINT_VM_NAME": node_id,
+            "PYTHONWARNINGS": "ignore",
+        }
+        if self.imds_url:
+            env["RALLYPOINT_IMDS_URL"] = self.imds_url
+        if self.memory is not None:
+            env["RALLYPOINT_MEMORY_DIR"] = str(self.memory / node_id)
+        log = self.workdir / f"{self.job}.{node_id}.log"
+        # The rallypoint backend through `rallypoint run` (workers start warm); any
+        # other rendezvous through stock torchrun.
+        launcher = ["rallypoint", "run"] if self.rallypoint else ["torch.distributed.run"]
+        command = [
+            sys.executable,
+            "-m",
+            *launcher,
+            *self.rdzv,
+            f"--nnodes={self.nnodes}",
+            f"--nproc-per-node={self.nproc}",
+            "--max-restarts=100",
+            "--monitor-interval=0.1",
+            "--local-addr=127.0.0.1",
+            *self.script,
+        ]
+        with log.open("ab") as out:
+            proc = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.agents[node_id] = Agent(node_id, proc, log)
+        return self.agents[node_id]
+
+    def kill(self, node_id: str) -> None:
+        """SIGKILL of the whole node: the agent and its workers, as when a VM vanishes."""
+        agent = self.agents[node_id]
+        for pid in [agent.proc.pid, *descendants(agent.proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.proc.wait()
+
+    def terminate(self, node_id: str) -> None:
+        """SIGTERM to the agent, as a platform evicting the node sends it."""
+        self.agents[node_id].proc.send_signal(signal.SIGTERM)
+
+    def events(self) -> list[Event]:
+        try:
+            text = self.events_file.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+    def wait_for(self, predicate: Callable[[Event], bool], timeout: float = 120) -> Event:
+        """The first event meeting ``predicate``, waiting for it."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for event in self.events():
+                if predicate(event):
+                    return event
+            if self.agents and all(a.proc.poll() is not None for a in self.agents.values()):
+                break
+            time.sleep(0.05)
+        raise TimeoutError(f"no such event within {timeout} s; logs in {self.workdir}")
+
+    def wait(self, timeout: float = 180) -> dict[str, int]:
+        """Waits for every agent to exit; their exit statuses."""
+        end = time.monotonic() + timeout
+        out: dict[str, int] = {}
+        for node_id, agent in self.agents.items():
+            try:
+                out[node_id] = agent.proc.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"{node_id} still runs after {timeout} s") from None
+        return out
+
+    def stop(self) -> None:
+        for node_id, agent in self.agents.items():
+            if agent.proc.poll() is None:
+                self.kill(node_id)
+
+
+@dataclass
+class Verdict:
+    """What the events say about consistency and loss."""
+
+    consistent: bool
+    problems: list[str]
+    steps_lost: dict[int, int]
+    final_step: int | None
+    first_loss: float | None
+    last_loss: float | None
+
+
+def judge(events: Sequence[Event], history: Sequence[dict[str, Any]]) -> Verdict:
+    """Checks that every rank of every generation resumed from the checkpoint the
+    coordinator named for it, and counts the steps lost at each restart.
+
+    Args:
+        events: The example's events (``--events``).
+        history: The job's generation history (``GET /v1/jobs/JOB``).
+    """
+    problems: list[str] = []
+    pointers = {g["generation"]: (g["checkpoint"] or {}).get("version") for g in history}
+    resumed: dict[int, list[Event]] = {}
+    for e in events:
+        if e["event"] == "resumed":
+            resumed.setdefault(e["generation"], []).append(e)
+    for generation, group in sorted(resumed.items()):
+        versions = {e["version"] for e in group}
+        ranks = sorted(e["rank"] for e in group)
+        if len(versions) != 1:
+            problems.append(f"generation {generation}: ranks loaded versions {sorted(versions)}")
+        if versions != {pointers.get(generation)}:
+            problems.append(
+                f"generation {generation}: loaded {sorted(versions, key=str)}, "
+                f"the coordinator named {pointers.get(generation)}"
+            )
+        if ranks != list(range(group[0]["world_size"])):
+            problems.append(f"generation {generation}: ranks {ranks} resumed")
+    steps = [e for e in events if e["event"] == "step"]
+    last_step: dict[int, int] = {}
+    for e in steps:
+        last_step[e["generation"]] = max(last_step.get(e["generation"], -1), e["step"])
+    lost: dict[int, int] = {}
+    for generation, group in resumed.items():
+        earlier = [g for g in last_step if g < generation]
+        if earlier:
+            lost[generation] = max(0, last_step[max(earlier)] - (group[0]["step"] - 1))
+    finished = [e["step"] for e in events if e["event"] == "finished"]
+    return Verdict(
+        consistent=not problems and bool(resumed),
+        problems=problems,
+        steps_lost=lost,
+        final_step=max(finished) if finished else None,
+        first_loss=steps[0]["loss"] if steps else None,
+        last_loss=steps[-1]["loss"] if steps else None,
+    )
