@@ -6,6 +6,6 @@ Each subcommand imports only the part of the package it needs, so the client-onl
 install can run the commands that need no coordinator code.
 """
 
-from ._main import main
+from ._main import main, serve_settings
 
-__all__ = ["main"]
+__all__ = ["main", "serve_settings"]

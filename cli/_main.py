@@ -6,25 +6,18 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import rallypoint
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from rallypoint.service.settings import Settings
+
+__all__ = ["main", "serve_settings"]
 
 
-def _serve(args: argparse.Namespace) -> int:
-    try:
-        import uvicorn  # noqa: F401
-
-        from rallypoint.service.app import serve
-        from rallypoint.service.settings import Settings
-    except ImportError as exc:
-        print(
-            f"rallypoint serve needs the service extra: pip install 'rallypoint[service]' ({exc})",
-            file=sys.stderr,
-        )
-        return 2
-    from pydantic import ValidationError
+def _settings(args: argparse.Namespace) -> Settings:
+    from rallypoint.service.settings import Settings
 
     overrides = {
         k: v
@@ -39,8 +32,35 @@ def _serve(args: argparse.Namespace) -> int:
         }.items()
         if v is not None
     }
+    return Settings(**overrides)
+
+
+def serve_settings(args: Sequence[str]) -> Settings:
+    """The settings ``rallypoint serve ARGS`` runs with: its flags over ``RALLYPOINT_*``.
+
+    Raises:
+        SystemExit: A flag the parser refuses (it printed why).
+        pydantic.ValidationError: Settings it refuses, e.g. a public address without a
+            token.
+    """
+    return _settings(_parser().parse_args(["serve", *args]))
+
+
+def _serve(args: argparse.Namespace) -> int:
     try:
-        settings = Settings(**overrides)
+        import uvicorn  # noqa: F401
+
+        from rallypoint.service.app import serve
+    except ImportError as exc:
+        print(
+            f"rallypoint serve needs the service extra: pip install 'rallypoint[service]' ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    from pydantic import ValidationError
+
+    try:
+        settings = _settings(args)
     except ValidationError as exc:
         for error in exc.errors():
             print(f"rallypoint serve: {error['msg']}", file=sys.stderr)

@@ -2,8 +2,9 @@
 
 Nothing else in the service changes process-wide state: building the app, its storage
 adapters or its routers has no global side effect, so tests and embedders that build
-an app in their own process keep theirs. ``rallypoint serve`` (:func:`~.app.serve`)
-calls :func:`tune` once, when the server has started.
+an app in their own process keep theirs. The server ``rallypoint serve`` runs
+(:func:`~.app.server`) calls :func:`tune` once, when it has started; one built with
+``own_process=False`` does not.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -27,7 +28,10 @@ from .errors import UnknownJob
 from .settings import Settings
 from .storage import Storage, open_storage
 
-__all__ = ["create_app", "serve"]
+if TYPE_CHECKING:
+    import uvicorn
+
+__all__ = ["create_app", "serve", "server"]
 
 # The tables and containers the coordinator opens at start-up.
 TABLES = ("jobs",)
@@ -111,23 +115,35 @@ def create_app(
     return app
 
 
-def serve(settings: Settings) -> None:
-    """Runs the coordinator under uvicorn until SIGTERM or SIGINT.
+def server(
+    settings: Settings, storage: Storage | None = None, *, own_process: bool = True
+) -> uvicorn.Server:
+    """The coordinator under uvicorn, as ``rallypoint serve`` runs it (:func:`serve`);
+    tests and embedders run it in a thread of their own (``run(sockets=[...])``).
 
-    On the signal it stops accepting connections and answers every held long-poll at
-    once (heartbeat watches, joins, store waits), so callers move to another replica or
-    retry, rather than waiting out their hold or losing the connection.
+    On shutdown it stops accepting connections and answers every held long-poll at once
+    (heartbeat watches, joins, store waits), so callers move to another replica or retry,
+    rather than waiting out their hold or losing the connection.
+
+    Args:
+        settings: Its address, logging and the app's settings.
+        storage: As :func:`create_app`'s (one given is left open).
+        own_process: The server owns its process: it sets up logging as
+            ``settings.log_format`` says and, once started, applies the coordinator's
+            process-wide settings (``_process.tune``). False leaves the logging and the
+            process of the program that runs it as they are.
     """
     import uvicorn
 
     from ._logs import log_config
 
-    app = create_app(settings)
+    app = create_app(settings, storage)
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
-            _process.tune()  # the process-wide settings, now that the app exists
+            if own_process:
+                _process.tune()  # the process-wide settings, now that the app exists
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             # uvicorn drains in-flight requests before the lifespan's shutdown: without
@@ -141,8 +157,13 @@ def serve(settings: Settings) -> None:
         app,
         host=settings.host,
         port=settings.port,
-        log_config=log_config(settings.log_format),
+        log_config=log_config(settings.log_format) if own_process else None,
         access_log=settings.access_log,
         timeout_graceful_shutdown=10,
     )
-    Server(config).run()
+    return Server(config)
+
+
+def serve(settings: Settings) -> None:
+    """Runs the coordinator (:func:`server`) until SIGTERM or SIGINT."""
+    server(settings).run()

@@ -1,5 +1,6 @@
-"""A coordinator in the test's own process: the app ``rallypoint serve`` builds, with its
-lifespan, under a real uvicorn on a loopback port, in a thread.
+"""A coordinator in the test's own process: the server ``rallypoint serve`` runs
+(:func:`rallypoint.service.app.server`, settings from :func:`rallypoint.cli.serve_settings`),
+on a loopback port, in a thread.
 
 Clients, ``httpx`` calls and even other processes reach it by URL exactly as they reach a
 ``rallypoint serve`` process, so an API test moves between the two by fixture alone. It
@@ -19,15 +20,11 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from rallypoint.cli._main import _parser
-from rallypoint.service.app import create_app
-from rallypoint.service.settings import Settings
+from rallypoint.cli import serve_settings
+from rallypoint.service.app import server
 from rallypoint.service.storage import Storage, open_storage, use_batch_path
 
 __all__ = ["InProcessCoordinator"]
-
-# The ``rallypoint serve`` flags that become settings (as in rallypoint.cli).
-_FLAGS = ("storage", "token", "insecure", "access_log", "log_format")
 
 
 @contextlib.contextmanager
@@ -46,15 +43,6 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-class _Server(uvicorn.Server):
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        # As serve() does: answer held long-polls first, or shutdown waits out each hold.
-        driver = getattr(self.config.app.state, "driver", None)  # type: ignore[attr-defined]
-        if driver is not None:
-            await driver.close()
-        await super().shutdown(sockets)
-
-
 class InProcessCoordinator:
     """The coordinator of ``rallypoint serve ARGS`` with ``ENV``, served from a thread.
 
@@ -69,7 +57,7 @@ class InProcessCoordinator:
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self.port = int(self._sock.getsockname()[1])
-        self._server: _Server | None = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._storage: Storage | None = None
 
@@ -78,20 +66,13 @@ class InProcessCoordinator:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, deadline_s: float = 30) -> InProcessCoordinator:
-        flags = _parser().parse_args(["serve", *self.args])
-        overrides = {k: v for k in _FLAGS if (v := getattr(flags, k)) not in (None, False)}
         with _environ(self.env):
-            settings = Settings(**overrides)
+            settings = serve_settings(self.args)
             self._storage = open_storage(settings.storage, prefix=settings.storage_prefix)
         if settings.storage == "azure":
             use_batch_path()  # the table transactions' path `rallypoint serve` takes
-        config = uvicorn.Config(
-            create_app(settings, self._storage),
-            log_config=None,  # the test process's logging stays as pytest set it
-            access_log=settings.access_log,
-            timeout_graceful_shutdown=10,
-        )
-        self._server = _Server(config)
+        # The test process's logging and global state stay as pytest set them.
+        self._server = server(settings, self._storage, own_process=False)
         self._thread = threading.Thread(
             target=self._server.run,
             args=([self._sock],),
