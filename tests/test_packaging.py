@@ -36,7 +36,6 @@ def test_the_wheel_holds_only_the_rallypoint_package(tmp_path: Path) -> None:
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"rallypoint"}
     for module in (
-        "rallypoint/__main__.py",
         "rallypoint/cli/__init__.py",
         "rallypoint/cli/processes.py",
         "rallypoint/client/__init__.py",
