@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar, cast
 
 import torch
 
+from rallypoint.azure_errors import Failure, translated
 from rallypoint.client.errors import SignedUrlError
 from rallypoint.localfs import SourceError, pin, verify_file_url, write_atomically
 
@@ -59,15 +60,23 @@ def _redacted(url: str) -> str:
     return url.split("?", 1)[0]  # never log a SAS token
 
 
-def _azure_error(exc: Exception, url: str) -> TransferError:
-    status = getattr(exc, "status_code", None)
-    kind = {403: TransferDenied, 404: TransferNotFound}.get(status or 0, TransferError)
-    detail = str(getattr(exc, "message", None) or exc).splitlines()[0]
-    code = getattr(exc, "error_code", None)
-    if str(getattr(code, "value", code)) == "LeaseIdMissing":
+#: The transfer error for each code of :data:`rallypoint.azure_errors.CODES`; any other
+#: code is a :class:`TransferError`.
+_ERRORS: dict[str, type[TransferError]] = {
+    error.code: error for error in (TransferDenied, TransferNotFound)
+}
+
+
+def _transfer_error(what: str, failure: Failure) -> TransferError:
+    if failure.lease == "held":
         # The coordinator leases a version's objects when it commits or collects it.
-        kind, detail = TransferDenied, f"its version is closed to writes ({detail})"
-    return kind(f"{_redacted(url)}: {detail}")
+        return TransferDenied(f"{what}: its version is closed to writes ({failure.detail})")
+    return _ERRORS.get(failure.code, TransferError)(f"{what}: {failure.detail}")
+
+
+def _azure(url: str) -> contextlib.AbstractContextManager[None]:
+    """Raises the transfer error for an Azure SDK exception raised inside, ``from`` it."""
+    return translated(_redacted(url), _transfer_error)
 
 
 @contextlib.contextmanager
@@ -104,18 +113,13 @@ def upload(
         except OSError as exc:
             raise TransferError(f"{_redacted(url)}: {exc}") from exc
         return
-    from azure.core.exceptions import AzureError
     from azure.storage.blob import BlobClient
 
-    try:
-        with BlobClient.from_blob_url(
-            url, max_block_size=_CHUNK, max_single_put_size=_CHUNK
-        ) as blob:
-            blob.upload_blob(
-                cast(Any, data), length=length, overwrite=True, max_concurrency=_PARALLEL
-            )
-    except AzureError as exc:
-        raise _azure_error(exc, url) from exc
+    with (
+        _azure(url),
+        BlobClient.from_blob_url(url, max_block_size=_CHUNK, max_single_put_size=_CHUNK) as blob,
+    ):
+        blob.upload_blob(cast(Any, data), length=length, overwrite=True, max_concurrency=_PARALLEL)
 
 
 def download(url: str) -> bytes:
@@ -130,14 +134,10 @@ def download(url: str) -> bytes:
         with _reading(url):
             _, path = verify_file_url(url, "r")
             return path.read_bytes()
-    from azure.core.exceptions import AzureError
     from azure.storage.blob import BlobClient
 
-    try:
-        with BlobClient.from_blob_url(url) as blob:
-            return bytes(blob.download_blob(max_concurrency=_PARALLEL).readall())
-    except AzureError as exc:
-        raise _azure_error(exc, url) from exc
+    with _azure(url), BlobClient.from_blob_url(url) as blob:
+        return bytes(blob.download_blob(max_concurrency=_PARALLEL).readall())
 
 
 def _still(url: str, started: float) -> Callable[[], object]:
@@ -223,21 +223,16 @@ class _Clients:
 
     def call(self, action: Callable[[BlobClient], T]) -> T:
         """Runs ``action`` with the current client; once more, renewed, if refused."""
-        from azure.core.exceptions import AzureError
-
         number, client = self.current()
         try:
-            return action(client)
-        except AzureError as exc:
-            error = _azure_error(exc, self._url)
-            if not isinstance(error, TransferDenied):
-                raise error from exc
+            with _azure(self._url):
+                return action(client)
+        except TransferDenied:
+            pass  # expired, or closed: once more, under a renewed URL
         self.renew(number)
         _, client = self.current()
-        try:
+        with _azure(self._url):
             return action(client)
-        except AzureError as exc:
-            raise _azure_error(exc, self._url) from exc
 
     def close(self) -> None:
         for client in self._opened:
@@ -375,7 +370,6 @@ def _azure_read(
 ) -> torch.Tensor:
     """``length`` bytes from ``offset`` (the whole object if None) of an Azure object,
     downloaded in parallel ranges into fresh memory; fewer if the object is shorter."""
-    from azure.core.exceptions import AzureError
     from azure.storage.blob import BlobClient
 
     buffer = torch.empty(length, dtype=torch.uint8)
@@ -387,17 +381,14 @@ def _azure_read(
             progress.update(current - seen)
             seen = current
 
-    try:
-        with BlobClient.from_blob_url(url) as blob:
-            stream = blob.download_blob(
-                offset,
-                None if offset is None else length,
-                max_concurrency=_PARALLEL,
-                progress_hook=hook,
-            )
-            if stream.size != length:
-                return buffer[: min(length, stream.size)]  # the caller reports the mismatch
-            stream.readinto(cast(BinaryIO, _Into(as_memoryview(buffer))))
-    except AzureError as exc:
-        raise _azure_error(exc, url) from exc
+    with _azure(url), BlobClient.from_blob_url(url) as blob:
+        stream = blob.download_blob(
+            offset,
+            None if offset is None else length,
+            max_concurrency=_PARALLEL,
+            progress_hook=hook,
+        )
+        if stream.size != length:
+            return buffer[: min(length, stream.size)]  # the caller reports the mismatch
+        stream.readinto(cast(BinaryIO, _Into(as_memoryview(buffer))))
     return buffer

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any, cast
 
-from azure.core.exceptions import AzureError, HttpResponseError
+from azure.core.exceptions import AzureError, HttpResponseError, ResourceExistsError
 from azure.storage.blob import (
     BlobLeaseClient,
     BlobProperties,
@@ -22,8 +22,10 @@ from azure.storage.blob import (
     generate_blob_sas,
 )
 
+from rallypoint.azure_errors import azure_code, lease_failure
+
 from ..errors import NotFound
-from ._azure_errors import lease_failure, translate
+from ._azure_errors import storage_errors
 from ._blob import Access, BlobInfo, BlobStore, Data
 
 __all__ = ["PARALLEL_TRANSFERS", "AzureBlobStore"]
@@ -96,12 +98,14 @@ class AzureBlobStore(BlobStore):
         self.name = container
         self._service = service
         self._container = service.get_container_client(container)
-        try:
-            if not self._container.exists():
-                self._container.create_container()
-        except AzureError as exc:
-            if getattr(exc, "error_code", None) != "ContainerAlreadyExists":
-                raise translate(exc, f"container {container}") from exc
+        with storage_errors(f"container {container}"):
+            try:
+                if not self._container.exists():
+                    self._container.create_container()
+            except ResourceExistsError as exc:
+                # Created since by another replica: fine; being deleted: not.
+                if azure_code(exc) != "ContainerAlreadyExists":
+                    raise
         self._account_key = account_key
         self._account_name = account_name or self._container.account_name
         self._delegation: UserDelegationKey | None = None
@@ -111,7 +115,7 @@ class AzureBlobStore(BlobStore):
     def _put(self, name: str, data: Data, if_absent: bool, length: int | None) -> BlobInfo:
         at = _position(data)
         length = _length_of(data, length)
-        try:
+        with storage_errors(f"put blob {name!r}"):
             try:
                 return self._upload(name, data, if_absent, length)
             except AzureError as exc:
@@ -123,8 +127,6 @@ class AzureBlobStore(BlobStore):
             if at is not None:
                 data.seek(at)  # type: ignore[union-attr]
             return self._upload(name, data, if_absent, length)
-        except AzureError as exc:
-            raise translate(exc, f"put blob {name!r}") from exc
 
     def _upload(self, name: str, data: Data, if_absent: bool, length: int | None) -> BlobInfo:
         meta = self._container.get_blob_client(name).upload_blob(
@@ -140,28 +142,26 @@ class AzureBlobStore(BlobStore):
     def _get(self, name: str, offset: int, length: int | None) -> bytes:
         if length == 0:
             return b""
-        try:
-            downloader = self._container.download_blob(
-                name, offset=offset, length=length, max_concurrency=PARALLEL_TRANSFERS
-            )
-            return downloader.readall()
-        except HttpResponseError as exc:
-            if exc.status_code == 416:  # a range past the end reads as empty, as locally
-                self.info(name)
-                return b""
-            raise translate(exc, f"get blob {name!r}") from exc
-        except AzureError as exc:
-            raise translate(exc, f"get blob {name!r}") from exc
+        with storage_errors(f"get blob {name!r}"):
+            try:
+                downloader = self._container.download_blob(
+                    name, offset=offset, length=length, max_concurrency=PARALLEL_TRANSFERS
+                )
+                return downloader.readall()
+            except HttpResponseError as exc:
+                if exc.status_code != 416:
+                    raise
+        self.info(name)  # a range past the end of an object reads as empty, as locally
+        return b""
 
     def _stream(self, name: str, chunk_size: int) -> Iterator[bytes]:
-        try:
+        what = f"get blob {name!r}"
+        with storage_errors(what):
             # The first request goes out here, so NotFound comes before the first chunk.
             downloader = self._container.download_blob(name, max_concurrency=PARALLEL_TRANSFERS)
-        except AzureError as exc:
-            raise translate(exc, f"get blob {name!r}") from exc
 
         def chunks() -> Iterator[bytes]:
-            try:
+            with storage_errors(what):
                 for piece in downloader.chunks():
                     if len(piece) <= chunk_size:
                         yield piece
@@ -169,26 +169,20 @@ class AzureBlobStore(BlobStore):
                     view = memoryview(piece)  # only the first piece can be larger
                     for start in range(0, len(view), chunk_size):
                         yield bytes(view[start : start + chunk_size])
-            except AzureError as exc:
-                raise translate(exc, f"get blob {name!r}") from exc
 
         return chunks()
 
     def _info(self, name: str) -> BlobInfo:
-        try:
+        with storage_errors(f"blob {name!r}"):
             return _info(self._container.get_blob_client(name).get_blob_properties())
-        except AzureError as exc:
-            raise translate(exc, f"blob {name!r}") from exc
 
     def _list(self, prefix: str) -> Iterator[BlobInfo]:
-        try:
+        with storage_errors(f"list {prefix!r}"):
             for props in self._container.list_blobs(name_starts_with=prefix or None):
                 yield _info(props)
-        except AzureError as exc:
-            raise translate(exc, f"list {prefix!r}") from exc
 
     def _delete(self, name: str) -> None:
-        try:
+        with storage_errors(f"delete blob {name!r}"):
             try:
                 # What the store deletes is mostly a revoked scope's (checkpoints are
                 # revoked at their commit): naming the lease saves breaking it.
@@ -201,8 +195,6 @@ class AzureBlobStore(BlobStore):
             if failure == "held":  # a lease of someone else's
                 self._break_lease(name)
             self._container.delete_blob(name)
-        except AzureError as exc:
-            raise translate(exc, f"delete blob {name!r}") from exc
 
     def _lease_id(self, name: str) -> str:
         """The lease :meth:`_revoke` takes on ``name``: the same on every replica, so any
@@ -221,16 +213,15 @@ class AzureBlobStore(BlobStore):
         # trainers' uploads included (412 LeaseIdMissing), so the scope's objects get
         # an infinite one; only the store uses it, to delete them.
         def lease(name: str) -> None:
-            try:
-                self._container.get_blob_client(name).acquire_lease(
-                    lease_duration=-1, lease_id=self._lease_id(name)
-                )
-            except AzureError as exc:
-                if lease_failure(exc) == "held":
-                    return  # leased already: writes are refused either way
-                found = translate(exc, f"lease blob {name!r}")
-                if not isinstance(found, NotFound):  # deleted meanwhile: nothing to hold
-                    raise found from exc
+            # NotFound: deleted meanwhile, nothing to hold.
+            with contextlib.suppress(NotFound), storage_errors(f"lease blob {name!r}"):
+                try:
+                    self._container.get_blob_client(name).acquire_lease(
+                        lease_duration=-1, lease_id=self._lease_id(name)
+                    )
+                except AzureError as exc:
+                    if lease_failure(exc) != "held":  # held: refuses writes already
+                        raise
 
         names = [info.name for info in self._list(scope)]
         if not names:
@@ -244,12 +235,10 @@ class AzureBlobStore(BlobStore):
                 now = datetime.now(timezone.utc)
                 # One key serves every URL for a week; Azure caps keys at 7 days.
                 self._delegation_expiry = now + timedelta(days=7) - _CLOCK_SKEW
-                try:
+                with storage_errors("user delegation key for SAS"):
                     self._delegation = self._service.get_user_delegation_key(
                         now - _CLOCK_SKEW, self._delegation_expiry
                     )
-                except AzureError as exc:
-                    raise translate(exc, "user delegation key for SAS") from exc
             return self._delegation
 
     def _sign(self, name: str, access: Access, expiry: int, scope: str | None = None) -> str:
@@ -277,17 +266,13 @@ class AzureBlobStore(BlobStore):
         return f"{self._container.get_blob_client(name).url}?{sas}"
 
     def ping(self) -> None:
-        try:
+        with storage_errors(f"container {self.name}"):
             self._container.get_container_properties()
-        except AzureError as exc:
-            raise translate(exc, f"container {self.name}") from exc
 
     def destroy(self) -> None:
         """Deletes the container and everything in it (tests and benchmarks)."""
-        try:
+        with storage_errors(f"container {self.name}"):
             self._container.delete_container()
-        except AzureError as exc:
-            raise translate(exc, f"container {self.name}") from exc
 
     def close(self) -> None:
         self._container.close()

@@ -8,17 +8,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from azure.core import MatchConditions
-from azure.core.exceptions import AzureError
-from azure.data.tables import (
-    EdmType,
-    EntityProperty,
-    TableClient,
-    TableTransactionError,
-    UpdateMode,
-)
+from azure.data.tables import EdmType, EntityProperty, TableClient, UpdateMode
 
 from ..errors import BadRequest
-from ._azure_errors import translate
+from ._azure_errors import storage_errors
 from ._table import BatchOp, Cond, Entity, Page, Table, Value, matches
 
 __all__ = ["AzureTable"]
@@ -86,42 +79,32 @@ class AzureTable(Table):
         self._client = client
 
     def _insert(self, entity: Entity) -> Entity:
-        try:
+        with storage_errors(f"insert {self.name}/{entity.row_key}"):
             meta = self._client.create_entity(_to_azure(entity))
-        except AzureError as exc:
-            raise translate(exc, f"insert {self.name}/{entity.row_key}") from exc
         return Entity(entity.partition_key, entity.row_key, dict(entity.data), meta["etag"])
 
     def _get(self, partition_key: str, row_key: str) -> Entity:
-        try:
+        with storage_errors(f"get {self.name}/{partition_key}/{row_key}"):
             raw = self._client.get_entity(partition_key, row_key)
-        except AzureError as exc:
-            raise translate(exc, f"get {self.name}/{partition_key}/{row_key}") from exc
         return _from_azure(raw, str(raw.metadata["etag"]))
 
     def _replace(self, entity: Entity, if_match: str) -> Entity:
-        try:
+        with storage_errors(f"replace {self.name}/{entity.row_key}"):
             meta = self._client.update_entity(
                 _to_azure(entity), mode=UpdateMode.REPLACE, **_etag_condition(if_match)
             )
-        except AzureError as exc:
-            raise translate(exc, f"replace {self.name}/{entity.row_key}") from exc
         return Entity(entity.partition_key, entity.row_key, dict(entity.data), meta["etag"])
 
     def _upsert(self, entity: Entity) -> Entity:
-        try:
+        with storage_errors(f"upsert {self.name}/{entity.row_key}"):
             meta = self._client.upsert_entity(_to_azure(entity), mode=UpdateMode.REPLACE)
-        except AzureError as exc:
-            raise translate(exc, f"upsert {self.name}/{entity.row_key}") from exc
         return Entity(entity.partition_key, entity.row_key, dict(entity.data), meta["etag"])
 
     def _delete(self, partition_key: str, row_key: str, if_match: str | None) -> None:
         # TableClient.delete_entity swallows 404; a one-operation transaction reports it.
         op = _operation(BatchOp("delete", Entity(partition_key, row_key), if_match))
-        try:
+        with storage_errors(f"delete {self.name}/{partition_key}/{row_key}"):
             self._client.submit_transaction([op])
-        except AzureError as exc:
-            raise translate(exc, f"delete {self.name}/{partition_key}/{row_key}") from exc
 
     def _query_page(
         self,
@@ -140,14 +123,12 @@ class AzureTable(Table):
                 token = json.loads(base64.urlsafe_b64decode(continuation.encode()))
             except ValueError as exc:
                 raise BadRequest("malformed continuation token") from exc
-        try:
+        with storage_errors(f"query {self.name}/{partition_key}"):
             pages = self._client.query_entities(query, results_per_page=page_size).by_page(
                 continuation_token=token  # type: ignore[arg-type]  # the SDK's token is a dict
             )
             raws = list(next(pages))
             next_token = pages.continuation_token  # type: ignore[attr-defined]
-        except AzureError as exc:
-            raise translate(exc, f"query {self.name}/{partition_key}") from exc
         # Azurite compares across types ("40" > 15); Azure does not. Re-check, so both agree.
         entities = [
             entity
@@ -161,12 +142,8 @@ class AzureTable(Table):
 
     def _batch(self, ops: list[BatchOp]) -> list[Entity | None]:
         operations = [_operation(op) for op in ops]
-        try:
+        with storage_errors(f"batch on {self.name}", batch=True):
             metas = self._client.submit_transaction(operations)
-        except TableTransactionError as exc:
-            raise translate(exc, f"batch on {self.name}", op_index=exc.index) from exc
-        except AzureError as exc:
-            raise translate(exc, f"batch on {self.name}") from exc
         return [
             None
             if op.kind == "delete"
@@ -175,10 +152,8 @@ class AzureTable(Table):
         ]
 
     def ping(self) -> None:
-        try:
+        with storage_errors(f"table {self.name}"):
             next(iter(self._client.query_entities("PartitionKey eq ''", results_per_page=1)), None)
-        except AzureError as exc:
-            raise translate(exc, f"table {self.name}") from exc
 
     def close(self) -> None:
         self._client.close()

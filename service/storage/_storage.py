@@ -302,15 +302,11 @@ class AzureStorage(Storage):
         return f"azure:{self._where}"
 
     def _open_table(self, name: str) -> Table:
-        from azure.core.exceptions import AzureError
-
-        from ._azure_errors import translate
+        from ._azure_errors import storage_errors
         from ._azure_table import AzureTable
 
-        try:
+        with storage_errors(f"table {name}"):
             return AzureTable(self._tables_client.create_table_if_not_exists(name))
-        except AzureError as exc:
-            raise translate(exc, f"table {name}") from exc
 
     def _open_blobs(self, name: str) -> BlobStore:
         from ._azure_blob import AzureBlobStore
