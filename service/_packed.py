@@ -13,7 +13,7 @@ from typing import Any
 
 from .storage import Value
 
-__all__ = ["MAX_PACKED", "pack", "unpack"]
+__all__ = ["MAX_PACKED", "pack", "pack_rows", "unpack", "unpack_rows"]
 
 _CHUNK = 60 * 1024
 #: Compressed bytes one entity can carry beside its other properties.
@@ -26,12 +26,29 @@ def pack(value: Any) -> dict[str, bytes]:
     return {f"m{i // _CHUNK}": packed[i : i + _CHUNK] for i in range(0, len(packed), _CHUNK)}
 
 
+def pack_rows(value: Any) -> list[dict[str, bytes]]:
+    """:func:`pack`, split over as many entities as it needs (one for most values), each
+    with at most :data:`MAX_PACKED` bytes: a value that may outgrow one entity (the
+    members of a 10,000-node generation) is stored across rows rather than refused."""
+    packed = zlib.compress(json.dumps(value, separators=(",", ":")).encode(), 6)
+    rows = [packed[i : i + MAX_PACKED] for i in range(0, len(packed), MAX_PACKED)]
+    return [
+        {f"m{i // _CHUNK}": row[i : i + _CHUNK] for i in range(0, len(row), _CHUNK)} for row in rows
+    ]
+
+
 def unpack(data: Mapping[str, Value | None]) -> Any:
     """The value :func:`pack` stored in ``data``."""
+    return unpack_rows([data])
+
+
+def unpack_rows(rows: list[Mapping[str, Value | None]]) -> Any:
+    """The value :func:`pack_rows` stored in ``rows``, in their order."""
     chunks = []
-    for i in range(len(data)):
-        chunk = data.get(f"m{i}")
-        if not isinstance(chunk, bytes):
-            break
-        chunks.append(chunk)
+    for data in rows:
+        for i in range(len(data)):
+            chunk = data.get(f"m{i}")
+            if not isinstance(chunk, bytes):
+                break
+            chunks.append(chunk)
     return json.loads(zlib.decompress(b"".join(chunks)))

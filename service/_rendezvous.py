@@ -26,6 +26,7 @@ from storage. What a replica caches (generation members) is immutable.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -53,7 +54,7 @@ from rallypoint.client.models import (
 )
 
 from . import _credentials as credentials
-from ._packed import pack, unpack
+from ._packed import pack_rows, unpack_rows
 from ._secrets import JobSecrets
 from .errors import (
     AlreadyExists,
@@ -146,6 +147,9 @@ class Generation:
     ended_reason: str | None
     checkpoint: CheckpointPointer | None
     etag: str
+    #: Where the members are when they did not fit the generation's row: the seal's id
+    #: and the number of part rows (``gen:NNN~SEAL~0``, ...).
+    parts: tuple[str, int] | None = field(default=None, compare=False)
 
     @functools.cached_property
     def ranks(self) -> dict[str, int]:
@@ -332,43 +336,68 @@ def _member_fields(m: Member) -> list[str | int | None]:
     return fields
 
 
-def _encode_members(members: Iterable[Member]) -> dict[str, bytes]:
-    return pack([_member_fields(m) for m in members])
-
-
-def _decode_members(data: Mapping[str, Value | None]) -> tuple[Member, ...]:
-    return tuple(Member(*fields) for fields in unpack(data))
-
-
-def _generation(e: Entity) -> Generation:
+def _generation(e: Entity, parts: list[Entity] | None = None) -> Generation:
+    """A generation from its row, and its part rows if its members needed some."""
     d = e.data
+    stored = (str(d["seal"]), _int(d, "parts")) if d.get("parts") else None
+    if stored is not None and parts is None:
+        raise ValueError(f"generation row {e.row_key!r} needs its {stored[1]} part rows")
     checkpoint = d.get("checkpoint")
     return Generation(
         generation=_int(d, "generation"),
-        members=_decode_members(d),
+        members=tuple(
+            Member(*fields) for fields in unpack_rows([p.data for p in parts] if parts else [d])
+        ),
         sealed_at=_float(d, "sealed_at"),
         ended_at=_opt_float(d, "ended_at"),
         ended_reason=str(d["ended_reason"]) if d.get("ended_reason") is not None else None,
         checkpoint=CheckpointPointer.model_validate_json(str(checkpoint)) if checkpoint else None,
         etag=e.etag or "",
+        parts=stored,
     )
+
+
+def _generation_key(generation: int) -> str:
+    return f"{GEN}{generation:010d}"
+
+
+def _part_key(generation: int, seal: str, index: int) -> str:
+    return f"{_generation_key(generation)}~{seal}~{index}"
 
 
 def _generation_entity(job_id: str, g: Generation) -> Entity:
-    return Entity(
-        job_id,
-        f"{GEN}{g.generation:010d}",
-        {
-            "kind": "gen",
-            "generation": g.generation,
-            "sealed_at": g.sealed_at,
-            "world_size": len(g.members),
-            "ended_at": g.ended_at,
-            "ended_reason": g.ended_reason,
-            "checkpoint": g.checkpoint.model_dump_json() if g.checkpoint else None,
-            **_encode_members(g.members),
-        },
-    )
+    """A generation's row: what it is and, unless they are in part rows, its members."""
+    data: dict[str, Value | None] = {
+        "kind": "gen",
+        "generation": g.generation,
+        "sealed_at": g.sealed_at,
+        "world_size": len(g.members),
+        "ended_at": g.ended_at,
+        "ended_reason": g.ended_reason,
+        "checkpoint": g.checkpoint.model_dump_json() if g.checkpoint else None,
+    }
+    if g.parts is not None:
+        data.update(seal=g.parts[0], parts=g.parts[1])
+    else:
+        (members,) = pack_rows([_member_fields(m) for m in g.members])
+        data.update(members)
+    return Entity(job_id, _generation_key(g.generation), data)
+
+
+def _sealing_rows(job_id: str, g: Generation) -> tuple[Entity, list[Entity]]:
+    """A new generation's row and, if its members do not fit one entity (thousands of
+    nodes with long names), the part rows that hold them, under a key of this seal's
+    own: they are written before the seal's transaction, and a seal that loses its race
+    must not have overwritten the winner's."""
+    packed = pack_rows([_member_fields(m) for m in g.members])
+    if len(packed) == 1:
+        return _generation_entity(job_id, g), []
+    seal = secrets.token_hex(6)
+    g = replace(g, parts=(seal, len(packed)))
+    return _generation_entity(job_id, g), [
+        Entity(job_id, _part_key(g.generation, seal, i), {"kind": "genpart", **part})
+        for i, part in enumerate(packed)
+    ]
 
 
 def _node(e: Entity) -> Node:
@@ -529,7 +558,16 @@ class Rendezvous:
         Raises:
             NotFound: The generation never sealed.
         """
-        return _generation(self.table.get(job_id, f"{GEN}{generation:010d}"))
+        return self._generation_of(self.table.get(job_id, _generation_key(generation)))
+
+    def _generation_of(self, e: Entity) -> Generation:
+        """The generation whose row is ``e``, reading its part rows if it has any."""
+        if not e.data.get("parts"):
+            return _generation(e)
+        seal, n, generation = str(e.data["seal"]), _int(e.data, "parts"), _int(e.data, "generation")
+        return _generation(
+            e, [self.table.get(e.partition_key, _part_key(generation, seal, i)) for i in range(n)]
+        )
 
     def sealed(self, job_id: str, generation: int) -> Generation:
         """A sealed generation as it was sealed: members in rank order and checkpoint.
@@ -967,14 +1005,20 @@ class Rendezvous:
             changed_at=now,
             checkpoint=resume,
         )
+        row, parts = _sealing_rows(job.job_id, gen)
+        for part in parts:  # one each: a batch carries 4 MiB at most
+            self.table.insert(part)
         try:
             self.table.batch(
                 [
                     BatchOp("replace", job_entity(sealed), if_match=job.etag),
-                    BatchOp("insert", _generation_entity(job.job_id, gen)),
+                    BatchOp("insert", row),
                 ]
             )
         except (Modified, AlreadyExists):
+            for part in parts:  # nothing names them: this seal lost its race
+                with contextlib.suppress(NotFound):
+                    self.table.delete(part.partition_key, part.row_key)
             return False, 0.0  # another coordinator sealed or changed it first
         return True, 0.0
 
@@ -1131,7 +1175,9 @@ class Rendezvous:
         timeout = _seconds(job.spec.heartbeat_timeout)
         beats = self._beats(job_id)
         nodes = {n.node_id: n for n in self._nodes(job_id)}
-        history = [_generation(e) for e in self.table.query(job_id, [Cond("kind", "eq", "gen")])]
+        history = [
+            self._generation_of(e) for e in self.table.query(job_id, [Cond("kind", "eq", "gen")])
+        ]
         members: list[MemberStatus] = []
         current: set[str] = set()
         if job.status == "sealed" and history:

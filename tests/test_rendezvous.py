@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import threading
 from collections import Counter
 from datetime import timedelta
@@ -11,7 +12,14 @@ from datetime import timedelta
 import pytest
 
 from rallypoint.client.models import JobSpec
-from rallypoint.service._rendezvous import Job, Node, Rendezvous, _node_entity
+from rallypoint.service._rendezvous import (
+    Job,
+    Node,
+    Rendezvous,
+    _beat_op,
+    _node_entity,
+    member_partition,
+)
 from rallypoint.service.errors import (
     InvalidCredential,
     JobConflict,
@@ -20,7 +28,7 @@ from rallypoint.service.errors import (
     UnknownJob,
     UnknownNode,
 )
-from rallypoint.service.storage import Cond, Storage
+from rallypoint.service.storage import BatchOp, Cond, Storage
 
 from .conftest import Clock
 
@@ -536,3 +544,53 @@ def test_a_cut_after_the_generation_ended_leaves_its_reason(rdzv: Rendezvous, cl
     clock.advance(1)
     assert rdzv.expire("job", "b", cut)
     assert rdzv.status("job").history[0].ended_reason == "member a re-joined"
+
+
+def test_a_generation_too_big_for_one_row_seals_across_part_rows(
+    storage: Storage, clock: Clock
+) -> None:
+    # 3,000 nodes with the longest names a join takes, random so they do not compress:
+    # about 2 MB of members, more than one 1 MiB entity holds.
+    n = 3000
+    s = spec(n, n, last_call=0, timeout=60)
+    rdzv, rival = (Rendezvous(storage.table("jobs"), clock) for _ in range(2))
+    job, _ = rdzv.create_job("job", s)
+    by_partition: dict[str, list[BatchOp]] = {}
+    for _ in range(n):
+        node_id = secrets.token_hex(32)
+        node = Node(
+            node_id,
+            secrets.token_hex(127) + "x",
+            29500,
+            1,
+            clock(),
+            "waiting",
+            peer="http://" + secrets.token_hex(252),
+            cred=secrets.token_urlsafe(32),
+        )
+        partition = member_partition("job", node_id, n)
+        by_partition.setdefault(partition, []).extend(
+            [
+                BatchOp("upsert", _node_entity(partition, node)),
+                _beat_op(partition, node_id, clock(), 0),
+            ]
+        )
+    for ops in by_partition.values():
+        for start in range(0, len(ops), 100):
+            rdzv.table.batch(ops[start : start + 100])
+    sealed, _ = rdzv.tick("job")
+    assert (sealed.generation, sealed.status, sealed.world_size) == (1, "sealed", n)
+    # A replica that read the job before the seal seals too, and loses: its part rows go.
+    assert rival._try_seal(job) == (False, 0.0)
+    parts = list(rdzv.table.query("job", [Cond("kind", "eq", "genpart")]))
+    members = rdzv.sealed("job", 1).members
+    assert len(parts) == rdzv.generation("job", 1).parts[1] > 1  # type: ignore[index]
+    # Read back by a replica that never saw it, and still whole once the generation ends.
+    assert Rendezvous(storage.table("jobs"), clock).sealed("job", 1).members == members
+    assert len({m.node_id for m in members}) == n and [m.rank for m in members] == list(range(n))
+    rdzv.expire("job", members[5].node_id, clock())
+    clock.advance(1)
+    assert rdzv.tick("job")[0].status == "open"
+    ended = Rendezvous(storage.table("jobs"), clock).generation("job", 1)
+    assert ended.members == members and ended.ended_reason is not None
+    assert rdzv.status("job").history[0].world_size == n
