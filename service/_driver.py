@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import anyio.to_thread
 
+from rallypoint.client.models import JobSpec
+
 from ._rendezvous import Job, Rendezvous
 from .errors import StorageError
 from .storage import within
@@ -49,6 +51,7 @@ class _JobLoop:
     beats: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, float] = field(default_factory=dict)
     waiters: Counter[str] = field(default_factory=Counter)
+    creating: asyncio.Lock = field(default_factory=asyncio.Lock)
     tick_now: bool = True
     failing_since: float | None = None  # the first of the passes failing since
     last_used: float = field(default_factory=time.monotonic)
@@ -119,6 +122,23 @@ class Driver:
         assert loop.job is not None
         return loop.job, loop.changed
 
+    async def create(self, job_id: str, spec: JobSpec) -> Job:
+        """Creates a job that :meth:`snapshot` did not find, once for all the joins that
+        found it missing together (a thousand agents starting at once), and publishes it.
+
+        Raises:
+            JobConflict: It exists with another spec.
+        """
+        loop = self._loop(job_id)
+        async with loop.creating:
+            if loop.job is not None and loop.error is None:
+                return loop.job  # created while this join waited for the lock
+            started = time.monotonic()
+            job, _ = await anyio.to_thread.run_sync(self.rdzv.create_job, job_id, spec)
+            loop.error = None  # the pass that found no job is past
+            self._publish(loop, job, started)
+            return job
+
     def poke(self, job_id: str) -> None:
         """Asks for a tick on the next pass (after a join registered)."""
         self._loop(job_id).tick_now = True
@@ -127,16 +147,13 @@ class Driver:
         """Reads the job now and asks for a tick on the next pass.
 
         Called after a departure through this process, so the next heartbeat here
-        already answers ``restart``: read-your-writes on one replica; and after a join
-        created the job, which the last pass did not find. (Other joins only
+        already answers ``restart``: read-your-writes on one replica. (Joins only
         :meth:`poke`: their outcome reaches the joiner through the long-poll anyway.)
         """
         self.poke(job_id)
         started = time.monotonic()
         job = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
-        loop = self._loop(job_id)
-        loop.error = None  # a pass's failure (say, no job before a join created it) is past
-        self._publish(loop, job, started)
+        self._publish(self._loop(job_id), job, started)
 
     @staticmethod
     def _publish(loop: _JobLoop, job: Job, read_at: float) -> None:

@@ -31,7 +31,7 @@ from rallypoint.client.models import (
 from .. import _credentials as credentials
 from .._contract import errors
 from .._driver import Driver
-from .._rendezvous import Generation, Job, Node, Rendezvous
+from .._rendezvous import Generation, Node, Rendezvous
 from ..deps import (
     AdminOnly,
     Auth,
@@ -111,9 +111,11 @@ async def join(
     try:
         # The driver's snapshot (at most a pass old) spares each of a thousand joins a
         # read of the job: the spec never changes, and a stale round only costs a retry.
-        known: Job | None = (await driver.snapshot(job_id))[0]
+        known, _ = await driver.snapshot(job_id)
     except UnknownJob:
-        known = None  # the first join creates it
+        if body.spec is None:
+            raise
+        known = await driver.create(job_id, body.spec)
     node = await anyio.to_thread.run_sync(
         functools.partial(
             rdzv.register,
@@ -127,10 +129,7 @@ async def join(
             known=known,
         )
     )
-    if known is None:
-        await driver.refresh(job_id)  # the snapshot said "no job": this join made it
-    else:
-        driver.poke(job_id)
+    driver.poke(job_id)
     return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response)
 
 
