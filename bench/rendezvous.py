@@ -244,7 +244,7 @@ def azurite_pid() -> int | None:
     return None
 
 
-RATE = 20  # py-spy's samples a second: 100 took a core from the two here and tripled a round
+RATE = int(os.environ.get("RP_PROFILE_RATE", "20"))  # py-spy's samples a second: 100 took a core from the two here and tripled a round
 
 
 class Profile:

@@ -66,7 +66,7 @@ from .errors import (
     UnknownJob,
     UnknownNode,
 )
-from .storage import BatchOp, Cond, Entity, Table, Value
+from .storage import BatchOp, Cond, Entity, SharedBatches, Table, Value
 
 __all__ = ["Generation", "Job", "Member", "Node", "Rendezvous", "job_entity"]
 
@@ -484,6 +484,9 @@ class Rendezvous:
         # writes its registration on the condition that the row is still what it was
         # here, so the usual join costs one storage call rather than a read and a write.
         self._rows: dict[tuple[str, str], Node] = {}
+        # A thousand nodes joining at once write their registrations in shared
+        # transactions of up to 50 joins (each keeps its own all-or-none and conditions).
+        self._registrations = SharedBatches(table)
 
     # --- jobs ---------------------------------------------------------------------------
 
@@ -751,7 +754,7 @@ class Rendezvous:
             else:
                 write = BatchOp("replace", _node_entity(partition, node), if_match=row.etag)
             try:
-                stored, _ = self.table.batch(  # registration and first heartbeat together
+                stored, _ = self._registrations.batch(  # registration and first beat together
                     [write, _beat_op(partition, node_id, now, 0)]
                 )
             except (AlreadyExists, Modified, NotFound):
