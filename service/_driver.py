@@ -135,7 +135,7 @@ class Driver:
                 return loop.job  # created while this join waited for the lock
             started = time.monotonic()
             job, _ = await anyio.to_thread.run_sync(self.rdzv.create_job, job_id, spec)
-            loop.error = None  # the pass that found no job is past
+            loop.error = loop.failing_since = None  # the pass that found no job is past
             self._publish(loop, job, started)
             return job
 
@@ -226,6 +226,10 @@ class Driver:
 
     async def _run(self, job_id: str, loop: _JobLoop) -> None:
         next_tick = 0.0
+        # A tick reads every waiting node's rows: O(N). While ten thousand joins poke,
+        # a tick at every pass kept the process saturated and each tick slower, past its
+        # deadline. After a tick that took t seconds, joins' pokes wait t more.
+        earliest_poked_tick = 0.0
         next_waiter_beat = 0.0
         while True:
             started = time.monotonic()
@@ -240,12 +244,15 @@ class Driver:
                     for node_id in loop.waiters:
                         beats.setdefault(node_id, 0)
                     next_waiter_beat = started + timeout / 3
-                tick = loop.tick_now or started >= next_tick
+                tick = (loop.tick_now and started >= earliest_poked_tick) or started >= next_tick
                 if tick:
                     loop.tick_now = False
                 fresh, wait = await anyio.to_thread.run_sync(
                     self._storage_pass, job_id, beats, tick, budget
                 )
+                if tick:
+                    now = time.monotonic()
+                    earliest_poked_tick = now + (now - started)
                 if wait is not None:
                     next_tick = started + min(max(wait, self.interval), self.max_tick)
                 job: Job | None = fresh
@@ -294,6 +301,9 @@ class Driver:
                 by_generation.setdefault(generation, []).append(node_id)
             for generation, nodes in by_generation.items():
                 self.rdzv.beat(job_id, nodes, generation)
+        # The beats and the tick each get the budget: ten thousand beats to write must not
+        # leave the seal no time, or every pass fails and re-queues the same beats.
+        with within(budget):
             wait: float | None = None
             if tick:
                 fresh, wait = self.rdzv.tick(job_id)
