@@ -27,11 +27,9 @@ from storage. What a replica caches (generation members) is immutable.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import hashlib
 import hmac
-import itertools
 import json
 import math
 import secrets
@@ -40,10 +38,9 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Literal, TypeVar
+from typing import Literal
 
 from rallypoint.client.models import (
     Assignment,
@@ -72,9 +69,6 @@ from .errors import (
 from .storage import BatchOp, Cond, Entity, SharedBatches, Table, Value
 
 __all__ = ["Generation", "Job", "Member", "Node", "Rendezvous", "job_entity"]
-
-_A = TypeVar("_A")
-_R = TypeVar("_R")
 
 JOB_ROW = "job"
 NODE = "node:"
@@ -493,7 +487,6 @@ class Rendezvous:
         # A thousand nodes joining at once write their registrations in shared
         # transactions of up to 50 joins (each keeps its own all-or-none and conditions).
         self._registrations = SharedBatches(table)
-        self._pool: ThreadPoolExecutor | None = None  # see _each
 
     # --- jobs ---------------------------------------------------------------------------
 
@@ -790,24 +783,9 @@ class Rendezvous:
             partition = self._partition(job_id, n)
             by_partition.setdefault(partition, []).append(_beat_op(partition, n, now, generation))
 
-        def write(ops: list[BatchOp]) -> None:
+        for ops in by_partition.values():
             for start in range(0, len(ops), 100):
                 self.table.batch(ops[start : start + 100])
-
-        self._each(write, list(by_partition.values()))
-
-    def _each(self, fn: Callable[[_A], _R], items: list[_A]) -> list[_R]:
-        """``fn`` of each item (a member partition's work), in parallel when there are
-        several: 10,000 members' beats are 100 transactions over 10 partitions, and
-        written in turn they outlasted a pass's deadline on Azurite. Each call keeps the
-        caller's context (its storage deadline)."""
-        if len(items) <= 1:
-            return [fn(item) for item in items]
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(8, thread_name_prefix="rdzv-partitions")
-        futures = [self._pool.submit(contextvars.copy_context().run, fn, i) for i in items]
-        return [f.result() for f in futures]
 
     def expire(self, job_id: str, node_id: str, since: float) -> bool:
         """Marks a node silent, unless it beat after ``since`` (through any replica).
@@ -866,11 +844,12 @@ class Rendezvous:
         """Each node's last heartbeat; adds to ``dropped`` the nodes whose heartbeat
         watch was cut since (see :meth:`expire`)."""
         out: dict[str, float] = {}
-        pages = self._each(
-            lambda p: list(self.table.query(p, [Cond("kind", "eq", "beat")])),
-            self._partitions(job_id),
+        rows = (
+            e
+            for partition in self._partitions(job_id)
+            for e in self.table.query(partition, [Cond("kind", "eq", "beat")])
         )
-        for e in itertools.chain.from_iterable(pages):
+        for e in rows:
             node_id, at = e.row_key[len(BEAT) :], _float(e.data, "at")
             out[node_id] = at
             cut = _opt_float(e.data, "dropped")
@@ -880,8 +859,11 @@ class Rendezvous:
 
     def _nodes(self, job_id: str, where: tuple[Cond, ...] = ()) -> list[Node]:
         where = (Cond("kind", "eq", "node"), *where)
-        pages = self._each(lambda p: list(self.table.query(p, where)), self._partitions(job_id))
-        nodes = [_node(e) for e in itertools.chain.from_iterable(pages)]
+        nodes = [
+            _node(e)
+            for partition in self._partitions(job_id)
+            for e in self.table.query(partition, where)
+        ]
         for n in nodes:  # the driver's ticks read every waiting node: the joins' cache
             self._rows[(job_id, n.node_id)] = n
         return nodes
