@@ -31,7 +31,7 @@ from rallypoint.client.models import JobSpec
 
 from ._rendezvous import Job, Rendezvous
 from .errors import StorageError
-from .storage import within
+from .storage import each_try_within, within
 
 __all__ = ["Driver"]
 
@@ -301,9 +301,10 @@ class Driver:
                 by_generation.setdefault(generation, []).append(node_id)
             for generation, nodes in by_generation.items():
                 self.rdzv.beat(job_id, nodes, generation)
-        # The beats and the tick each get the budget: ten thousand beats to write must not
-        # leave the seal no time, or every pass fails and re-queues the same beats.
-        with within(budget):
+        # A tick reads every waiting node's row, and its time grows with the job: each of
+        # its tries gets the budget (a frozen account still shows within it), not the
+        # tick as a whole, or a 10,000-node round's every tick failed on a loaded machine.
+        with each_try_within(budget):
             wait: float | None = None
             if tick:
                 fresh, wait = self.rdzv.tick(job_id)

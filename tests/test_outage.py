@@ -18,7 +18,14 @@ import pytest
 from rallypoint.client.models import JobSpec
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import StorageUnavailable
-from rallypoint.service.storage import AzureStorage, Entity, Health, remaining, within
+from rallypoint.service.storage import (
+    AzureStorage,
+    Entity,
+    Health,
+    each_try_within,
+    remaining,
+    within,
+)
 
 from ._azurite import Azurite
 from .conftest import Clock
@@ -142,6 +149,33 @@ def azure(own_azurite: Azurite) -> Iterator[AzureStorage]:
 
 
 @pytest.mark.azurite
+def test_work_that_grows_with_a_job_limits_each_try_not_the_whole(
+    azure: AzureStorage, own_azurite: Azurite
+) -> None:
+    table = azure.table("jobs")
+    table.upsert(Entity("p", "r", {"x": 1}))
+    # A tick of a large job: many reads, together longer than the limit (the pauses stand
+    # for the reads of ten thousand rows); each read is quick, so none fails.
+    with each_try_within(0.3):
+        for _ in range(3):
+            assert table.get("p", "r").data["x"] == 1
+            time.sleep(0.2)
+    # The same under a deadline for the whole fails: that is the difference.
+    with within(0.3), pytest.raises(StorageUnavailable):
+        for _ in range(3):
+            table.get("p", "r")
+            time.sleep(0.2)
+    # A frozen account still shows within the limit of one try.
+    own_azurite.freeze()
+    try:
+        started = time.monotonic()
+        with each_try_within(1.0), pytest.raises(StorageUnavailable):
+            table.get("p", "r")
+        assert time.monotonic() - started < 2.5
+    finally:
+        own_azurite.thaw()
+
+
 def test_a_call_under_a_deadline_fails_within_it_when_storage_is_frozen(
     azure: AzureStorage, own_azurite: Azurite
 ) -> None:

@@ -6,7 +6,7 @@ an Azure adapter and an embedded local one. :func:`open_storage` picks the backe
 """
 
 from ._blob import Access, BlobInfo, BlobStore, Data
-from ._budget import Health, remaining, within
+from ._budget import Health, each_try_within, remaining, within
 from ._names import check_blob_name, check_blob_prefix, check_key
 from ._shared_batch import SharedBatches
 from ._storage import DEFAULT_STORAGE, AzureStorage, LocalStorage, Storage, open_storage
@@ -42,6 +42,7 @@ __all__ = [
     "check_blob_name",
     "check_blob_prefix",
     "check_key",
+    "each_try_within",
     "open_storage",
     "remaining",
     "use_batch_path",

@@ -20,7 +20,7 @@ from azure.core.exceptions import (
 )
 from azure.core.pipeline.transport import RequestsTransport
 
-from ._budget import Health, remaining
+from ._budget import Health, remaining, try_limit
 
 __all__ = ["RETRIES", "BudgetTransport", "blob_options", "table_options"]
 
@@ -68,6 +68,9 @@ class BudgetTransport(RequestsTransport):  # type: ignore[misc]  # Any: requests
                 f"storage has not answered for {self.health.down_for():.1f} s (not retried "
                 "until a probe gets through)"
             )
+        limit = try_limit()
+        if limit is not None:
+            left = limit if left is None else min(left, limit)
         for name, cap in (("connection_timeout", CONNECT_TIMEOUT), ("read_timeout", READ_TIMEOUT)):
             value = kwargs.get(name, cap)
             kwargs[name] = value if left is None else max(0.05, min(value, left))

@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
-__all__ = ["Health", "remaining", "within"]
+__all__ = ["Health", "each_try_within", "remaining", "try_limit", "within"]
 
 _DEADLINE: ContextVar[float | None] = ContextVar("rallypoint_storage_deadline", default=None)
+_TRY: ContextVar[float | None] = ContextVar("rallypoint_storage_try_limit", default=None)
 
 
 @contextlib.contextmanager
@@ -45,6 +46,24 @@ def remaining() -> float | None:
     """Seconds left to the current deadline (negative once passed); None without one."""
     deadline = _DEADLINE.get()
     return None if deadline is None else deadline - time.monotonic()
+
+
+@contextlib.contextmanager
+def each_try_within(seconds: float) -> Iterator[None]:
+    """Each try of the storage calls inside must be done in ``seconds``, however many
+    calls there are: for work that grows with a job (a tick reads every waiting node's
+    row, ten thousand of them) and must still notice a frozen account within
+    ``seconds``, when its first try times out and the breaker fails the rest at once."""
+    token = _TRY.set(seconds)
+    try:
+        yield
+    finally:
+        _TRY.reset(token)
+
+
+def try_limit() -> float | None:
+    """Seconds a try may take under :func:`each_try_within`; None outside it."""
+    return _TRY.get()
 
 
 class Health:
