@@ -31,7 +31,7 @@ from rallypoint.client.models import JobSpec
 
 from ._rendezvous import Job, Rendezvous
 from .errors import StorageError
-from .storage import each_try_within, within
+from .storage import each_try_within
 
 __all__ = ["Driver"]
 
@@ -235,7 +235,7 @@ class Driver:
             started = time.monotonic()
             known = loop.job
             timeout = known.spec.heartbeat_timeout.total_seconds() if known else 3.0
-            # A pass's storage calls get a third of the heartbeat timeout: a frozen
+            # A pass's storage tries get a third of the heartbeat timeout each: a frozen
             # account shows as an error within it, not after the SDK's minutes.
             budget = timeout / 3
             beats, loop.beats = loop.beats, {}
@@ -288,23 +288,25 @@ class Driver:
         self, job_id: str, beats: dict[str, int], tick: bool, budget: float
     ) -> tuple[Job, float | None]:
         """A pass's storage work, in one worker thread: writes the beats, then ticks (or
-        reads the job) and warms the sealed generation's cache. The deadline starts here,
-        in the thread: the wait for a worker thread, behind a thousand joins' own storage
-        calls, is not storage being slow.
+        reads the job) and warms the sealed generation's cache.
+
+        Each storage try gets ``budget`` (a frozen account shows as an error within it,
+        and the breaker then fails the rest at once), not the pass as a whole: a pass
+        writes every member's beat and a tick reads every waiting node's row, so its time
+        grows with the job, and at 10,000 nodes on Azurite every pass ran past a budget
+        for the whole, failed, and re-queued the same work. The limit starts here, in the
+        thread: the wait for a worker thread, behind a thousand joins' own storage calls,
+        is not storage being slow.
 
         Returns:
             The job, and the tick's wait (None without a tick).
         """
-        with within(budget):
+        with each_try_within(budget):
             by_generation: dict[int, list[str]] = {}
             for node_id, generation in beats.items():
                 by_generation.setdefault(generation, []).append(node_id)
             for generation, nodes in by_generation.items():
                 self.rdzv.beat(job_id, nodes, generation)
-        # A tick reads every waiting node's row, and its time grows with the job: each of
-        # its tries gets the budget (a frozen account still shows within it), not the
-        # tick as a whole, or a 10,000-node round's every tick failed on a loaded machine.
-        with each_try_within(budget):
             wait: float | None = None
             if tick:
                 fresh, wait = self.rdzv.tick(job_id)

@@ -6,9 +6,11 @@ Two things keep a storage outage from turning into a stuck coordinator:
   the worker threads that ``anyio.to_thread`` starts from it: they copy the context), the
   time by which they must be done. The Azure adapters clamp each try's connect and read
   timeouts to what is left and make no try once it is spent, so a frozen account costs a
-  request its deadline, not the SDK's minutes of retries. The driver's passes (heartbeats,
-  seals) and the storage reads of heartbeats and joins run within a third of the job's
-  heartbeat timeout; other calls have the adapters' per-try timeouts and retry budget.
+  request its deadline, not the SDK's minutes of retries. A heartbeat's storage reads run
+  within a third of the job's heartbeat timeout. Work that grows with the job (the
+  driver's passes: every member's beat, every waiting node's row) limits each try to that
+  instead (:func:`each_try_within`). Other calls have the adapters' per-try timeouts and
+  retry budget.
 - **A breaker.** :class:`Health` records every try's outcome. Once a try found storage
   unreachable, other calls fail at once with ``storage_unavailable`` (the caller retries:
   503) rather than each waiting out its own timeout, while one trial at a time, at most
