@@ -39,7 +39,10 @@ log = logging.getLogger("rallypoint.driver")
 
 
 @dataclass
-class _JobLoop:
+class _JobState:
+    """What the driver keeps of one job: its snapshot, the beats queued for the next
+    pass, the nodes waiting here, and the task that runs the passes."""
+
     job: Job | None = None
     read_at: float = 0.0  # when the read that produced ``job`` started
     # Resolved when the job changes, then replaced: a future, not an Event, so that a
@@ -90,17 +93,17 @@ class Driver:
         self.reconnect = reconnect
         self.grace = grace
         self._checks: set[asyncio.Task[None]] = set()
-        self._loops: dict[str, _JobLoop] = {}
+        self._states: dict[str, _JobState] = {}
         self._closing = False
 
-    def _loop(self, job_id: str) -> _JobLoop:
-        loop = self._loops.get(job_id)
-        if loop is None or loop.task is None or loop.task.done():
-            loop = _JobLoop()
-            self._loops[job_id] = loop
-            loop.task = asyncio.create_task(self._run(job_id, loop), name=f"drive-{job_id}")
-        loop.last_used = time.monotonic()
-        return loop
+    def _state(self, job_id: str) -> _JobState:
+        state = self._states.get(job_id)
+        if state is None or state.task is None or state.task.done():
+            state = _JobState()
+            self._states[job_id] = state
+            state.task = asyncio.create_task(self._run(job_id, state), name=f"drive-{job_id}")
+        state.last_used = time.monotonic()
+        return state
 
     async def snapshot(self, job_id: str) -> tuple[Job, asyncio.Future[None]]:
         """The job as of at most one interval ago, and a future resolved when it changes.
@@ -110,17 +113,17 @@ class Driver:
             StorageError: Storage has not answered for ``grace`` seconds, or had not
                 since this process began to drive the job.
         """
-        loop = self._loop(job_id)
-        await loop.ready.wait()
-        if loop.error is not None and not (
-            isinstance(loop.error, StorageError)
-            and loop.job is not None
-            and loop.failing_since is not None
-            and time.monotonic() - loop.failing_since < self.grace
+        state = self._state(job_id)
+        await state.ready.wait()
+        if state.error is not None and not (
+            isinstance(state.error, StorageError)
+            and state.job is not None
+            and state.failing_since is not None
+            and time.monotonic() - state.failing_since < self.grace
         ):
-            raise loop.error
-        assert loop.job is not None
-        return loop.job, loop.changed
+            raise state.error
+        assert state.job is not None
+        return state.job, state.changed
 
     async def create(self, job_id: str, spec: JobSpec) -> Job:
         """Creates a job that :meth:`snapshot` did not find, once for all the joins that
@@ -129,19 +132,19 @@ class Driver:
         Raises:
             JobConflict: It exists with another spec.
         """
-        loop = self._loop(job_id)
-        async with loop.creating:
-            if loop.job is not None and loop.error is None:
-                return loop.job  # created while this join waited for the lock
+        state = self._state(job_id)
+        async with state.creating:
+            if state.job is not None and state.error is None:
+                return state.job  # created while this join waited for the lock
             started = time.monotonic()
             job, _ = await anyio.to_thread.run_sync(self.rdzv.create_job, job_id, spec)
-            loop.error = loop.failing_since = None  # the pass that found no job is past
-            self._publish(loop, job, started)
+            state.error = state.failing_since = None  # the pass that found no job is past
+            self._publish(state, job, started)
             return job
 
     def poke(self, job_id: str) -> None:
         """Asks for a tick on the next pass (after a join registered)."""
-        self._loop(job_id).tick_now = True
+        self._state(job_id).tick_now = True
 
     async def refresh(self, job_id: str) -> None:
         """Reads the job now and asks for a tick on the next pass.
@@ -153,24 +156,24 @@ class Driver:
         self.poke(job_id)
         started = time.monotonic()
         job = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
-        self._publish(self._loop(job_id), job, started)
+        self._publish(self._state(job_id), job, started)
 
     @staticmethod
-    def _publish(loop: _JobLoop, job: Job, read_at: float) -> None:
-        if read_at < loop.read_at:
+    def _publish(state: _JobState, job: Job, read_at: float) -> None:
+        if read_at < state.read_at:
             return  # a newer read was published while this one was in flight
-        loop.read_at = read_at
-        if loop.job is None or job.etag != loop.job.etag:
-            loop.job = job
-            if not loop.changed.done():
-                loop.changed.set_result(None)
-            loop.changed = asyncio.get_running_loop().create_future()
+        state.read_at = read_at
+        if state.job is None or job.etag != state.job.etag:
+            state.job = job
+            if not state.changed.done():
+                state.changed.set_result(None)
+            state.changed = asyncio.get_running_loop().create_future()
 
-    def beat(self, job_id: str, node_id: str, generation: int) -> None:
+    def queue_beat(self, job_id: str, node_id: str, generation: int) -> None:
         """Queues a heartbeat; it is written within one interval."""
-        loop = self._loop(job_id)
-        loop.beats[node_id] = generation
-        loop.dropped.pop(node_id, None)
+        state = self._state(job_id)
+        state.beats[node_id] = generation
+        state.dropped.pop(node_id, None)
 
     def dropped(self, job_id: str, node_id: str) -> None:
         """A member's heartbeat watch was cut: its process exited (the kernel closes its
@@ -178,15 +181,15 @@ class Driver:
         if no beat of the node arrives here within ``reconnect`` seconds, nor reaches
         storage through another replica, it counts as silent now rather than at the end
         of its heartbeat timeout."""
-        loop = self._loop(job_id)
+        state = self._state(job_id)
         at = time.time()
-        loop.dropped[node_id] = at
+        state.dropped[node_id] = at
 
         async def check() -> None:
             await asyncio.sleep(self.reconnect)
-            if loop.dropped.get(node_id) != at:
+            if state.dropped.get(node_id) != at:
                 return  # it beat again here
-            del loop.dropped[node_id]
+            del state.dropped[node_id]
             if await anyio.to_thread.run_sync(self.rdzv.expire, job_id, node_id, at):
                 log.info("job %s: node %s dropped its heartbeat watch", job_id, node_id)
                 self.poke(job_id)
@@ -198,33 +201,33 @@ class Driver:
     @contextlib.contextmanager
     def waiting(self, job_id: str, node_id: str) -> Iterator[None]:
         """Marks a node as long-polling here, which keeps its heartbeat fresh."""
-        loop = self._loop(job_id)
-        loop.waiters[node_id] += 1
+        state = self._state(job_id)
+        state.waiters[node_id] += 1
         try:
             yield
         finally:
-            loop.waiters[node_id] -= 1
-            if loop.waiters[node_id] <= 0:
-                del loop.waiters[node_id]
+            state.waiters[node_id] -= 1
+            if state.waiters[node_id] <= 0:
+                del state.waiters[node_id]
 
     async def close(self) -> None:
         """Stops every task and wakes every long-poll (which then answers)."""
         self._closing = True
-        for loop in self._loops.values():
-            if not loop.changed.done():
-                loop.changed.set_result(None)
-            if loop.task is not None:
-                loop.task.cancel()
-        for loop in self._loops.values():
-            if loop.task is not None:
+        for state in self._states.values():
+            if not state.changed.done():
+                state.changed.set_result(None)
+            if state.task is not None:
+                state.task.cancel()
+        for state in self._states.values():
+            if state.task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await loop.task
+                    await state.task
 
     @property
     def closing(self) -> bool:
         return self._closing
 
-    async def _run(self, job_id: str, loop: _JobLoop) -> None:
+    async def _run(self, job_id: str, state: _JobState) -> None:
         next_tick = 0.0
         # A tick reads every waiting node's rows: O(N). While ten thousand joins poke,
         # a tick at every pass kept the process saturated and each tick slower, past its
@@ -233,20 +236,20 @@ class Driver:
         next_waiter_beat = 0.0
         while True:
             started = time.monotonic()
-            known = loop.job
+            known = state.job
             timeout = known.spec.heartbeat_timeout.total_seconds() if known else 3.0
             # A pass's storage tries get a third of the heartbeat timeout each: a frozen
             # account shows as an error within it, not after the SDK's minutes.
             budget = timeout / 3
-            beats, loop.beats = loop.beats, {}
+            beats, state.beats = state.beats, {}
             try:
-                if loop.waiters and started >= next_waiter_beat:
-                    for node_id in loop.waiters:
+                if state.waiters and started >= next_waiter_beat:
+                    for node_id in state.waiters:
                         beats.setdefault(node_id, 0)
                     next_waiter_beat = started + timeout / 3
-                tick = (loop.tick_now and started >= earliest_poked_tick) or started >= next_tick
+                tick = (state.tick_now and started >= earliest_poked_tick) or started >= next_tick
                 if tick:
-                    loop.tick_now = False
+                    state.tick_now = False
                 fresh, wait = await anyio.to_thread.run_sync(
                     self._storage_pass, job_id, beats, tick, budget
                 )
@@ -256,31 +259,31 @@ class Driver:
                 if wait is not None:
                     next_tick = started + min(max(wait, self.interval), self.max_tick)
                 job: Job | None = fresh
-                if loop.failing_since is not None:
+                if state.failing_since is not None:
                     log.warning(
                         "job %s: storage answers again after %.1f s",
                         job_id,
-                        started - loop.failing_since,
+                        started - state.failing_since,
                     )
-                loop.error = None
-                loop.failing_since = None
+                state.error = None
+                state.failing_since = None
             except Exception as exc:  # storage down, job deleted: report to requests, retry
-                if loop.failing_since is None:
+                if state.failing_since is None:
                     log.warning("job %s: %s", job_id, exc)
-                    loop.failing_since = started
-                loop.error = exc
+                    state.failing_since = started
+                state.error = exc
                 job = None
                 if isinstance(exc, StorageError):
                     # The beats this pass could not write are written by the next one (a
                     # beat that arrived meanwhile is newer), and the rendezvous learns that
                     # beats it did not see may have been lost (see Rendezvous.storage_lost).
-                    loop.beats = {**beats, **loop.beats}
+                    state.beats = {**beats, **state.beats}
                     self.rdzv.storage_lost()
             if job is not None:
-                self._publish(loop, job, started)
-            loop.ready.set()
-            if not loop.waiters and time.monotonic() - loop.last_used > self.idle:
-                self._loops.pop(job_id, None)
+                self._publish(state, job, started)
+            state.ready.set()
+            if not state.waiters and time.monotonic() - state.last_used > self.idle:
+                self._states.pop(job_id, None)
                 return
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
@@ -306,7 +309,7 @@ class Driver:
             for node_id, generation in beats.items():
                 by_generation.setdefault(generation, []).append(node_id)
             for generation, nodes in by_generation.items():
-                self.rdzv.beat(job_id, nodes, generation)
+                self.rdzv.record_beats(job_id, nodes, generation)
             wait: float | None = None
             if tick:
                 fresh, wait = self.rdzv.tick(job_id)

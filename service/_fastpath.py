@@ -5,7 +5,8 @@ FastAPI's routing and dependency solving cost more than the beat itself (two thi
 the process's CPU in a profile at 1,024 beats/s). This middleware answers a well-formed,
 authorized heartbeat with the route's own parts: its path pattern (the route's
 ``matches``), its auth (:func:`~.deps.authorize`), its body
-(:func:`~.routers.jobs.pulse`) and its error replies (:func:`~._http.service_error_response`).
+(:func:`~.routers.jobs.answer_heartbeat`) and its error replies
+(:func:`~._http.service_error_response`).
 Anything else (bad ids or JSON, no token, chunked bodies) goes to the application
 unchanged, so errors keep their usual codes and bodies; ``tests/test_fastpath.py`` sends
 the same beats with and without it and gets the same answers.
@@ -27,7 +28,7 @@ from rallypoint.client.models import CREDENTIAL_HEADER, HeartbeatReply, Heartbea
 from ._http import service_error_response
 from .deps import MAX_CREDENTIAL, authorize
 from .errors import RallypointServiceError
-from .routers.jobs import heartbeat, pulse, router
+from .routers.jobs import answer_heartbeat, heartbeat, router
 
 __all__ = ["HeartbeatFastPath"]
 
@@ -101,7 +102,7 @@ class HeartbeatFastPath:
         scope["route"] = _ROUTE  # the metrics' label, as routing would set it
         response: Response
         try:
-            reply = await pulse(
+            reply = await answer_heartbeat(
                 job_id,
                 node_id,
                 beat.generation,

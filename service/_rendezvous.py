@@ -43,7 +43,6 @@ from datetime import timedelta
 from typing import Literal
 
 from rallypoint.client.models import (
-    Assignment,
     CheckpointPointer,
     GenerationInfo,
     JobSpec,
@@ -630,19 +629,6 @@ class Rendezvous:
 
     # --- joining ------------------------------------------------------------------------
 
-    def join(
-        self,
-        job_id: str,
-        node_id: str,
-        addr: str,
-        port: int,
-        spec: JobSpec | None = None,
-        join_id: str | None = None,
-        peer: str | None = None,
-    ) -> int:
-        """:meth:`register`, returning just the round."""
-        return self.register(job_id, node_id, addr, port, spec, join_id, peer).round
-
     def register(
         self,
         job_id: str,
@@ -775,7 +761,7 @@ class Rendezvous:
             and node.node_id in self.sealed(job.job_id, job.generation).ranks
         )
 
-    def beat(self, job_id: str, node_ids: Iterable[str], generation: int = 0) -> None:
+    def record_beats(self, job_id: str, node_ids: Iterable[str], generation: int = 0) -> None:
         """Records that nodes are alive now (in batches of 100 of one partition)."""
         now = self.clock()
         by_partition: dict[str, list[BatchOp]] = {}
@@ -882,16 +868,6 @@ class Rendezvous:
             return "missed"
         sealed = self.sealed(job.job_id, round)
         return sealed if node_id in sealed.ranks else "missed"
-
-    def assignment(
-        self, job: Job, node_id: str, round: int
-    ) -> Assignment | Literal["missed"] | None:
-        """Like :meth:`outcome`, with the node's assignment for a sealed round (parsed
-        from the same JSON the coordinator sends)."""
-        sealed = self.outcome(job, node_id, round)
-        if sealed is None or sealed == "missed":
-            return sealed
-        return Assignment.model_validate_json(sealed.assignment_json(job.job_id, node_id))
 
     def member(
         self,
@@ -1096,7 +1072,7 @@ class Rendezvous:
 
     # --- members ------------------------------------------------------------------------
 
-    def heartbeat(
+    def judge_beat(
         self, job: Job, node_id: str, generation: int | None
     ) -> Literal["continue", "restart"]:
         """Judges a heartbeat against a (recent) job snapshot; does not record it.

@@ -29,7 +29,7 @@ from rallypoint.service.errors import (
 from rallypoint.service.storage import BlobStore, Storage
 
 from .conftest import Clock
-from .test_rendezvous import register_all, spec
+from .test_rendezvous import assignment, register_all, spec
 
 TIMEOUT = 600.0
 
@@ -129,9 +129,9 @@ def test_the_last_report_commits_and_moves_the_pointer(
     gen2, _ = seal(rdzv, ["a", "b"])
     job = rdzv.get_job("job")
     for node in ("a", "b"):
-        assignment = rdzv.assignment(job, node, gen2)
-        assert assignment not in (None, "missed")
-        assert assignment.checkpoint == job.checkpoint  # type: ignore[union-attr]
+        given = assignment(rdzv, job, node, gen2)
+        assert given not in (None, "missed")
+        assert given.checkpoint == job.checkpoint  # type: ignore[union-attr]
 
 
 def test_the_pointer_never_moves_back(

@@ -60,7 +60,7 @@ def test_members_silent_through_an_outage_get_a_full_timeout_after_it(
     assert wait == pytest.approx(3)
     # A member that stays silent after storage returned is dead one timeout later.
     clock.advance(2)
-    rdzv.beat("job", ["a"], generation=1)
+    rdzv.record_beats("job", ["a"], generation=1)
     job, _ = rdzv.tick("job")
     assert job.status == "sealed"
     clock.advance(1)

@@ -31,6 +31,7 @@ from .conftest import Clock, Spawn
 from .test_cli import TOKEN, cli
 from .test_coordinator import clients, join_all
 from .test_coordinator import spec as coordinator_spec
+from .test_rendezvous import join
 from .test_tiers import end, save, seal
 
 FILE = "data.distcp"
@@ -336,7 +337,7 @@ def test_a_seal_racing_a_quarantine_names_the_good_version(
     bad = commit(ckpts, nodes, gen, 20, creds)
     end(rdzv, gen, ["b"], creds)
     for i, n in enumerate(nodes):
-        rdzv.join("job", n, f"host-{n}", 29500 + i)
+        join(rdzv, "job", n, f"host-{n}", 29500 + i)
     clock.advance(1)
 
     # Another replica's tick judges the seal (names bad), then the quarantine lands

@@ -8,10 +8,11 @@ import secrets
 import threading
 from collections import Counter
 from datetime import timedelta
+from typing import Literal
 
 import pytest
 
-from rallypoint.client.models import JobSpec
+from rallypoint.client.models import Assignment, JobSpec
 from rallypoint.service._rendezvous import (
     Job,
     Node,
@@ -42,6 +43,30 @@ def spec(min_nodes: int, max_nodes: int, last_call: float = 5, timeout: float = 
     )
 
 
+def join(
+    rdzv: Rendezvous,
+    job_id: str,
+    node_id: str,
+    addr: str,
+    port: int,
+    s: JobSpec | None = None,
+    join_id: str | None = None,
+) -> int:
+    """Registers a node: the round it waits for."""
+    return rdzv.register(job_id, node_id, addr, port, s, join_id).round
+
+
+def assignment(
+    rdzv: Rendezvous, job: Job, node_id: str, round: int
+) -> Assignment | Literal["missed"] | None:
+    """A node's :meth:`~Rendezvous.outcome` for ``round``, a sealed one as the assignment
+    the coordinator sends (parsed from the same JSON)."""
+    sealed = rdzv.outcome(job, node_id, round)
+    if sealed is None or sealed == "missed":
+        return sealed
+    return Assignment.model_validate_json(sealed.assignment_json(job.job_id, node_id))
+
+
 def register_all(
     rdzv: Rendezvous, nodes: list[str], s: JobSpec | None = None
 ) -> tuple[int, dict[str, str]]:
@@ -61,7 +86,7 @@ def join_all(rdzv: Rendezvous, nodes: list[str], s: JobSpec | None = None) -> in
 def ranks(rdzv: Rendezvous, job: Job, nodes: list[str], round: int) -> dict[str, int]:
     out = {}
     for n in nodes:
-        a = rdzv.assignment(job, n, round)
+        a = assignment(rdzv, job, n, round)
         assert a is not None and a != "missed", n
         assert a.world_size == job.world_size and a.generation == round
         out[n] = a.rank
@@ -75,25 +100,25 @@ def test_create_job_is_idempotent_and_refuses_conflicts(rdzv: Rendezvous) -> Non
     with pytest.raises(JobConflict):
         rdzv.create_job("job", spec(2, 8))
     with pytest.raises(JobConflict):
-        rdzv.join("job", "a", "h", 1, spec(3, 4))
+        join(rdzv, "job", "a", "h", 1, spec(3, 4))
     assert [j.job_id for j in rdzv.list_jobs()] == ["job"]
 
 
 def test_join_without_a_spec_needs_an_existing_job(rdzv: Rendezvous) -> None:
     with pytest.raises(UnknownJob):
-        rdzv.join("nojob", "a", "h", 1)
+        join(rdzv, "nojob", "a", "h", 1)
 
 
 def test_seals_at_max_nodes_with_ranks_in_join_order(rdzv: Rendezvous, clock: Clock) -> None:
     nodes = ["c", "a", "b"]
     round = 0
     for n in nodes:
-        round = rdzv.join("job", n, f"host-{n}", 1000 + ord(n), spec(2, 3))
+        round = join(rdzv, "job", n, f"host-{n}", 1000 + ord(n), spec(2, 3))
         clock.advance(0.1)
     job, _ = rdzv.tick("job")
     assert (job.generation, job.status, job.world_size) == (1, "sealed", 3)
     assert ranks(rdzv, job, nodes, round) == {"c": 0, "a": 1, "b": 2}
-    a = rdzv.assignment(job, "b", round)
+    a = assignment(rdzv, job, "b", round)
     assert a not in (None, "missed") and not isinstance(a, str)
     assert (a.master_addr, a.master_port) == ("host-c", 1000 + ord("c"))
     sealed = rdzv.sealed("job", round)
@@ -104,18 +129,18 @@ def test_seals_at_max_nodes_with_ranks_in_join_order(rdzv: Rendezvous, clock: Cl
 
 def test_last_call_waits_for_more_after_min(rdzv: Rendezvous, clock: Clock) -> None:
     s = spec(2, 4, last_call=5)
-    rdzv.join("job", "a", "h", 1, s)
+    join(rdzv, "job", "a", "h", 1, s)
     job, wait = rdzv.tick("job")
     assert job.status == "open" and wait == math.inf  # below min: only a join helps
     clock.advance(1)
-    rdzv.join("job", "b", "h", 2, s)
+    join(rdzv, "job", "b", "h", 2, s)
     clock.advance(2)
-    rdzv.beat("job", ["a", "b"])
+    rdzv.record_beats("job", ["a", "b"])
     job, wait = rdzv.tick("job")
     assert job.status == "open" and wait == pytest.approx(3)  # quorum at t=1, +5 s
-    rdzv.join("job", "c", "h", 3, s)
+    join(rdzv, "job", "c", "h", 3, s)
     clock.advance(2.9)
-    rdzv.beat("job", ["a", "b", "c"])
+    rdzv.record_beats("job", ["a", "b", "c"])
     assert rdzv.tick("job")[0].status == "open"
     clock.advance(0.2)
     job, _ = rdzv.tick("job")
@@ -125,11 +150,11 @@ def test_last_call_waits_for_more_after_min(rdzv: Rendezvous, clock: Clock) -> N
 def test_silent_waiting_nodes_are_left_out(rdzv: Rendezvous, clock: Clock) -> None:
     round = join_all(rdzv, ["a", "b", "ghost"], spec(2, 3, last_call=1, timeout=3))
     clock.advance(3.5)
-    rdzv.beat("job", ["a", "b"])
+    rdzv.record_beats("job", ["a", "b"])
     job, _ = rdzv.tick("job")
     assert job.world_size == 2
     assert ranks(rdzv, job, ["a", "b"], round) == {"a": 0, "b": 1}
-    assert rdzv.assignment(job, "ghost", round) == "missed"
+    assert assignment(rdzv, job, "ghost", round) == "missed"
 
 
 def test_a_silent_member_ends_the_generation_and_ranks_stay_stable(
@@ -142,16 +167,16 @@ def test_a_silent_member_ends_the_generation_and_ranks_stay_stable(
     assert ranks(rdzv, job, nodes, 1) == {"r0": 0, "r1": 1, "r2": 2, "r3": 3}
     for _ in range(3):
         clock.advance(1)
-        rdzv.beat("job", ["r0", "r2", "r3"], generation=1)  # r1 went silent
+        rdzv.record_beats("job", ["r0", "r2", "r3"], generation=1)  # r1 went silent
         job, _ = rdzv.tick("job")
     assert (job.generation, job.status) == (1, "open")
-    assert rdzv.heartbeat(job, "r0", 1) == "restart"
+    assert rdzv.judge_beat(job, "r0", 1) == "restart"
     history = rdzv.status("job").history
     assert history[0].ended_reason is not None and "r1 missed heartbeats" in history[0].ended_reason
 
     # Survivors re-join in another order, plus a newcomer: order is kept, newcomer last.
     for n in ["r3", "new", "r2", "r0"]:
-        rdzv.join("job", n, "h", 1)
+        join(rdzv, "job", n, "h", 1)
         clock.advance(0.1)
     job, _ = rdzv.tick("job")
     assert job.generation == 2
@@ -161,12 +186,12 @@ def test_a_silent_member_ends_the_generation_and_ranks_stay_stable(
 def test_a_newcomer_ends_a_running_generation(rdzv: Rendezvous, clock: Clock) -> None:
     join_all(rdzv, ["a", "b"], spec(2, 3, last_call=0))
     job, _ = rdzv.tick("job")
-    assert rdzv.heartbeat(job, "a", 1) == "continue"
-    round = rdzv.join("job", "late", "h", 9)
+    assert rdzv.judge_beat(job, "a", 1) == "continue"
+    round = join(rdzv, "job", "late", "h", 9)
     assert round == 2
     job = rdzv.get_job("job")
     assert (job.generation, job.status) == (1, "open")
-    assert rdzv.heartbeat(job, "a", 1) == "restart"
+    assert rdzv.judge_beat(job, "a", 1) == "restart"
     assert rdzv.status("job").history[0].ended_reason == "node late joined"
     join_all(rdzv, ["b", "a"])
     job, _ = rdzv.tick("job")
@@ -177,14 +202,14 @@ def test_a_full_job_refuses_more_nodes(rdzv: Rendezvous) -> None:
     join_all(rdzv, ["a", "b"], spec(2, 2))
     rdzv.tick("job")
     with pytest.raises(JobFull):
-        rdzv.join("job", "c", "h", 1)
+        join(rdzv, "job", "c", "h", 1)
     assert rdzv.get_job("job").status == "sealed"
 
 
 def test_a_member_that_restarts_ends_its_generation(rdzv: Rendezvous) -> None:
     join_all(rdzv, ["a", "b"], spec(2, 2))
     rdzv.tick("job")
-    assert rdzv.join("job", "b", "h", 1) == 2
+    assert join(rdzv, "job", "b", "h", 1) == 2
     assert rdzv.status("job").history[0].ended_reason == "member b re-joined"
 
 
@@ -192,7 +217,7 @@ def test_leaving_ends_the_generation_and_stale_requests_are_fenced(rdzv: Rendezv
     _, creds = register_all(rdzv, ["a", "b", "c"], spec(2, 3, last_call=0))
     job, _ = rdzv.tick("job")
     with pytest.raises(StaleGeneration):
-        rdzv.heartbeat(job, "a", 7)  # never sealed
+        rdzv.judge_beat(job, "a", 7)  # never sealed
     rdzv.leave("job", "c", 1, "preempted", creds["c"])
     job = rdzv.get_job("job")
     assert job.status == "open"
@@ -200,7 +225,7 @@ def test_leaving_ends_the_generation_and_stale_requests_are_fenced(rdzv: Rendezv
     # A zombie still on generation 1 can no longer act for it.
     with pytest.raises(StaleGeneration):
         rdzv.leave("job", "a", 1, "zombie", creds["a"])
-    assert rdzv.heartbeat(job, "a", 1) == "restart"
+    assert rdzv.judge_beat(job, "a", 1) == "restart"
     with pytest.raises(UnknownNode):
         rdzv.leave("job", "stranger", None, "never here", None)
     join_all(rdzv, ["a", "b"])
@@ -212,15 +237,15 @@ def test_a_node_that_missed_the_seal_is_told_to_join_again(rdzv: Rendezvous) -> 
     join_all(rdzv, ["a", "b"], spec(2, 2))
     # c registers for round 1 after the seal decision was made without it.
     job, _ = rdzv.tick("job")
-    assert rdzv.assignment(job, "c", 1) == "missed"
-    assert rdzv.assignment(rdzv.get_job("job"), "a", 2) is None  # round 2 not sealed
+    assert assignment(rdzv, job, "c", 1) == "missed"
+    assert assignment(rdzv, rdzv.get_job("job"), "a", 2) is None  # round 2 not sealed
 
 
 def test_two_coordinators_racing_seal_one_generation(storage: Storage, clock: Clock) -> None:
     one, two = (Rendezvous(storage.table("jobs"), clock) for _ in range(2))
     nodes = [f"n{i}" for i in range(6)]
     for i, n in enumerate(nodes):
-        (one if i % 2 else two).join("job", n, "h", i, spec(3, 6, last_call=0))
+        join(one if i % 2 else two, "job", n, "h", i, spec(3, 6, last_call=0))
     barrier = threading.Barrier(2)
     results: list[Job] = []
 
@@ -243,7 +268,7 @@ def test_status_shows_members_waiting_and_history(rdzv: Rendezvous, clock: Clock
     join_all(rdzv, ["a", "b"], spec(2, 3, last_call=0, timeout=4))
     rdzv.tick("job")
     clock.advance(2.5)
-    rdzv.beat("job", ["a"], generation=1)
+    rdzv.record_beats("job", ["a"], generation=1)
     status = rdzv.status("job")
     assert status.generation == 1 and status.status == "sealed" and status.world_size == 2
     assert [(m.node_id, m.rank, m.state) for m in status.members] == [
@@ -251,7 +276,7 @@ def test_status_shows_members_waiting_and_history(rdzv: Rendezvous, clock: Clock
         ("b", 1, "late"),
     ]
     assert status.members[1].heartbeat_age == pytest.approx(2.5)
-    rdzv.join("job", "c", "host-c", 1)
+    join(rdzv, "job", "c", "host-c", 1)
     status = rdzv.status("job")
     assert status.status == "open" and status.members == []
     assert [w.node_id for w in status.waiting] == ["c"]
@@ -260,16 +285,16 @@ def test_status_shows_members_waiting_and_history(rdzv: Rendezvous, clock: Clock
 
 def test_a_retried_join_is_the_same_join(rdzv: Rendezvous) -> None:
     s = spec(2, 2)
-    assert rdzv.join("job", "a", "h", 1, s, join_id="k1") == 1
-    assert rdzv.join("job", "a", "h", 1, s, join_id="k1") == 1  # retry while waiting
-    rdzv.join("job", "b", "h", 2, s, join_id="k2")
+    assert join(rdzv, "job", "a", "h", 1, s, join_id="k1") == 1
+    assert join(rdzv, "job", "a", "h", 1, s, join_id="k1") == 1  # retry while waiting
+    join(rdzv, "job", "b", "h", 2, s, join_id="k2")
     job, _ = rdzv.tick("job")
     assert job.generation == 1
     # The reply was lost; the retry must not end the generation it is part of.
-    assert rdzv.join("job", "a", "h", 1, join_id="k1") == 1
+    assert join(rdzv, "job", "a", "h", 1, join_id="k1") == 1
     assert rdzv.get_job("job").status == "sealed"
     # A new join (a restarted process) does end it.
-    assert rdzv.join("job", "a", "h", 1, join_id="k3") == 2
+    assert join(rdzv, "job", "a", "h", 1, join_id="k3") == 2
     assert rdzv.get_job("job").status == "open"
 
 
@@ -327,12 +352,12 @@ def test_a_join_decides_on_the_row_as_stored_not_as_last_seen(
 
 
 def test_a_node_that_missed_the_seal_registers_again_with_its_key(rdzv: Rendezvous) -> None:
-    rdzv.join("job", "a", "h", 1, spec(1, 2, last_call=0), join_id="ka")
+    join(rdzv, "job", "a", "h", 1, spec(1, 2, last_call=0), join_id="ka")
     rdzv.tick("job")  # sealed with a alone
     # c's registration for round 1 raced the seal and lost.
     rdzv.table.upsert(_node_entity("job", Node("c", "h", 3, 1, 0.0, "waiting", "kc")))
-    assert rdzv.assignment(rdzv.get_job("job"), "c", 1) == "missed"
-    assert rdzv.join("job", "c", "h", 3, join_id="kc") == 2  # registers for the next
+    assert assignment(rdzv, rdzv.get_job("job"), "c", 1) == "missed"
+    assert join(rdzv, "job", "c", "h", 3, join_id="kc") == 2  # registers for the next
 
 
 def test_a_restart_of_survivors_seals_without_waiting_for_last_call(
@@ -357,7 +382,7 @@ def test_a_silent_member_holds_the_restart_only_until_its_heartbeat_expires(
     s = spec(2, 3, last_call=60, timeout=3)
     join_all(rdzv, ["a", "b", "c"], s)
     job, _ = rdzv.tick("job")
-    rdzv.beat("job", ["a", "b", "c"], job.generation)
+    rdzv.record_beats("job", ["a", "b", "c"], job.generation)
     clock.advance(1)
     round = join_all(rdzv, ["a", "b"])  # c was killed: the survivors restart
     job, wait = rdzv.tick("job")
@@ -373,7 +398,7 @@ def test_a_round_with_a_newcomer_still_waits_for_last_call(rdzv: Rendezvous, clo
     clock.advance(10)
     job, _ = rdzv.tick("job")
     assert job.world_size == 2
-    rdzv.join("job", "d", "host-d", 1)  # ends generation 1
+    join(rdzv, "job", "d", "host-d", 1)  # ends generation 1
     round = join_all(rdzv, ["a", "b"])
     job, wait = rdzv.tick("job")
     assert job.status == "open" and 0 < wait <= 10  # more newcomers may come
@@ -387,10 +412,10 @@ def test_a_dropped_watch_ends_the_generation_unless_the_node_beat_again(
 ) -> None:
     join_all(rdzv, ["a", "b", "c"], spec(3, 3, timeout=30))
     job, _ = rdzv.tick("job")
-    rdzv.beat("job", ["a", "b", "c"], job.generation)
+    rdzv.record_beats("job", ["a", "b", "c"], job.generation)
     cut_at = clock.now
     clock.advance(1)
-    rdzv.beat("job", ["a"], job.generation)  # a reconnected (through any replica)
+    rdzv.record_beats("job", ["a"], job.generation)  # a reconnected (through any replica)
     assert not rdzv.expire("job", "a", cut_at)
     assert rdzv.expire("job", "b", cut_at)  # b did not
     job, _ = rdzv.tick("job")  # long before the 30 s timeout
@@ -398,7 +423,7 @@ def test_a_dropped_watch_ends_the_generation_unless_the_node_beat_again(
     info = rdzv.status("job").history[-1]
     assert info.ended_reason == "node b dropped its heartbeat connection"
     # A fresh beat clears it: b is a live waiting node again for the next round.
-    rdzv.beat("job", ["b"])
+    rdzv.record_beats("job", ["b"])
     assert rdzv._beats("job", dropped := set()) and dropped == set()
 
 
@@ -449,7 +474,7 @@ def test_the_operator_removes_a_node_without_its_credential(rdzv: Rendezvous) ->
     job = rdzv.get_job("job")
     assert job.status == "open" and rdzv.node("job", "b").state == "left"
     assert rdzv.status("job").history[0].ended_reason == "node b removed"
-    assert rdzv.heartbeat(job, "a", 1) == "restart"
+    assert rdzv.judge_beat(job, "a", 1) == "restart"
     with pytest.raises(UnknownNode):
         rdzv.remove("job", "nobody", "never here")
 
@@ -508,7 +533,7 @@ def test_a_spread_job_seals_in_its_own_partition_and_keeps_members_apart(
     assert sorted(sealed.ranks.values()) == list(range(len(nodes)))
     # Heartbeats land in the members' partitions, and the rule still sees every one.
     clock.advance(2)
-    rdzvs[0].beat("job", nodes, 1)
+    rdzvs[0].record_beats("job", nodes, 1)
     job, _ = rdzvs[0].tick("job")
     assert job.status == "sealed"
     assert {m.state for m in rdzvs[0].status("job").members} == {"alive"}
@@ -521,7 +546,7 @@ def test_a_generation_ended_by_a_re_join_after_a_members_watch_was_cut_names_the
     names the first cause (the cut), not the survivor whose re-join ended it."""
     join_all(rdzv, ["a", "b", "c"], spec(3, 3, last_call=0))
     rdzv.tick("job")
-    rdzv.beat("job", ["a", "b", "c"], 1)
+    rdzv.record_beats("job", ["a", "b", "c"], 1)
     clock.advance(1)
     cut = clock()  # c's process died: its heartbeat watch closed
     clock.advance(0.3)
@@ -536,7 +561,7 @@ def test_a_generation_ended_by_a_re_join_after_a_members_watch_was_cut_names_the
 def test_a_cut_after_the_generation_ended_leaves_its_reason(rdzv: Rendezvous, clock: Clock) -> None:
     join_all(rdzv, ["a", "b"], spec(2, 2, last_call=0))
     rdzv.tick("job")
-    rdzv.beat("job", ["a", "b"], 1)
+    rdzv.record_beats("job", ["a", "b"], 1)
     clock.advance(1)
     rdzv.register("job", "a", "h", 1)  # ends generation 1
     clock.advance(0.5)

@@ -53,7 +53,7 @@ from ..errors import (
 )
 from ..storage import within
 
-__all__ = ["heartbeat", "pulse", "router"]
+__all__ = ["answer_heartbeat", "heartbeat", "router"]
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Auth])
 
@@ -237,16 +237,16 @@ async def heartbeat(
     request: Request,
     credential: Credential,
 ) -> HeartbeatReply:
-    """A member's pulse; the reply says whether its generation still runs.
+    """A member's heartbeat; the reply says whether its generation still runs.
 
     With ``wait``, the reply is held while the generation runs and sent the moment it
     ends, so members restart within milliseconds of a change rather than at their next
     heartbeat. The beat itself counts when the request arrives.
 
     (Well-formed, authorized beats are answered by :class:`HeartbeatFastPath` before
-    routing; this route answers the rest, with the same :func:`pulse`.)
+    routing; this route answers the rest, with the same :func:`answer_heartbeat`.)
     """
-    return await pulse(
+    return await answer_heartbeat(
         job_id,
         node_id,
         body.generation,
@@ -257,7 +257,7 @@ async def heartbeat(
     )
 
 
-async def pulse(
+async def answer_heartbeat(
     job_id: str,
     node_id: str,
     generation: int | None,
@@ -282,7 +282,7 @@ async def pulse(
     rdzv: Rendezvous = state.rdzv
     driver: Driver = state.driver
     job, changed = await driver.snapshot(job_id)
-    action = rdzv.heartbeat(job, node_id, generation)
+    action = rdzv.judge_beat(job, node_id, generation)
     if generation is not None:
         # A member's beat is checked against the generation record (cached: it never
         # changes), so the credential costs a hash, not a storage read.
@@ -297,7 +297,7 @@ async def pulse(
         credentials.check(node.cred, credential, node_id)
     state.metrics.heartbeats.labels(job_id).inc()  # a beat of the node itself
     if action == "continue":
-        driver.beat(job_id, node_id, generation or 0)
+        driver.queue_beat(job_id, node_id, generation or 0)
     if generation is not None and wait > 0 and action == "continue" and not driver.closing:
         # Held on one wait: for the job to change, or the caller to hang up, or the hold
         # to end. (Polling each held beat a few times a second cost 8,000 wake-ups a
@@ -317,7 +317,7 @@ async def pulse(
                     driver.dropped(job_id, node_id)
                     break
                 job, changed = await driver.snapshot(job_id)
-                action = rdzv.heartbeat(job, node_id, generation)
+                action = rdzv.judge_beat(job, node_id, generation)
         finally:
             gone.cancel()
     return _reply(action, job.generation)
