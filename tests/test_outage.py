@@ -176,6 +176,7 @@ def test_work_that_grows_with_a_job_limits_each_try_not_the_whole(
         own_azurite.thaw()
 
 
+@pytest.mark.azurite
 def test_a_call_under_a_deadline_fails_within_it_when_storage_is_frozen(
     azure: AzureStorage, own_azurite: Azurite
 ) -> None:
