@@ -244,7 +244,8 @@ def azurite_pid() -> int | None:
     return None
 
 
-RATE = int(os.environ.get("RP_PROFILE_RATE", "20"))  # py-spy's samples a second: 100 took a core from the two here and tripled a round
+#: py-spy's samples a second: 100 took a core from the two here and tripled a round.
+RATE = int(os.environ.get("RP_PROFILE_RATE", "20"))
 
 
 class Profile:
@@ -366,8 +367,8 @@ ROW_HEAD = (
 def client_row(storage: str, n: int, azurite: str) -> Row:
     """A round of real ElasticClients (threads of processes of 128)."""
     with running(coordinator_for(storage, azurite)) as (coordinator, pid):
-        store_pid = azurite_pid() if storage == "azurite" else None
-        before = cpu_seconds(pid), cpu_seconds(store_pid) if store_pid else 0.0
+        storage_pid = azurite_pid() if storage == "azurite" else None
+        before = cpu_seconds(pid), cpu_seconds(storage_pid) if storage_pid else 0.0
         seconds, nodes_cpu, assignment_bytes = join_round(coordinator.url, f"round-{n}", n)
         return Row(
             n,
@@ -376,7 +377,7 @@ def client_row(storage: str, n: int, azurite: str) -> Row:
             seconds,
             cpu_seconds(pid) - before[0],
             nodes_cpu,
-            cpu_seconds(store_pid) - before[1] if store_pid else None,
+            cpu_seconds(storage_pid) - before[1] if storage_pid else None,
             assignment_bytes,
         )
 
@@ -384,11 +385,11 @@ def client_row(storage: str, n: int, azurite: str) -> Row:
 def loadgen_row(storage: str, n: int, azurite: str, profile: bool) -> Row:
     """A round of N loadgen nodes, connected before the clock starts."""
     with running(coordinator_for(storage, azurite)) as (coordinator, pid):
-        store_pid = azurite_pid() if storage == "azurite" else None
+        storage_pid = azurite_pid() if storage == "azurite" else None
         cpu: list[float] = []
 
         def go() -> None:
-            cpu.extend((cpu_seconds(pid), cpu_seconds(store_pid) if store_pid else 0.0))
+            cpu.extend((cpu_seconds(pid), cpu_seconds(storage_pid) if storage_pid else 0.0))
 
         async def main() -> Round:
             gen = Loadgen("127.0.0.1", coordinator.port, f"round-{n}", n)
@@ -412,7 +413,7 @@ def loadgen_row(storage: str, n: int, azurite: str, profile: bool) -> Row:
             result.seconds,
             cpu_seconds(pid) - cpu[0],
             result.loadgen_cpu,
-            cpu_seconds(store_pid) - cpu[1] if store_pid else None,
+            cpu_seconds(storage_pid) - cpu[1] if storage_pid else None,
             result.assignment_bytes,
             result.wire_bytes,
             result.retries,
