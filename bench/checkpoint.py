@@ -280,8 +280,8 @@ print((rss("VmHWM:") - before) / sum(t.numel() * 4 for t in state.values()))
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def shard_path(store: Path, version: int) -> Path:
-    (path,) = store.glob(f"**/v{version:010d}/rank-00000/data.distcp")
+def shard_path(root: Path, version: int) -> Path:
+    (path,) = root.glob(f"**/v{version:010d}/rank-00000/data.distcp")
     return path
 
 
@@ -292,7 +292,7 @@ def bench(
     work: Path,
     repeat: int,
     conn: str | None,
-    store: Path | None,
+    root: Path | None,
 ) -> None:
     nbytes = sum(t.numel() * 4 for t in state.values())
     rp = Rallypoint(url, state)
@@ -300,10 +300,10 @@ def bench(
     where = "" if device == "cpu" else f" on {device}"
     print(f"\n== {kind}: {nbytes / MiB:.0f} MiB in {len(state)} tensors{where} ==")
     if kind == "local":
-        assert store is not None
+        assert root is not None
 
         def shard() -> Path:
-            return shard_path(store, rp.version)
+            return shard_path(root, rp.version)
 
         put, get = dd_write(shard, work), lambda: dd_read(shard())()
         write_name, read_name = "dd conv=fdatasync", "dd to /dev/null"
@@ -534,18 +534,18 @@ def main() -> None:
     ) as tmp:
         work = Path(tmp)
         if args.only in (None, "local"):
-            store = work / "store"
-            coordinator = Coordinator(["--storage", f"local:{store}"], {}).start()
+            root = work / "storage"
+            coordinator = Coordinator(["--storage", f"local:{root}"], {}).start()
             try:
                 if single:
-                    bench("local", coordinator.url, state, work, args.repeat, None, store)
+                    bench("local", coordinator.url, state, work, args.repeat, None, root)
                 if shard:
                     sharded("local", coordinator.url, work, args, None)
                 if args.mode == "formats":
                     formats(coordinator.url, work, args)
             finally:
                 coordinator.stop()
-        # A fresh Azurite for each run: its in-memory store does not give back the
+        # A fresh Azurite for each run: its in-memory storage does not give back the
         # space of deleted blobs soon enough for both (a 12 GiB cap).
         for run in ("single", "sharded") if args.only in (None, "azurite") else ():
             if not {"single": single, "sharded": shard}[run]:

@@ -163,7 +163,7 @@ def main() -> int:
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {backend}")
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
-        coordinator = Coordinator(["--storage", f"local:{tmp}/store"], {}).start()
+        coordinator = Coordinator(["--storage", f"local:{tmp}/storage"], {}).start()
         try:
             manager: CheckpointManager = joined_manager(coordinator.url)
             state = make_state(device)

@@ -195,8 +195,8 @@ def with_batch_path(patched: bool, work: Callable[[], float]) -> Callable[[], fl
 
 def measure_transactions(conn: str, args: argparse.Namespace) -> None:
     """The in-order batch path against azure-core's own, rounds alternating."""
-    store = AzureStorage("benchtx", connection_string=conn)
-    table = store.table("batches")
+    storage = AzureStorage("benchtx", connection_string=conn)
+    table = storage.table("batches")
     print(f"  {'transactions':28} {'in order':>10} {'azure-core':>10}  ratio")
     for size in (2, 100):
         work = adapter_transactions(table, args.ops, size)
@@ -217,7 +217,7 @@ def measure_transactions(conn: str, args: argparse.Namespace) -> None:
             a, b = statistics.median(mine), statistics.median(base)
             print(f"  {metric:28} {a:10.2f} {b:10.2f}  {a / b:5.2f}", flush=True)
     _azure_batch.install()
-    store.close()
+    storage.close()
 
 
 # --- blobs ------------------------------------------------------------------------------
@@ -285,14 +285,14 @@ def sdk_blob_baseline(conn: str, source: Path) -> tuple[Callable[[], float], Cal
 
 def measure(
     backend: str,
-    store: Storage,
+    storage: Storage,
     table_baseline: tuple[Callable[[], float], Callable[[], float]],
     blob_baseline: tuple[Callable[[], float], Callable[[], float]],
     baseline_names: tuple[str, str],
     args: argparse.Namespace,
     source: Path,
 ) -> list[tuple[str, str, float, float, str]]:
-    table, blobs = store.table("bench"), store.blobs("bench")
+    table, blobs = storage.table("bench"), storage.blobs("bench")
     put, get = adapter_blob(blobs, source)
     rows = []
     pairs = [
@@ -305,7 +305,7 @@ def measure(
         mine, base = median_rates(ours, theirs, args.repeat)
         rows.append((backend, metric, mine, base, baseline_names[which]))
         print(
-            f"  {backend:6} {metric:28} {mine:10.1f} {base:10.1f}  {mine / base:5.2f}", flush=True
+            f"  {backend:7} {metric:28} {mine:10.1f} {base:10.1f}  {mine / base:5.2f}", flush=True
         )
     return rows
 
@@ -337,9 +337,9 @@ def main() -> None:
                 f"{args.ops} table ops and a {args.mib} MiB blob per round, median of "
                 f"{args.repeat} after one warm-up; {os.cpu_count()} CPUs; files under {work}"
             )
-            print(f"  {'store':6} {'metric':28} {'rallypoint':>10} {'baseline':>10}  ratio")
+            print(f"  {'storage':7} {'metric':28} {'rallypoint':>10} {'baseline':>10}  ratio")
         if "local" in parts:
-            local = LocalStorage(work / "store", "bench")
+            local = LocalStorage(work / "storage", "bench")
             rows += measure(
                 "local",
                 local,

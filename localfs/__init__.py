@@ -19,8 +19,8 @@ Example::
 
     from rallypoint.localfs import load_key, sign_file_url, verify_file_url
 
-    url = sign_file_url(store, load_key(store, create=True), "ckpt/v1/0.bin", "r", expiry)
-    store, path = verify_file_url(url, "r")
+    url = sign_file_url(root, load_key(root, create=True), "ckpt/v1/0.bin", "r", expiry)
+    root, path = verify_file_url(url, "r")
 """
 
 from ._fileurl import (

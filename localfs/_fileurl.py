@@ -8,10 +8,10 @@ version) rather than against an attacker who can read the storage directory anyw
 
 Format::
 
-    file:///STORE/blobs/CONTAINER/NAME?sn=CONTAINER/NAME&sp=r|w&se=EXPIRY[&sk=SCOPE]&sig=HEX
+    file:///ROOT/blobs/CONTAINER/NAME?sn=CONTAINER/NAME&sp=r|w&se=EXPIRY[&sk=SCOPE]&sig=HEX
 
 A write URL may be *scoped* (``sk``, a folder ``CONTAINER/FOLDER/`` holding the object):
-then it is signed with that scope's own key, ``STORE/scopes/<sha256 of the scope>``,
+then it is signed with that scope's own key, ``ROOT/scopes/<sha256 of the scope>``,
 which the coordinator makes at the first signing and turns into an empty tombstone when
 it revokes the scope (a checkpoint version committed or collected). Verification reads
 the scope's key, so a revoked scope's URLs fail at once, whatever their expiry: the
@@ -71,29 +71,29 @@ def _create(path: Path) -> None:
         os.unlink(tmp)
 
 
-def load_key(store: Path, *, create: bool = False) -> bytes:
-    """Reads the store's URL-signing key, creating it (mode 0600) if asked."""
-    path = store / KEY_FILE
+def load_key(root: Path, *, create: bool = False) -> bytes:
+    """Reads the storage directory's URL-signing key, creating it (mode 0600) if asked."""
+    path = root / KEY_FILE
     if create and not path.exists():
         _create(path)
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise SignedUrlError(f"cannot read the URL key of store {store}: {exc}") from exc
+        raise SignedUrlError(f"cannot read the URL key in {root}: {exc}") from exc
 
 
-def _scope_path(store: Path, scope: str) -> Path:
+def _scope_path(root: Path, scope: str) -> Path:
     # Hashed: a flat folder of fixed-length names, whatever the scope's depth or length.
-    return store / SCOPES / hashlib.sha256(scope.encode()).hexdigest()
+    return root / SCOPES / hashlib.sha256(scope.encode()).hexdigest()
 
 
-def scope_key(store: Path, scope: str, *, create: bool = False) -> bytes:
+def scope_key(root: Path, scope: str, *, create: bool = False) -> bytes:
     """The write key of ``scope`` (``CONTAINER/FOLDER/``), made if asked and absent.
 
     Raises:
         SignedUrlError: The scope was revoked, or has no key and ``create`` is False.
     """
-    path = _scope_path(store, scope)
+    path = _scope_path(root, scope)
     try:
         if create and not path.exists():
             path.parent.mkdir(mode=0o700, exist_ok=True)
@@ -112,14 +112,14 @@ def scope_key(store: Path, scope: str, *, create: bool = False) -> bytes:
     return key
 
 
-def revoke_scope(store: Path, scope: str) -> None:
+def revoke_scope(root: Path, scope: str) -> None:
     """Ends every write URL of ``scope`` and any later signing for it: its key becomes an
     empty tombstone, in one rename, so a verifier reads either the key or the tombstone.
 
     Raises:
         OSError: The storage directory cannot be written.
     """
-    path = _scope_path(store, scope)
+    path = _scope_path(root, scope)
     path.parent.mkdir(mode=0o700, exist_ok=True)
     tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -131,13 +131,13 @@ def revoke_scope(store: Path, scope: str) -> None:
     _fsync_dir(path.parent)
 
 
-def forget_scope(store: Path, scope: str) -> None:
+def forget_scope(root: Path, scope: str) -> None:
     """Removes ``scope``'s key or tombstone, once the scope's objects are gone.
 
     Raises:
         OSError: The storage directory cannot be written.
     """
-    _scope_path(store, scope).unlink(missing_ok=True)
+    _scope_path(root, scope).unlink(missing_ok=True)
 
 
 def _signature(key: bytes, signed_name: str, permission: str, expiry: int, scope: str) -> str:
@@ -148,13 +148,13 @@ def _signature(key: bytes, signed_name: str, permission: str, expiry: int, scope
 
 
 def sign_file_url(
-    store: Path, key: bytes, signed_name: str, permission: str, expiry: int, scope: str = ""
+    root: Path, key: bytes, signed_name: str, permission: str, expiry: int, scope: str = ""
 ) -> str:
-    """Builds a URL for ``store/blobs/signed_name``.
+    """Builds a URL for ``root/blobs/signed_name``.
 
     Args:
-        store: The storage directory (absolute).
-        key: The store's signing key, or for a scoped URL the scope's
+        root: The storage directory (absolute).
+        key: The storage directory's signing key, or for a scoped URL the scope's
             (:func:`scope_key`).
         signed_name: ``CONTAINER/NAME`` of the object.
         permission: ``r`` or ``w``.
@@ -162,7 +162,7 @@ def sign_file_url(
         scope: ``CONTAINER/FOLDER/``, a folder holding the object, whose revocation
             ends the URL; empty for none.
     """
-    path = quote(str(store / "blobs" / signed_name))
+    path = quote(str(root / "blobs" / signed_name))
     fields = {"sn": signed_name, "sp": permission, "se": str(expiry)}
     if scope:
         fields["sk"] = scope
@@ -204,26 +204,26 @@ def verify_file_url(url: str, permission: str, *, now: float | None = None) -> t
         raise SignedUrlError("URL path does not match the object it was signed for")
     if scope and not (scope.endswith("/") and signed_name.startswith(scope)):
         raise SignedUrlError("URL names an object outside its scope")
-    store = Path(str(path)[: -len(suffix)] or "/")
-    key = scope_key(store, scope) if scope else load_key(store)
+    root = Path(str(path)[: -len(suffix)] or "/")
+    key = scope_key(root, scope) if scope else load_key(root)
     if not hmac.compare_digest(sig, _signature(key, signed_name, granted, expiry, scope)):
         raise SignedUrlError("URL signature does not match: it was altered")
     if granted != permission:
         raise SignedUrlError(f"URL grants {granted!r} access, not {permission!r}")
     if (time.time() if now is None else now) > expiry:
         raise SignedUrlError("URL has expired")
-    return store, path
+    return root, path
 
 
 class SourceError(Exception):
-    """Reading the caller's data failed (not the store); ``__cause__`` holds why."""
+    """Reading the caller's data failed (not the storage); ``__cause__`` holds why."""
 
 
 _COPY_CHUNK = 8 << 20
 
 
 def write_atomically(
-    store: Path,
+    root: Path,
     path: Path,
     source: bytes | bytearray | memoryview | BinaryIO | Sequence[memoryview],
     *,
@@ -231,15 +231,15 @@ def write_atomically(
     on_write: Callable[[int], None] | None = None,
     check: Callable[[], object] | None = None,
 ) -> bool:
-    """Writes an object of the local store so that no reader ever sees half of it.
+    """Writes an object of the local storage so that no reader ever sees half of it.
 
-    The bytes go to a temporary file in ``store/tmp`` (same file system; for 1 MiB or
+    The bytes go to a temporary file in ``root/tmp`` (same file system; for 1 MiB or
     more of known size, a collected object's file, see ``_recycle``), are fsynced, and
     the file is renamed into place (``os.link`` for create-if-absent, which fails if
     the name exists); the folder is fsynced so the rename survives a crash.
 
     Args:
-        store: The storage directory.
+        root: The storage directory.
         path: The object's path inside it.
         source: Bytes, a list of buffers written one after the other (no copy), or a
             binary file object read to its end through one reused buffer (a fresh
@@ -256,7 +256,7 @@ def write_atomically(
         SourceError: Reading ``source`` failed.
         OSError: The write failed, or a blob occupies a folder of ``path``.
     """
-    tmp_dir = store / "tmp"
+    tmp_dir = root / "tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir / f"{os.getpid()}-{secrets.token_hex(8)}"
     parts: Sequence[bytes | bytearray | memoryview] | None = None
@@ -265,7 +265,7 @@ def write_atomically(
     elif isinstance(source, (list, tuple)):
         parts = source
     # A large object of known size goes over a collected object's blocks (see _recycle).
-    fd = None if parts is None else claim(store, sum(memoryview(p).nbytes for p in parts), tmp)
+    fd = None if parts is None else claim(root, sum(memoryview(p).nbytes for p in parts), tmp)
     recycled = fd is not None
     if fd is None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)

@@ -5,7 +5,7 @@ file system block the disk has never held, or has been told is free, costs a
 provisioning round trip on first write: a new 1 GiB file went to disk at 200 MiB/s
 here, the same bytes over an existing file's blocks at 2,000 MiB/s. A checkpoint's
 shards are the same size save after save and retention deletes one version per save,
-so the local store moves a collected object's file into ``STORE/recycle`` instead of
+so the local storage moves a collected object's file into ``ROOT/recycle`` instead of
 unlinking it, and the next write of a large object renames one from there and writes
 over its blocks (as PostgreSQL recycles WAL segments).
 
@@ -27,7 +27,7 @@ from pathlib import Path
 __all__ = ["RECYCLE_DIR", "RECYCLE_MIN", "claim", "pin", "retire"]
 
 RECYCLE_DIR = "recycle"
-#: Smaller objects (manifests, store keys) are unlinked: nothing to gain.
+#: Smaller objects (manifests, say) are unlinked: nothing to gain.
 RECYCLE_MIN = 1 << 20
 _MAX_FILES = 64
 _MAX_AGE_S = 3600.0
@@ -46,7 +46,7 @@ def _exclusive(fd: int) -> bool:
     return True
 
 
-def retire(store: Path, path: Path) -> None:
+def retire(root: Path, path: Path) -> None:
     """Removes an object's name, keeping a large, unread file for reuse.
 
     Raises:
@@ -63,7 +63,7 @@ def retire(store: Path, path: Path) -> None:
         if size < RECYCLE_MIN or not _exclusive(fd):
             path.unlink()  # small, or mapped by a reader: its inode must stay as it is
             return
-        pool = store / RECYCLE_DIR
+        pool = root / RECYCLE_DIR
         pool.mkdir(exist_ok=True)
         os.utime(fd)  # its age in the pool counts from now
         os.rename(path, pool / f"{size:012x}-{secrets.token_hex(6)}")
@@ -92,7 +92,7 @@ def _trim(pool: Path) -> None:
                 path.unlink()
 
 
-def claim(store: Path, size: int, target: Path) -> int | None:
+def claim(root: Path, size: int, target: Path) -> int | None:
     """Moves a recycled file to ``target`` and opens it for writing from offset 0.
 
     Picks the smallest file that holds ``size`` bytes, else the largest. The caller
@@ -104,7 +104,7 @@ def claim(store: Path, size: int, target: Path) -> int | None:
     """
     if size < RECYCLE_MIN:
         return None
-    pool = store / RECYCLE_DIR
+    pool = root / RECYCLE_DIR
     entries = _entries(pool)
     fits = sorted(e for e in entries if e[0] >= size)
     rest = sorted((e for e in entries if e[0] < size), reverse=True)

@@ -53,19 +53,19 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = storage or open_storage(settings.storage, prefix=settings.storage_prefix)
+        backend = storage or open_storage(settings.storage, prefix=settings.storage_prefix)
         for name in TABLES:
-            store.table(name)
+            backend.table(name)
         for name in CONTAINERS:
-            store.blobs(name)
-        app.state.storage = store
-        app.state.rdzv = Rendezvous(store.table("jobs"))
+            backend.blobs(name)
+        app.state.storage = backend
+        app.state.rdzv = Rendezvous(backend.table("jobs"))
         app.state.driver = Driver(app.state.rdzv, grace=settings.storage_grace)
-        app.state.kv = KeyValue(store.table("jobs"))
-        app.state.tokens = Tokens(store.table("jobs"), settings.token)
+        app.state.kv = KeyValue(backend.table("jobs"))
+        app.state.tokens = Tokens(backend.table("jobs"), settings.token)
         app.state.checkpoints = Checkpoints(
             app.state.rdzv,
-            store.blobs("checkpoints"),
+            backend.blobs("checkpoints"),
             keep=settings.checkpoint_keep,
             timeout=timedelta(seconds=settings.checkpoint_timeout),
             write_ttl=timedelta(seconds=settings.write_url_ttl),
@@ -73,14 +73,14 @@ def create_app(
             on_commit=metrics.committed,
             on_restore=metrics.restored,
         )
-        prober = asyncio.create_task(routers.probe(store), name="storage-probe")
+        prober = asyncio.create_task(routers.probe(backend), name="storage-probe")
         yield
         prober.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await prober
         await app.state.driver.close()
         if storage is None:
-            store.close()
+            backend.close()
 
     def job_states() -> list[JobStatus]:
         rdzv: Rendezvous = app.state.rdzv

@@ -29,9 +29,9 @@ Hierarchy::
         ├── Modified            an ETag condition failed (someone else wrote first)
         ├── InvalidName         a key or blob name is empty, too long or a path trick
         ├── LimitExceeded       an entity, property or batch over Azure's limits
-        ├── BadRequest          any other request the store cannot take
+        ├── BadRequest          any other request storage cannot take
         ├── AccessDenied        a signed URL that is expired, tampered or out of scope
-        └── StorageUnavailable  the store cannot be reached (after the SDK's retries)
+        └── StorageUnavailable  storage cannot be reached (after the SDK's retries)
 """
 
 from __future__ import annotations

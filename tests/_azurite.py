@@ -73,7 +73,7 @@ class Azurite:
 
     def start(self, deadline_s: float = 60) -> bool:
         """Starts it; whether it listens within ``deadline_s`` (else it is killed)."""
-        store = (
+        persistence = (
             ["--location", str(self.location)]
             if self.location is not None
             else ["--inMemoryPersistence"]
@@ -82,7 +82,7 @@ class Azurite:
             self.proc = subprocess.Popen(
                 [
                     azurite_binary(),
-                    *store,
+                    *persistence,
                     "--disableTelemetry",
                     "--skipApiVersionCheck",
                     "--loose",
@@ -124,7 +124,7 @@ class Azurite:
             self.proc.wait()
 
     def terminate(self) -> None:
-        """SIGTERM: it saves what it holds (its ``--location`` store saves every few
+        """SIGTERM: it saves what it holds (its ``--location`` storage saves every few
         seconds otherwise, so a SIGKILL also loses the last seconds' writes, which
         Azure itself never does)."""
         if self.proc is not None and self.proc.poll() is None:

@@ -148,13 +148,13 @@ def azurite() -> Iterator[str]:
 def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Storage]:
     """The same contract runs against both backends, each test on fresh names."""
     prefix = "t" + uuid.uuid4().hex[:12]
-    store: Storage
+    storage: Storage
     if request.param == "local":
-        store = LocalStorage(tmp_path / "store", prefix)
+        storage = LocalStorage(tmp_path / "storage", prefix)
     else:
-        store = AzureStorage(prefix, connection_string=request.getfixturevalue("azurite"))
-    yield store
-    store.close()
+        storage = AzureStorage(prefix, connection_string=request.getfixturevalue("azurite"))
+    yield storage
+    storage.close()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -179,7 +179,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
     """Arguments and environment for coordinators sharing one storage."""
     if request.param == "local":
-        return ["--storage", f"local:{tmp_path / 'store'}"], {}
+        return ["--storage", f"local:{tmp_path / 'storage'}"], {}
     prefix = "c" + uuid.uuid4().hex[:10]
     return ["--storage", "azure"], {
         "AZURE_STORAGE_CONNECTION_STRING": request.getfixturevalue("azurite"),

@@ -19,8 +19,8 @@ from ._inprocess import InProcessCoordinator
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """A coordinator's URL and the credential of its job's one member, node a (every
     request here acts as a, so that the request itself is what is wrong)."""
-    store = tmp_path_factory.mktemp("store")
-    coordinator = InProcessCoordinator(["--storage", f"local:{store}"]).start()
+    root = tmp_path_factory.mktemp("storage")
+    coordinator = InProcessCoordinator(["--storage", f"local:{root}"]).start()
     # One job with one sealed generation, which no bad request may disturb.
     spec = {"min_nodes": 1, "max_nodes": 1, "last_call": 0, "heartbeat_timeout": 60}
     reply = httpx.post(

@@ -124,7 +124,8 @@ def test_versions_are_dcp_checkpoints(start: Start, tmp_path: Path) -> None:
         "committed",
         True,
     )
-    files = sorted(p.relative_to(tmp_path / "store") for p in tmp_path.glob("store/**/v*/**/*.*"))
+    root = tmp_path / "storage"
+    files = sorted(p.relative_to(root) for p in root.glob("**/v*/**/*.*"))
     assert [(p.parent.name, p.name) for p in files] == [
         ("v0000000001", "manifest.json"),
         ("rank-00000", "data.distcp"),
@@ -207,7 +208,7 @@ def test_a_corrupt_or_missing_shard_fails_loudly(start: Start, tmp_path: Path) -
     url = start().url
     (m,) = managers(url, ["a"], 1, 1)
     m.save({"w": torch.randn(1000)}, 1, blocking=True)
-    (shard,) = tmp_path.glob("store/**/data.distcp")
+    (shard,) = tmp_path.glob("storage/**/data.distcp")
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0xFF
     shard.write_bytes(data)
@@ -227,7 +228,7 @@ def test_the_named_version_wins_over_newer_looking_files(start: Start, tmp_path:
     m.save({"w": torch.ones(4)}, 2, blocking=True)
     # A cache that trusts modification times would pick version 1 now.
     future = time.time() + 3600
-    for path in tmp_path.glob("store/**/v0000000001/**/*"):
+    for path in tmp_path.glob("storage/**/v0000000001/**/*"):
         os.utime(path, (future, future))
     (m2,) = managers(url, ["a"], 1, 1)
     restored = m2.load_latest()
@@ -248,9 +249,9 @@ def test_restored_tensors_outlive_their_version(start: Start, tmp_path: Path) ->
     inodes = {}
     for step in range(2, 8):  # version = step; keep=3: v1 goes at step 4, v2 at 5, ...
         m2.save({"w": torch.full((1024, 1024), float(step))}, step, blocking=True)
-        (shard,) = tmp_path.glob(f"store/**/v{step:010d}/**/data.distcp")
+        (shard,) = tmp_path.glob(f"storage/**/v{step:010d}/**/data.distcp")
         inodes[step] = shard.stat().st_ino
-    assert not list(tmp_path.glob("store/**/v0000000001"))
+    assert not list(tmp_path.glob("storage/**/v0000000001"))
     assert torch.equal(restored.state["w"], torch.full((1024, 1024), 1.0))
     # Step 6 got the file of version 2 (collected at step 5), step 7 that of version 3.
     assert (inodes[6], inodes[7]) == (inodes[2], inodes[3])
@@ -300,7 +301,7 @@ def test_a_rank_killed_mid_upload_never_becomes_latest(spawn: Spawn, tmp_path: P
         assert proc.stdout is not None and proc.stdout.readline().strip() == "committed"
         # The 256 MiB shard is being written once a temporary file holds some of it.
         deadline = time.monotonic() + 60
-        while not any(p.stat().st_size for p in tmp_path.glob("store/**/tmp/*")):
+        while not any(p.stat().st_size for p in tmp_path.glob("storage/**/tmp/*")):
             assert time.monotonic() < deadline and proc.poll() is None
         proc.send_signal(signal.SIGKILL)
     finally:

@@ -28,8 +28,8 @@ COMMAND = [sys.executable, "-m", "rallypoint"]
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    store = tmp_path_factory.mktemp("store")
-    coordinator = Coordinator(["--storage", f"local:{store}", "--token", TOKEN], {}).start()
+    root = tmp_path_factory.mktemp("storage")
+    coordinator = Coordinator(["--storage", f"local:{root}", "--token", TOKEN], {}).start()
     yield coordinator.url
     coordinator.stop()
 

@@ -38,9 +38,9 @@ TOKEN = secrets.token_urlsafe(24)
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    store = tmp_path_factory.mktemp("store")
+    root = tmp_path_factory.mktemp("storage")
     # One argument: a token that starts with "-" (1 in 64) would read as another flag.
-    args = ["--storage", f"local:{store}", f"--token={TOKEN}"]
+    args = ["--storage", f"local:{root}", f"--token={TOKEN}"]
     coordinator = InProcessCoordinator(args).start()
     yield coordinator.url
     coordinator.stop()

@@ -212,7 +212,7 @@ def test_storage_killed_and_restarted_on_its_data_is_recovered_on_its_own(
     for t in threads:
         t.join(60)
     with clients[0].heartbeats(), clients[1].heartbeats():
-        # Stopped, not SIGKILLed: Azurite's own store loses its last seconds to a
+        # Stopped, not SIGKILLed: Azurite's own storage loses its last seconds to a
         # SIGKILL (it saves every few seconds), which is Azurite's, not Azure's, way.
         topology.azurite.terminate()
         replica = topology.replicas[0]

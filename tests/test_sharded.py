@@ -120,7 +120,7 @@ def test_replicated_state_is_written_once_and_restores_at_any_world(
     saved = run_ranks(url, "job", ["a", "b", "c"], SAVE_REPLICATED, tmp_path)
     assert [r.get("error") for r in saved] == [None] * 3
     # DCP writes each replicated tensor once, spread over the ranks.
-    sizes = [p.stat().st_size for p in sorted(tmp_path.glob("store/**/data.distcp"))]
+    sizes = [p.stat().st_size for p in sorted(tmp_path.glob("storage/**/data.distcp"))]
     total = sum((128 + i) * 256 * 4 for i in range(12))
     assert len(sizes) == 3 and sum(sizes) < total * 1.05
     assert max(sizes) < total / 3 * 1.3, sizes

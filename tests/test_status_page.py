@@ -44,7 +44,7 @@ while True:  # a member: join, watch the generation, re-join when it ends
 
 @pytest.fixture
 def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
-    c = Coordinator(["--storage", f"local:{tmp_path / 'store'}", "--token", TOKEN], {}).start()
+    c = Coordinator(["--storage", f"local:{tmp_path / 'storage'}", "--token", TOKEN], {}).start()
     yield c
     c.stop()
 

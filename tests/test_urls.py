@@ -180,4 +180,4 @@ def test_a_write_under_way_when_its_version_is_collected_never_lands(
         upload(begun.upload_urls[FILE], Slow())
     with pytest.raises(UnknownCheckpoint):
         node.checkpoint(begun.version)
-    assert not list(tmp_path.glob(f"store/blobs/*/job/v{begun.version:010d}/**/*"))
+    assert not list(tmp_path.glob(f"storage/blobs/*/job/v{begun.version:010d}/**/*"))

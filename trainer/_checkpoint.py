@@ -76,8 +76,8 @@ class Restored:
             saved one (the world grew).
         metadata: The ``metadata`` passed to ``save``.
         bytes_from: Bytes read, by source: ``"memory"`` (this node's memory tier),
-            ``"peer"`` (another node's) and ``"storage"`` (blob storage or the local
-            store).
+            ``"peer"`` (another node's) and ``"storage"`` (blob storage, Azure or
+            local).
     """
 
     version: int

@@ -103,9 +103,9 @@ def upload(
     """
     if url.startswith("file:"):
         try:
-            store, path = verify_file_url(url, "w")
+            root, path = verify_file_url(url, "w")
             started = time.time()
-            write_atomically(store, path, data, if_absent=False, check=_still(url, started))
+            write_atomically(root, path, data, if_absent=False, check=_still(url, started))
         except SourceError as exc:
             raise exc.__cause__ from None  # type: ignore[misc]
         except SignedUrlError as exc:
@@ -151,8 +151,8 @@ def upload_parts(
 ) -> None:
     """Writes the concatenation of ``parts`` as one object through a signed write URL.
 
-    Azure gets 8 MiB blocks staged in parallel straight from the buffers; the local
-    store gets one sequential, fsynced write.
+    Azure gets 8 MiB blocks staged in parallel straight from the buffers; local
+    storage gets one sequential, fsynced write.
 
     Args:
         url: The URL, or a source that renews it (see :class:`UrlSource`).
@@ -176,13 +176,13 @@ def _write_local(
 ) -> None:
     try:
         try:
-            store, path = verify_file_url(url, "w")
+            root, path = verify_file_url(url, "w")
         except SignedUrlError:
             url = source(renew=True)
-            store, path = verify_file_url(url, "w")
+            root, path = verify_file_url(url, "w")
         on_write = progress.update if progress is not None else None
         check = _still(url, time.time())
-        write_atomically(store, path, parts, if_absent=False, on_write=on_write, check=check)
+        write_atomically(root, path, parts, if_absent=False, on_write=on_write, check=check)
     except SignedUrlError as exc:
         raise TransferDenied(f"{_redacted(url)}: {exc.message}") from exc
     except OSError as exc:
@@ -341,7 +341,7 @@ def read_object(url: str, size: int, progress: Progress | None = None) -> torch.
         with _reading(url):
             _, path = verify_file_url(url, "r")
             with open(path, "rb") as f:
-                pin(f.fileno())  # the mapping keeps the lock: the store never reuses the file
+                pin(f.fileno())  # the mapping keeps the lock: storage never reuses the file
                 return map_private(f.fileno())
     return _azure_read(url, None, size, progress)
 

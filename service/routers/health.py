@@ -57,12 +57,12 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> dict[str, str | float] | JSONResponse:
     """This replica can serve (see the module docstring): answered from memory."""
     state = request.app.state
-    store: Storage | None = getattr(state, "storage", None)
+    storage: Storage | None = getattr(state, "storage", None)
     driver = getattr(state, "driver", None)
-    if store is None or driver is None or driver.closing:
+    if storage is None or driver is None or driver.closing:
         return error_response(503, codes.NOT_READY, "the coordinator is starting or shutting down")
     grace: float = state.settings.storage_grace
-    down = store.health.down_for()
+    down = storage.health.down_for()
     if down >= grace:
         return error_response(
             503,
@@ -71,27 +71,27 @@ async def readyz(request: Request) -> dict[str, str | float] | JSONResponse:
         )
     return {
         "status": "ready",
-        "storage": store.describe(),
+        "storage": storage.describe(),
         "storage_state": "ok" if down == 0 else "unavailable",
         "storage_down_s": round(down, 1),
     }
 
 
-async def probe(store: Storage) -> None:
+async def probe(storage: Storage) -> None:
     """Pings storage every :data:`PROBE_EVERY` seconds, each ping within that long, and
-    records the outcome in ``store.health`` (runs until cancelled)."""
+    records the outcome in ``storage.health`` (runs until cancelled)."""
 
     def ping() -> None:
         with within(PROBE_EVERY):
-            store.ping()
+            storage.ping()
 
     while True:
         started = time.monotonic()
         try:
             await anyio.to_thread.run_sync(ping)
-            store.health.record(True)
+            storage.health.record(True)
         except StorageError as exc:
-            if store.health.down_for() == 0:
+            if storage.health.down_for() == 0:
                 log.warning("storage does not answer: %s", exc)
-            store.health.record(False)
+            storage.health.record(False)
         await asyncio.sleep(max(0.0, PROBE_EVERY - (time.monotonic() - started)))

@@ -119,7 +119,7 @@ class AzureBlobStore(BlobStore):
             try:
                 return self._upload(name, data, if_absent, length)
             except AzureError as exc:
-                # A revoked scope's object (see _revoke): the store itself may still
+                # A revoked scope's object (see _revoke): the coordinator itself may still
                 # write it, if the data can be sent again.
                 if lease_failure(exc) != "held" or (at is None and not _in_memory(data)):
                     raise
@@ -184,7 +184,7 @@ class AzureBlobStore(BlobStore):
     def _delete(self, name: str) -> None:
         with storage_errors(f"delete blob {name!r}"):
             try:
-                # What the store deletes is mostly a revoked scope's (checkpoints are
+                # What the coordinator deletes is mostly a revoked scope's (checkpoints are
                 # revoked at their commit): naming the lease saves breaking it.
                 self._container.delete_blob(name, lease=self._lease_id(name))
                 return
@@ -211,7 +211,7 @@ class AzureBlobStore(BlobStore):
         # that names it, and a container holds 5; a user delegation key, every URL it
         # signed). A blob with a lease refuses every write that does not name the lease,
         # trainers' uploads included (412 LeaseIdMissing), so the scope's objects get
-        # an infinite one; only the store uses it, to delete them.
+        # an infinite one; only the coordinator uses it, to delete them.
         def lease(name: str) -> None:
             # NotFound: deleted meanwhile, nothing to hold.
             with contextlib.suppress(NotFound), storage_errors(f"lease blob {name!r}"):

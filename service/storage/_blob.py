@@ -25,7 +25,7 @@ MAX_URL_TTL = timedelta(days=7)
 
 @dataclass(frozen=True)
 class BlobInfo:
-    """What the store knows of one object."""
+    """What the container knows of one object."""
 
     name: str
     size: int
@@ -179,7 +179,7 @@ class BlobStore(abc.ABC):
 
     def revoke(self, scope: str) -> None:
         """Ends the write URLs signed for ``scope`` before their expiry, as far as the
-        backend can; the store's own :meth:`put` and :meth:`delete` still work.
+        backend can; the container's own :meth:`put` and :meth:`delete` still work.
 
         Local storage: at once, for every URL of the scope, and the scope signs no more
         (:class:`AccessDenied`). Azure: the objects now under the scope get an infinite
@@ -189,7 +189,7 @@ class BlobStore(abc.ABC):
 
         Raises:
             InvalidName: ``scope`` is not a folder.
-            StorageUnavailable: The store cannot be reached.
+            StorageUnavailable: The container cannot be reached.
         """
         self._revoke(check_blob_prefix(scope, folder=True))
 
@@ -198,20 +198,20 @@ class BlobStore(abc.ABC):
 
         Raises:
             InvalidName: ``scope`` is not a folder.
-            StorageUnavailable: The store cannot be reached.
+            StorageUnavailable: The container cannot be reached.
         """
         self._forget(check_blob_prefix(scope, folder=True))
 
     @abc.abstractmethod
     def ping(self) -> None:
-        """Checks that the store answers (readiness).
+        """Checks that the container answers (readiness).
 
         Raises:
             StorageUnavailable: It does not.
         """
 
     def close(self) -> None:  # noqa: B027 - optional hook, most adapters hold nothing
-        """Releases connections; the store is unusable afterwards."""
+        """Releases connections; the container is unusable afterwards."""
 
     # Adapter hooks: arguments are checked, errors must be the domain's.
     @abc.abstractmethod

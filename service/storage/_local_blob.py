@@ -34,15 +34,15 @@ __all__ = ["LocalBlobStore"]
 class LocalBlobStore(BlobStore):
     """See base class. Stored under ``PATH/blobs/CONTAINER``."""
 
-    def __init__(self, store: Path, name: str) -> None:
+    def __init__(self, root: Path, name: str) -> None:
         self.name = name
-        self._store = store
-        self._root = store / "blobs" / name
-        self._root.mkdir(parents=True, exist_ok=True)
-        self._key = load_key(store, create=True)
+        self._root = root  # the storage directory: its keys, temporary and recycled files
+        self._dir = root / "blobs" / name
+        self._dir.mkdir(parents=True, exist_ok=True)
+        self._key = load_key(root, create=True)
 
     def _path(self, name: str) -> Path:
-        return self._root / name
+        return self._dir / name
 
     def _stat(self, name: str) -> BlobInfo:
         try:
@@ -60,9 +60,9 @@ class LocalBlobStore(BlobStore):
 
     def _put(self, name: str, data: Data, if_absent: bool, length: int | None) -> BlobInfo:
         try:
-            written = write_atomically(self._store, self._path(name), data, if_absent=if_absent)
+            written = write_atomically(self._root, self._path(name), data, if_absent=if_absent)
         except SourceError as exc:
-            # The caller's own data failed to read: its error, not the store's.
+            # The caller's own data failed to read: its error, not storage's.
             raise exc.__cause__ from None  # type: ignore[misc]
         except (NotADirectoryError, FileExistsError, IsADirectoryError) as exc:
             # Azure has no folders; a file system cannot hold both `a` and `a/b`.
@@ -118,10 +118,10 @@ class LocalBlobStore(BlobStore):
     def _list(self, prefix: str) -> Iterator[BlobInfo]:
         # Walk only the deepest folder the prefix names; filter the rest by string prefix.
         folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        start = self._root / folder
+        start = self._dir / folder
         found: list[str] = []
         for dirpath, dirnames, filenames in os.walk(start):
-            rel = os.path.relpath(dirpath, self._root)
+            rel = os.path.relpath(dirpath, self._dir)
             base = "" if rel == "." else rel + "/"
             dirnames[:] = [
                 d
@@ -140,14 +140,14 @@ class LocalBlobStore(BlobStore):
         try:
             if not path.is_file():
                 raise NotFound(f"blob {name!r} does not exist")
-            retire(self._store, path)  # a large file is kept for the next large write
+            retire(self._root, path)  # a large file is kept for the next large write
         except FileNotFoundError as exc:
             raise NotFound(f"blob {name!r} does not exist") from exc
         except OSError as exc:
             raise StorageUnavailable(f"cannot delete blob {name!r}: {exc}") from exc
         # Prune folders left empty, as Azure has no folders to leave behind.
         parent = path.parent
-        while parent != self._root:
+        while parent != self._dir:
             try:
                 parent.rmdir()
             except OSError:
@@ -158,34 +158,34 @@ class LocalBlobStore(BlobStore):
         permission = "w" if access == "write" else "r"
         signed_name = f"{self.name}/{name}"
         if scope is None:
-            return sign_file_url(self._store, self._key, signed_name, permission, expiry)
+            return sign_file_url(self._root, self._key, signed_name, permission, expiry)
         # A scoped URL is signed with the scope's own key: revoking the scope ends it
         # wherever the URL is (see rallypoint.localfs).
         signed_scope = f"{self.name}/{scope}"
         try:
-            key = scope_key(self._store, signed_scope, create=True)
+            key = scope_key(self._root, signed_scope, create=True)
         except SignedUrlError as exc:
             raise AccessDenied(exc.message) from exc
         except OSError as exc:
             raise StorageUnavailable(f"cannot make the key of {scope!r}: {exc}") from exc
-        return sign_file_url(self._store, key, signed_name, permission, expiry, signed_scope)
+        return sign_file_url(self._root, key, signed_name, permission, expiry, signed_scope)
 
     def _revoke(self, scope: str) -> None:
         try:
-            revoke_scope(self._store, f"{self.name}/{scope}")
+            revoke_scope(self._root, f"{self.name}/{scope}")
         except OSError as exc:
             raise StorageUnavailable(f"cannot revoke {scope!r}: {exc}") from exc
 
     def _forget(self, scope: str) -> None:
         try:
-            forget_scope(self._store, f"{self.name}/{scope}")
+            forget_scope(self._root, f"{self.name}/{scope}")
         except OSError as exc:
             raise StorageUnavailable(f"cannot forget {scope!r}: {exc}") from exc
 
     def ping(self) -> None:
-        if not self._root.is_dir():
-            raise StorageUnavailable(f"blob folder {self._root} is missing")
+        if not self._dir.is_dir():
+            raise StorageUnavailable(f"blob folder {self._dir} is missing")
 
     def destroy(self) -> None:
         """Deletes the container and everything in it (tests and benchmarks)."""
-        shutil.rmtree(self._root, ignore_errors=True)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -126,17 +126,17 @@ class Storage(abc.ABC):
         Raises:
             StorageUnavailable: One does not.
         """
-        for store in self._stores():
-            store.ping()
+        for opened in self._opened():
+            opened.ping()
 
     def close(self) -> None:
         """Closes every table and container opened."""
-        for store in self._stores():
-            store.close()
+        for opened in self._opened():
+            opened.close()
         self._tables.clear()
         self._blobs.clear()
 
-    def _stores(self) -> list[Table | BlobStore]:
+    def _opened(self) -> list[Table | BlobStore]:
         return [*self._tables.values(), *self._blobs.values()]
 
     def describe(self) -> str:

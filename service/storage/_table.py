@@ -30,7 +30,7 @@ class Entity:
         partition_key: The partition; queries and batches stay inside one.
         row_key: Unique within the partition.
         data: The properties. Names are identifiers of at most 255 characters.
-        etag: Opaque version tag, set on every entity the store returns; pass it back to
+        etag: Opaque version tag, set on every entity the table returns; pass it back to
             make a write conditional on nobody having written since.
     """
 

@@ -56,13 +56,13 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
-def _round_trip(store: AzureStorage) -> None:
+def _round_trip(storage: AzureStorage) -> None:
     """A table write and read, a blob write and read, and a write and a read through
     the URLs the coordinator hands trainers."""
-    table = store.table("jobs")
+    table = storage.table("jobs")
     table.upsert(Entity("p", "r", {"v": 1}))
     assert table.get("p", "r").data == {"v": 1}
-    blobs = store.blobs("ckpt")
+    blobs = storage.blobs("ckpt")
     blobs.put("v1/own", b"stored")
     write = blobs.sign("v1/shard", access="write", ttl=timedelta(minutes=5))
     put = httpx.put(write, content=b"uploaded", headers={"x-ms-blob-type": "BlockBlob"})
@@ -74,21 +74,21 @@ def _round_trip(store: AzureStorage) -> None:
 
 def test_account_mode_reaches_explicit_endpoints_with_a_named_key(azurite: str) -> None:
     fields = _fields(azurite)
-    store = AzureStorage(
+    storage = AzureStorage(
         _prefix(),
         account=ACCOUNT,
         credential=AzureNamedKeyCredential(ACCOUNT, KEY),
         table_endpoint=fields["TableEndpoint"],
         blob_endpoint=fields["BlobEndpoint"] + "/",
     )
-    assert store.describe() == f"azure:{ACCOUNT}"
-    _round_trip(store)
+    assert storage.describe() == f"azure:{ACCOUNT}"
+    _round_trip(storage)
     assert (
-        store.blobs("ckpt")
+        storage.blobs("ckpt")
         .sign("x", access="read", ttl=timedelta(minutes=1))
         .startswith(fields["BlobEndpoint"] + "/")
     )
-    store.close()
+    storage.close()
 
 
 def test_connection_strings_with_their_own_endpoints_keep_working(azurite: str) -> None:
@@ -99,9 +99,9 @@ def test_connection_strings_with_their_own_endpoints_keep_working(azurite: str) 
         f"blobendpoint={fields['BlobEndpoint']};tableendpoint={fields['TableEndpoint']}"
     )
     for connection_string in (azurite, lowered):
-        store = AzureStorage(_prefix(), connection_string=connection_string)
-        _round_trip(store)
-        store.close()
+        storage = AzureStorage(_prefix(), connection_string=connection_string)
+        _round_trip(storage)
+        storage.close()
 
 
 def test_endpoint_suffix_names_the_default_endpoints_in_another_cloud(
@@ -109,20 +109,22 @@ def test_endpoint_suffix_names_the_default_endpoints_in_another_cloud(
 ) -> None:
     # No request is sent: the clients are built, and their URLs checked.
     key_string = f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={KEY};"
-    store = AzureStorage(connection_string=key_string + "EndpointSuffix=core.chinacloudapi.cn")
-    assert store._tables_client.url.startswith("https://acct.table.core.chinacloudapi.cn")
-    assert store._blob_client.url.startswith("https://acct.blob.core.chinacloudapi.cn")
-    store.close()
+    storage = AzureStorage(connection_string=key_string + "EndpointSuffix=core.chinacloudapi.cn")
+    assert storage._tables_client.url.startswith("https://acct.table.core.chinacloudapi.cn")
+    assert storage._blob_client.url.startswith("https://acct.blob.core.chinacloudapi.cn")
+    storage.close()
 
     clean_env.setenv(ACCOUNT_ENV, "acct")
     clean_env.setenv(ENDPOINT_SUFFIX_ENV, "core.usgovcloudapi.net")
     clean_env.setenv(TABLE_ENDPOINT_ENV, "https://acct.privatelink.table.core.usgovcloudapi.net/")
-    store = open_storage("azure")
-    assert isinstance(store, AzureStorage)
-    assert store._tables_client.url.startswith("https://acct.privatelink.table.core.usgovcloudapi")
-    assert store._blob_client.url.startswith("https://acct.blob.core.usgovcloudapi.net")
-    assert store._account_key is None  # a managed identity signs with delegation keys
-    store.close()
+    storage = open_storage("azure")
+    assert isinstance(storage, AzureStorage)
+    assert storage._tables_client.url.startswith(
+        "https://acct.privatelink.table.core.usgovcloudapi"
+    )
+    assert storage._blob_client.url.startswith("https://acct.blob.core.usgovcloudapi.net")
+    assert storage._account_key is None  # a managed identity signs with delegation keys
+    storage.close()
 
 
 @pytest.mark.parametrize(

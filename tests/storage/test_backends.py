@@ -29,19 +29,19 @@ from .._azurite import connection_string, free_port
 
 
 def test_local_spec_opens_a_directory(tmp_path: Path) -> None:
-    store = open_storage(f"local:{tmp_path / 'x'}")
-    assert isinstance(store, LocalStorage)
-    assert store.describe() == f"local:{tmp_path / 'x'}"
-    store.table("jobs")
+    storage = open_storage(f"local:{tmp_path / 'x'}")
+    assert isinstance(storage, LocalStorage)
+    assert storage.describe() == f"local:{tmp_path / 'x'}"
+    storage.table("jobs")
     assert (tmp_path / "x" / "tables.sqlite3").exists()
 
 
 def test_azure_spec_uses_the_connection_string(azurite: str) -> None:
-    store = open_storage("azure", connection_string=azurite, prefix="spec")
-    assert isinstance(store, AzureStorage)
-    assert store.describe() == "azure:devstoreaccount1"
-    store.table("jobs").upsert(Entity("p", "r", {"v": 1}))
-    store.ping()
+    storage = open_storage("azure", connection_string=azurite, prefix="spec")
+    assert isinstance(storage, AzureStorage)
+    assert storage.describe() == "azure:devstoreaccount1"
+    storage.table("jobs").upsert(Entity("p", "r", {"v": 1}))
+    storage.ping()
 
 
 def test_a_batch_starts_no_threads(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,8 +121,8 @@ def test_outside_the_tested_releases_batches_take_azure_cores_path(
 ) -> None:
     from azure.core.pipeline import Pipeline
 
-    store = open_storage("azure", connection_string=azurite, prefix="stock")
-    table, other = store.table("jobs"), store.table("others")
+    storage = open_storage("azure", connection_string=azurite, prefix="stock")
+    table, other = storage.table("jobs"), storage.table("others")
     assert not use_batch_path() and not use_batch_path()  # serve's start-up asks once
     assert not _azure_batch.installed()
     assert Pipeline.__dict__["_prepare_multipart_mixed_request"].__func__.__module__ == (
@@ -143,7 +143,7 @@ def test_outside_the_tested_releases_batches_take_azure_cores_path(
     assert started, "azure-core's own path prepares sub-requests in its thread pools"
     assert sorted(e.data["v"] for e in table.query("p")) == list(range(100))
     assert [e.row_key for e in other.query("p")] == ["a", "b"]
-    store.close()
+    storage.close()
 
 
 def test_building_azure_storage_changes_nothing_process_wide(azurite: str) -> None:
@@ -151,9 +151,9 @@ def test_building_azure_storage_changes_nothing_process_wide(azurite: str) -> No
     a process that builds storage for itself keeps azure-core as it was."""
     _azure_batch.uninstall()
     try:
-        store = open_storage("azure", connection_string=azurite, prefix="quiet")
-        store.table("jobs").batch([BatchOp("upsert", Entity("p", "r", {"v": 1}))])
-        store.close()
+        storage = open_storage("azure", connection_string=azurite, prefix="quiet")
+        storage.table("jobs").batch([BatchOp("upsert", Entity("p", "r", {"v": 1}))])
+        storage.close()
         assert not _azure_batch.installed()
     finally:
         assert use_batch_path() and _azure_batch.installed()

@@ -205,7 +205,7 @@ def test_path_tricks_are_refused(blobs: BlobStore, name: object, tmp_path: Path)
             call()
     assert list(blobs.list()) == []
     after = sorted(p for p in tmp_path.rglob("*"))
-    assert after == before  # nothing written anywhere, inside the store or outside
+    assert after == before  # nothing written anywhere, inside the storage directory or outside
 
 
 def test_signed_urls_read_and_write_one_object(blobs: BlobStore) -> None:
@@ -291,7 +291,7 @@ def test_a_revoked_scope_refuses_its_write_urls(blobs: BlobStore) -> None:
     assert download(read["rank-0/a"]) == b"a1"  # reads are not revoked
     upload(other["a"], b"v2")  # another scope is untouched
     assert blobs.get("j/v2/rank-0/a") == b"v2"
-    # The store itself still writes and deletes what the URLs may not.
+    # The container itself still writes and deletes what the URLs may not.
     blobs.put("j/v1/rank-0/a", b"a2")
     assert blobs.get("j/v1/rank-0/a") == b"a2"
     for name in ("a", "b"):

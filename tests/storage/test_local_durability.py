@@ -33,8 +33,8 @@ def _run(code: str, *args: str) -> subprocess.Popen[bytes]:
 
 @pytest.mark.e2e
 def test_sigkill_mid_write_never_leaves_half_an_object(tmp_path: Path) -> None:
-    store = LocalStorage(tmp_path, "rp")
-    blobs = store.blobs("ckpt")
+    storage = LocalStorage(tmp_path, "rp")
+    blobs = storage.blobs("ckpt")
     old = os.urandom(MiB)
     blobs.put("v/shard", old)
     writer = _run(

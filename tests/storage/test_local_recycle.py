@@ -1,4 +1,4 @@
-"""The embedded store reuses deleted objects' files, never one a reader still maps."""
+"""Embedded storage reuses deleted objects' files, never one a reader still maps."""
 
 from __future__ import annotations
 
