@@ -192,13 +192,6 @@ class Tokens:
             return self._judge(await self._read(found), token or "")
         return found
 
-    def principal_now(self, token: str | None) -> Principal | None:
-        """:meth:`principal` for synchronous callers (reads storage in this thread)."""
-        found = self._admin_or_id(token)
-        if isinstance(found, str):
-            return self._judge(self._cached(found) or self._fetch(found), token or "")
-        return found
-
     def _admin_or_id(self, token: str | None) -> Principal | str | None:
         """What needs no storage: admin, nobody (None), or the scoped token's id."""
         if self.admin is None:

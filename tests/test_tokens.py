@@ -29,6 +29,11 @@ class Monotonic:
         return self.now
 
 
+def as_request(tokens: Tokens, token: str | None) -> Principal | None:
+    """Who ``token`` makes a request, as the route's dependency awaits it."""
+    return asyncio.run(tokens.principal(token))
+
+
 @pytest.fixture
 def tokens(storage: Storage, clock: Clock) -> tuple[Tokens, Monotonic]:
     ticks = Monotonic()
@@ -39,18 +44,18 @@ def test_a_scoped_token_is_its_job_and_role(tokens: tuple[Tokens, Monotonic]) ->
     t, _ = tokens
     reader, secret = t.create("j1", "reader", name="grafana")
     assert (reader.job_id, reader.role, reader.name) == ("j1", "reader", "grafana")
-    principal = t.principal_now(secret)
+    principal = as_request(t, secret)
     assert principal == Principal("reader", "j1", reader.token_id)
     assert principal.may("read", "j1")
     assert not principal.may("act", "j1")
     assert not principal.may("read", "j2")
     assert not principal.may("admin", None)
     _, trainer_secret = t.create("j1", "trainer")
-    trainer = t.principal_now(trainer_secret)
+    trainer = as_request(t, trainer_secret)
     assert trainer is not None
     assert trainer.may("act", "j1") and trainer.may("read", "j1")
     assert not trainer.may("act", "j2") and not trainer.may("admin", None)
-    assert t.principal_now("admin-secret") == ADMIN
+    assert as_request(t, "admin-secret") == ADMIN
 
 
 def test_storage_keeps_a_hash_not_the_token(
@@ -69,17 +74,17 @@ def test_unknown_forged_and_absent_tokens_are_nobody(tokens: tuple[Tokens, Monot
     _, secret = t.create("j1", "trainer")
     forged = secret[:-4] + ("AAAA" if not secret.endswith("AAAA") else "BBBB")
     for token in (None, "", "admin-secre", forged, "rpt_000000000000_x", "rpt_zz_y", "Bearer x"):
-        assert t.principal_now(token) is None, token
+        assert as_request(t, token) is None, token
 
 
 def test_an_expired_token_is_refused(tokens: tuple[Tokens, Monotonic], clock: Clock) -> None:
     t, _ = tokens
     _, secret = t.create("j1", "reader", expires_in=60)
-    assert t.principal_now(secret) is not None
+    assert as_request(t, secret) is not None
     clock.advance(59.9)
-    assert t.principal_now(secret) is not None
+    assert as_request(t, secret) is not None
     clock.advance(0.1)
-    assert t.principal_now(secret) is None
+    assert as_request(t, secret) is None
 
 
 def test_a_revocation_holds_on_another_replica_once_its_read_is_stale(
@@ -88,12 +93,12 @@ def test_a_revocation_holds_on_another_replica_once_its_read_is_stale(
     here, ticks = tokens
     there = Tokens(storage.table("jobs"), "admin-secret", clock, ticks)
     info, secret = here.create("j1", "trainer")
-    assert there.principal_now(secret) is not None  # read and kept for FRESH seconds
+    assert as_request(there, secret) is not None  # read and kept for FRESH seconds
     revoked = here.revoke(info.token_id)
     assert revoked.revoked_at == clock.now
-    assert here.principal_now(secret) is None  # the revoking replica: at once
+    assert as_request(here, secret) is None  # the revoking replica: at once
     ticks.now += FRESH  # the other replica reads again: within a second
-    assert there.principal_now(secret) is None
+    assert as_request(there, secret) is None
     assert here.revoke(info.token_id) == revoked  # again: no change
     with pytest.raises(NoSuchToken):
         here.revoke("0123456789ab")
@@ -126,8 +131,8 @@ def test_a_thousand_concurrent_checks_read_storage_once(
 
 def test_without_an_admin_token_everyone_is_admin(storage: Storage) -> None:
     open_door = Tokens(storage.table("jobs"), None)
-    assert open_door.principal_now(None) == ADMIN
-    assert open_door.principal_now("anything") == ADMIN
+    assert as_request(open_door, None) == ADMIN
+    assert as_request(open_door, "anything") == ADMIN
 
 
 # --- a real coordinator pair ---------------------------------------------------------
