@@ -20,7 +20,6 @@ from ._rendezvous import Rendezvous
 from ._store import KeyValue
 from ._tokens import Need, Principal, Tokens, presented
 from .errors import Forbidden, InvalidCredential, InvalidId, StorageUnavailable, Unauthorized
-from .settings import Settings
 
 __all__ = [
     "MAX_CREDENTIAL",
@@ -35,7 +34,6 @@ __all__ = [
     "NodeId",
     "PrincipalDep",
     "RdzvDep",
-    "SettingsDep",
     "authorize",
 ]
 
@@ -62,11 +60,6 @@ async def _kv(request: Request) -> KeyValue:
 async def _driver(request: Request) -> Driver:
     driver: Driver = request.app.state.driver
     return driver
-
-
-async def _settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
 
 
 # Routes without a job in their path that any valid token may call: the job list (it
@@ -160,7 +153,6 @@ RdzvDep = Annotated[Rendezvous, Depends(_rdzv)]
 CheckpointsDep = Annotated[Checkpoints, Depends(_checkpoints)]
 KeyValueDep = Annotated[KeyValue, Depends(_kv)]
 DriverDep = Annotated[Driver, Depends(_driver)]
-SettingsDep = Annotated[Settings, Depends(_settings)]
 JobId = Annotated[str, Depends(_job_id)]
 NodeId = Annotated[str, Depends(_node_id)]
 GenerationNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]

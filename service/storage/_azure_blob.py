@@ -269,10 +269,5 @@ class AzureBlobStore(BlobStore):
         with storage_errors(f"container {self.name}"):
             self._container.get_container_properties()
 
-    def destroy(self) -> None:
-        """Deletes the container and everything in it (tests and benchmarks)."""
-        with storage_errors(f"container {self.name}"):
-            self._container.delete_container()
-
     def close(self) -> None:
         self._container.close()

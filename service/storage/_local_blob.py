@@ -9,7 +9,6 @@ never leaves half an object visible; deleted large objects are recycled (see
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -185,7 +184,3 @@ class LocalBlobStore(BlobStore):
     def ping(self) -> None:
         if not self._dir.is_dir():
             raise StorageUnavailable(f"blob folder {self._dir} is missing")
-
-    def destroy(self) -> None:
-        """Deletes the container and everything in it (tests and benchmarks)."""
-        shutil.rmtree(self._dir, ignore_errors=True)
