@@ -16,12 +16,18 @@ member writes its beat row every second:
 - ``beat:ID``     one per node: the coordinator's clock at its last heartbeat.
 - ``nodekey``     the job's key node credentials derive from.
 - ``gen:NNN``     one per sealed generation: members, ranks and credential digests
-                  (immutable), and when and
-                  why it ended. Sealing inserts it in one batch with the job's CAS, so a
-                  generation is sealed completely or not at all, by exactly one writer.
+                  (immutable), and when and why it ended. Sealing inserts it in one
+                  batch with the job's CAS, so a generation is sealed completely or not
+                  at all, by exactly one writer.
+- ``gen:NNN~SEAL~I`` the members of a generation too large for one entity (thousands of
+                  nodes with long names), written before the seal's batch under that
+                  seal's own id, which the ``gen:`` row names; a seal that loses its
+                  race deletes its own.
 
 Nothing lives only in a coordinator's memory: any replica, or a restarted one, picks up
-from storage. What a replica caches (generation members) is immutable.
+from storage. What a replica caches (generation members) is immutable; the node rows it
+last read or wrote are kept only to condition its next write on them (see
+:meth:`Rendezvous.register`).
 """
 
 from __future__ import annotations
