@@ -62,7 +62,7 @@ from rallypoint.client.models import (
 )
 
 from ._packed import MAX_PACKED, pack, unpack
-from ._rendezvous import Generation, Job, Member, Rendezvous, job_entity
+from ._rendezvous import Generation, Job, Member, Rendezvous
 from .errors import (
     AccessDenied,
     AlreadyExists,
@@ -678,7 +678,7 @@ class Checkpoints:
                 if version.durable and (job.durable is None or version.step > job.durable.step):
                     moved = replace(moved, durable=version.pointer)
                 if moved is not job:
-                    ops.append(BatchOp("replace", job_entity(moved), job.etag))
+                    ops.append(self.rdzv.pointers(job, moved.checkpoint, moved.durable))
             try:
                 stored = self.table.batch(ops)
             except Modified:
@@ -800,7 +800,7 @@ class Checkpoints:
             ops += [BatchOp("replace", _entity(v), if_match=v.etag) for v in targets.values()]
             # Always, even when no pointer moves: a seal that read the job before this
             # (and may name this version) must fail its CAS and read the rows again.
-            ops.append(BatchOp("replace", job_entity(moved), if_match=job.etag))
+            ops.append(self.rdzv.pointers(job, moved.checkpoint, moved.durable))
             try:
                 self.table.batch(ops)
             except (Modified, NotFound):
@@ -850,7 +850,7 @@ class Checkpoints:
                 self.table.batch(
                     [
                         BatchOp("replace", _entity(cleared), if_match=version.etag),
-                        BatchOp("replace", job_entity(moved), if_match=job.etag),
+                        self.rdzv.pointers(job, moved.checkpoint, moved.durable),
                     ]
                 )
             except (Modified, NotFound):
@@ -867,7 +867,7 @@ class Checkpoints:
             job = self.rdzv.get_job(job_id)
             if job.generation != generation or job.status != "sealed":
                 return
-            if self.rdzv._end(job, reason):
+            if self.rdzv.end_generation(job, reason):
                 return
         raise StorageUnavailable(f"could not end generation {generation} of {job_id!r}")
 

@@ -73,7 +73,7 @@ from .errors import (
 )
 from .storage import BatchOp, Cond, Entity, SharedBatches, Table, Value
 
-__all__ = ["Generation", "Job", "Member", "Node", "Rendezvous", "job_entity"]
+__all__ = ["Generation", "Job", "Member", "Node", "Rendezvous"]
 
 JOB_ROW = "job"
 NODE = "node:"
@@ -317,7 +317,7 @@ def _pointer_data(prefix: str, p: CheckpointPointer | None) -> dict[str, Value |
     }
 
 
-def job_entity(job: Job) -> Entity:
+def _job_entity(job: Job) -> Entity:
     return Entity(
         job.job_id,
         JOB_ROW,
@@ -511,7 +511,7 @@ class Rendezvous:
             existing = self.get_job(job_id)
         except UnknownJob:
             try:
-                stored = self.table.insert(job_entity(job))
+                stored = self.table.insert(_job_entity(job))
             except AlreadyExists:
                 existing = self.get_job(job_id)
             else:
@@ -608,8 +608,9 @@ class Rendezvous:
         with self._lock:
             return self._sealed.get((job_id, generation))
 
-    def _end(self, job: Job, reason: str) -> bool:
-        """Ends the job's sealed generation; False if the job changed meanwhile."""
+    def end_generation(self, job: Job, reason: str) -> bool:
+        """Ends the job's sealed generation, naming ``reason``; False if the job changed
+        since ``job`` was read (the caller reads it again and decides again)."""
         now = self.clock()
         try:
             gen = self.generation(job.job_id, job.generation)
@@ -617,7 +618,7 @@ class Rendezvous:
                 [
                     BatchOp(
                         "replace",
-                        job_entity(replace(job, status="open", changed_at=now)),
+                        _job_entity(replace(job, status="open", changed_at=now)),
                         if_match=job.etag,
                     ),
                     BatchOp(
@@ -632,6 +633,22 @@ class Rendezvous:
         except (Modified, NotFound):
             return False
         return True
+
+    def pointers(
+        self,
+        job: Job,
+        checkpoint: CheckpointPointer | None,
+        durable: CheckpointPointer | None,
+    ) -> BatchOp:
+        """The one write of the job row that checkpoints make: its latest and newest
+        durable pointers, all else as ``job`` was read, conditioned on ``job``'s ETag. A
+        batch operation, to go in one transaction with the version rows it is for.
+
+        This module owns the job row; this is the narrow part of it that
+        :class:`~._checkpoints.Checkpoints` may change.
+        """
+        moved = replace(job, checkpoint=checkpoint, durable=durable)
+        return BatchOp("replace", _job_entity(moved), if_match=job.etag)
 
     # --- joining ------------------------------------------------------------------------
 
@@ -723,7 +740,7 @@ class Rendezvous:
                     reason = f"node {node_id} joined"
                 else:
                     reason = f"member {node_id} re-joined"
-                self._end(job, reason)
+                self.end_generation(job, reason)
                 job = self.get_job(job_id)
                 continue
             now = self.clock()
@@ -1002,7 +1019,7 @@ class Rendezvous:
         try:
             self.table.batch(
                 [
-                    BatchOp("replace", job_entity(sealed), if_match=job.etag),
+                    BatchOp("replace", _job_entity(sealed), if_match=job.etag),
                     BatchOp("insert", row),
                 ]
             )
@@ -1062,7 +1079,7 @@ class Rendezvous:
         now = self.clock()
         cut = [m.node_id for m in members if m.node_id in dropped]
         if cut:
-            return self._end(job, f"node {cut[0]} dropped its heartbeat connection"), 0.0
+            return self.end_generation(job, f"node {cut[0]} dropped its heartbeat connection"), 0.0
         # A member's clock starts at the seal at the latest (it was alive to be chosen),
         # or at this coordinator's start, or at the end of the last storage outage it
         # saw: neither a restarted coordinator nor a storage outage kills a job for the
@@ -1072,7 +1089,9 @@ class Rendezvous:
         silent = sorted((t, n) for n, t in last.items() if now - t >= timeout)
         if silent:
             t, node_id = silent[0]
-            ended = self._end(job, f"node {node_id} missed heartbeats for {now - t:.1f} s")
+            ended = self.end_generation(
+                job, f"node {node_id} missed heartbeats for {now - t:.1f} s"
+            )
             return ended, 0.0
         return False, min(last.values()) + timeout - now
 
@@ -1141,7 +1160,7 @@ class Rendezvous:
         partition = member_partition(job_id, node_id, job.spec.max_nodes)
         self.table.upsert(_node_entity(partition, replace(node, state="left")))
         while job.status == "sealed" and node_id in self.sealed(job_id, job.generation).ranks:
-            if self._end(job, reason):
+            if self.end_generation(job, reason):
                 return
             job = self.get_job(job_id)
 
