@@ -488,7 +488,7 @@ class Rendezvous:
         # Node rows as this process last read or wrote them, with their ETags: a join
         # writes its registration on the condition that the row is still what it was
         # here, so the usual join costs one storage call rather than a read and a write.
-        self._rows: dict[tuple[str, str], Node] = {}
+        self._rows: OrderedDict[tuple[str, str], Node] = OrderedDict()
         # A thousand nodes joining at once write their registrations in shared
         # transactions of up to 50 joins (each keeps its own all-or-none and conditions).
         self._registrations = SharedBatches(table)
@@ -772,7 +772,7 @@ class Rendezvous:
                 row = self._node_row(job_id, node_id)
                 continue
             node = replace(node, etag=stored.etag if stored is not None else None)
-            self._rows[(job_id, node_id)] = node
+            self._seen(job_id, node)
             return replace(node, credential=credential)
 
     def _registered(self, job: Job, node: Node) -> bool:
@@ -874,7 +874,7 @@ class Rendezvous:
             for e in self.table.query(partition, where)
         ]
         for n in nodes:  # the driver's ticks read every waiting node: the joins' cache
-            self._rows[(job_id, n.node_id)] = n
+            self._seen(job_id, n)
         return nodes
 
     def outcome(self, job: Job, node_id: str, round: int) -> Generation | Literal["missed"] | None:
@@ -939,10 +939,20 @@ class Rendezvous:
         try:
             node = _node(self.table.get(self._partition(job_id, node_id), NODE + node_id))
         except NotFound:
-            self._rows.pop((job_id, node_id), None)
+            with self._lock:
+                self._rows.pop((job_id, node_id), None)
             return None
-        self._rows[(job_id, node_id)] = node
+        self._seen(job_id, node)
         return node
+
+    def _seen(self, job_id: str, node: Node) -> None:
+        """Keeps ``node``'s row as last seen here, for the most recent 100,000 nodes (a
+        node not kept costs its next join a read, nothing else)."""
+        with self._lock:
+            self._rows[(job_id, node.node_id)] = node
+            self._rows.move_to_end((job_id, node.node_id))
+            if len(self._rows) > 100_000:
+                self._rows.popitem(last=False)
 
     # --- driving ------------------------------------------------------------------------
 
