@@ -59,12 +59,12 @@ from rallypoint.client.models import (
 )
 
 from . import _credentials as credentials
+from . import _seal as seal
 from ._packed import pack_rows, unpack_rows
 from ._secrets import JobSecrets
 from .errors import (
     AlreadyExists,
     JobConflict,
-    JobFull,
     Modified,
     NotFound,
     StaleGeneration,
@@ -731,16 +731,9 @@ class Rendezvous:
                 # a retry of a join that already registered
                 return replace(row, credential=credential)
             if job.status == "sealed":
-                running = self.sealed(job_id, job.generation)
-                if node_id not in running.ranks:
-                    if len(running.members) >= job.spec.max_nodes:
-                        raise JobFull(
-                            f"job {job_id!r} runs with max_nodes={job.spec.max_nodes} members"
-                        )
-                    reason = f"node {node_id} joined"
-                else:
-                    reason = f"member {node_id} re-joined"
-                self.end_generation(job, reason)
+                self.end_generation(
+                    job, seal.join_ends(job, self.sealed(job_id, job.generation), node_id)
+                )
                 job = self.get_job(job_id)
                 continue
             now = self.clock()
@@ -975,8 +968,8 @@ class Rendezvous:
         return (self.get_job(job_id) if sealed else job), wait
 
     def _try_seal(self, job: Job) -> tuple[bool, float]:
+        """Seals the job's open round if the rules of :mod:`._seal` say it may."""
         spec = job.spec
-        timeout = _seconds(spec.heartbeat_timeout)
         now = self.clock()
         registered = self._nodes(
             job.job_id, (Cond("round", "eq", job.round), Cond("state", "eq", "waiting"))
@@ -986,23 +979,22 @@ class Rendezvous:
             # thousands of nodes register.
             return False, math.inf
         beats = self._beats(job.job_id)
-        waiting = [
-            n
-            for n in registered
-            if now - max(beats.get(n.node_id, -math.inf), self.resumed_at) < timeout
-        ]
+        timeout = _seconds(spec.heartbeat_timeout)
+        waiting = seal.alive(registered, beats, now, self.resumed_at, timeout)
         if len(waiting) < spec.min_nodes:
             return False, math.inf
-        # Stable ranks: the last generation's survivors first, in their old order.
         previous: dict[str, int] = {}
         if job.generation:
             previous = self.sealed(job.job_id, job.generation).ranks
-        ordered = sorted(
-            waiting,
-            key=lambda n: (previous.get(n.node_id, math.inf), n.joined_at, n.node_id),
-        )
+        ordered = seal.ranked(waiting, previous)
         if len(ordered) < spec.max_nodes:
-            waits = self._seal_waits(job, waiting, previous, beats, now)
+            missing = previous.keys() - {n.node_id for n in waiting}
+            gone = (
+                {n.node_id for n in self._nodes(job.job_id, (Cond("state", "eq", "left"),))}
+                if missing
+                else set()
+            )
+            waits = seal.seal_waits(job, waiting, previous, beats, gone, now)
             if waits:
                 return False, min(waits) - now
         chosen = ordered[: spec.max_nodes]
@@ -1040,40 +1032,6 @@ class Rendezvous:
             return False, 0.0  # another coordinator sealed or changed it first
         return True, 0.0
 
-    def _seal_waits(
-        self,
-        job: Job,
-        waiting: list[Node],
-        previous: Mapping[str, int],
-        beats: Mapping[str, float],
-        now: float,
-    ) -> list[float]:
-        """When a round short of ``max_nodes`` may seal: the times it waits for (none:
-        now).
-
-        ``last_call`` gathers newcomers, so a round with one (or the first round) waits
-        for it. A round after a restart also waits for every member of the last
-        generation that is neither back, nor gone, nor silent past the heartbeat timeout:
-        it is restarting, and sealing without it would only end the next generation
-        when it comes back (a process that restarts slower than ``last_call`` would
-        otherwise cost a restart each time). A round of survivors only seals at once.
-        """
-        spec = job.spec
-        back = {n.node_id for n in waiting}
-        waits: list[float] = []
-        if not previous or not back <= previous.keys():
-            quorum_at = sorted(n.joined_at for n in waiting)[spec.min_nodes - 1]
-            deadline = quorum_at + _seconds(spec.last_call)
-            if now < deadline:
-                waits.append(deadline)
-        missing = previous.keys() - back
-        if missing:
-            gone = {n.node_id for n in self._nodes(job.job_id, (Cond("state", "eq", "left"),))}
-            timeout = _seconds(spec.heartbeat_timeout)
-            expiries = (beats.get(node_id, -math.inf) + timeout for node_id in missing - gone)
-            waits.extend(t for t in expiries if t > now)
-        return waits
-
     def storage_lost(self) -> None:
         """Tells that a storage call failed: heartbeats may have been lost, so the next
         :meth:`tick` that reads storage again restarts every member's clock (a storage
@@ -1082,53 +1040,28 @@ class Rendezvous:
         self._lost = True
 
     def _check_members(self, job: Job) -> tuple[bool, float]:
-        timeout = _seconds(job.spec.heartbeat_timeout)
-        members = self.sealed(job.job_id, job.generation).members
-        dropped: set[str] = set()
-        beats = self._beats(job.job_id, dropped)
-        now = self.clock()
-        cut = [m.node_id for m in members if m.node_id in dropped]
-        if cut:
-            return self.end_generation(job, f"node {cut[0]} dropped its heartbeat connection"), 0.0
-        # A member's clock starts at the seal at the latest (it was alive to be chosen),
-        # or at this coordinator's start, or at the end of the last storage outage it
-        # saw: neither a restarted coordinator nor a storage outage kills a job for the
-        # heartbeats nobody could deliver meanwhile.
+        """Ends the job's running generation if :func:`._seal.silent` says it ends."""
+        running = self.sealed(job.job_id, job.generation)
+        cut: set[str] = set()
+        beats = self._beats(job.job_id, cut)
         since = max(job.changed_at, self.started_at, self.resumed_at)
-        last = {m.node_id: max(beats.get(m.node_id, 0.0), since) for m in members}
-        silent = sorted((t, n) for n, t in last.items() if now - t >= timeout)
-        if silent:
-            t, node_id = silent[0]
-            ended = self.end_generation(
-                job, f"node {node_id} missed heartbeats for {now - t:.1f} s"
-            )
-            return ended, 0.0
-        return False, min(last.values()) + timeout - now
+        reason, wait = seal.silent(job, running, beats, cut, since, self.clock())
+        if reason is None:
+            return False, wait
+        return self.end_generation(job, reason), 0.0
 
     # --- members ------------------------------------------------------------------------
 
     def judge_beat(
         self, job: Job, node_id: str, generation: int | None
     ) -> Literal["continue", "restart"]:
-        """Judges a heartbeat against a (recent) job snapshot; does not record it.
-
-        Returns:
-            ``continue``, or ``restart`` when the node's generation is not the job's
-            running one (a member died or left, a node wants in).
+        """:func:`._seal.verdict`: what a heartbeat is told, from a recent job snapshot;
+        records nothing.
 
         Raises:
             StaleGeneration: The generation is newer than any the job sealed.
         """
-        if generation is None:
-            return "continue"  # a waiting node, kept alive while it waits
-        if generation > job.generation:
-            raise StaleGeneration(
-                f"generation {generation} of job {job.job_id!r} was never sealed "
-                f"(latest is {job.generation})"
-            )
-        if generation < job.generation or job.status != "sealed":
-            return "restart"
-        return "continue"
+        return seal.verdict(job, node_id, generation)
 
     def leave(
         self,

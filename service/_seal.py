@@ -1,0 +1,151 @@
+"""When a round seals and when a generation ends: the rules, in one place.
+
+Each rule is a function of what storage said and the time, with no storage and no clock
+of its own, so that a rule reads (and is tested) as a rule. :class:`~._rendezvous.
+Rendezvous` reads the rows, calls these, and writes what they decide, each write an
+ETag compare-and-swap. What makes it ask:
+
+- a join: :meth:`~._rendezvous.Rendezvous.register` ends a running generation that a
+  newcomer or a returning member joins (:func:`join_ends`), and pokes the driver;
+- a tick (:meth:`~._rendezvous.Rendezvous.tick`): seals an open round
+  (:func:`alive`, :func:`ranked`, :func:`seal_waits`), or ends a generation with a silent
+  member or one whose heartbeat connection was cut (:func:`silent`). The driver
+  (``_driver.py``) ticks when a join pokes it, and otherwise when the last tick said
+  something could change, at least every ``max_tick``;
+- a departure: a node's leave or the operator's removal ends its generation
+  (:meth:`~._rendezvous.Rendezvous.leave`, ``remove``); a quarantine with ``restart``
+  does too (``_checkpoints.py``);
+- a heartbeat: :func:`verdict` tells a member whether its generation still runs.
+
+How waiting requests learn of a change (the driver's snapshot and its change future, the
+long-polls of ``routers/jobs.py``) is the driver's: see ``_driver.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+
+from .errors import JobFull, StaleGeneration
+
+if TYPE_CHECKING:
+    from ._rendezvous import Generation, Job, Node
+
+__all__ = ["alive", "join_ends", "ranked", "seal_waits", "silent", "verdict"]
+
+
+def join_ends(job: Job, running: Generation, node_id: str) -> str:
+    """Why a join ends the running generation: a newcomer wants in, or a member came
+    back (its process restarted), and either way the next generation must include it.
+
+    Raises:
+        JobFull: A newcomer, and the generation already has ``max_nodes`` members.
+    """
+    if node_id in running.ranks:
+        return f"member {node_id} re-joined"
+    if len(running.members) >= job.spec.max_nodes:
+        raise JobFull(f"job {job.job_id!r} runs with max_nodes={job.spec.max_nodes} members")
+    return f"node {node_id} joined"
+
+
+def alive(
+    registered: Iterable[Node], beats: Mapping[str, float], now: float, since: float, timeout: float
+) -> list[Node]:
+    """The nodes registered for a round that still count: heard from within ``timeout``
+    (their last beat, or ``since``: the end of a silence nobody could hear through, a
+    coordinator's start or a storage outage)."""
+    return [n for n in registered if now - max(beats.get(n.node_id, -math.inf), since) < timeout]
+
+
+def ranked(waiting: Iterable[Node], previous: Mapping[str, int]) -> list[Node]:
+    """Rank order: the last generation's survivors first, in their old order (stable
+    ranks), then newcomers in the order they joined."""
+    return sorted(
+        waiting, key=lambda n: (previous.get(n.node_id, math.inf), n.joined_at, n.node_id)
+    )
+
+
+def seal_waits(
+    job: Job,
+    waiting: Sequence[Node],
+    previous: Mapping[str, int],
+    beats: Mapping[str, float],
+    gone: set[str],
+    now: float,
+) -> list[float]:
+    """When a round short of ``max_nodes`` (with at least ``min_nodes`` alive) may seal:
+    the times it waits for; none: now.
+
+    ``last_call`` gathers newcomers, so a round with one (or the first round) waits for
+    it. A round after a restart also waits for every member of the last generation that
+    is neither back, nor ``gone`` (left), nor silent past the heartbeat timeout: it is
+    restarting, and sealing without it would only end the next generation when it comes
+    back (a process that restarts slower than ``last_call`` would otherwise cost a
+    restart each time). A round of survivors only seals at once.
+    """
+    spec = job.spec
+    back = {n.node_id for n in waiting}
+    waits: list[float] = []
+    if not previous or not back <= previous.keys():
+        quorum_at = sorted(n.joined_at for n in waiting)[spec.min_nodes - 1]
+        deadline = quorum_at + spec.last_call.total_seconds()
+        if now < deadline:
+            waits.append(deadline)
+    timeout = spec.heartbeat_timeout.total_seconds()
+    expiries = (beats.get(n, -math.inf) + timeout for n in previous.keys() - back - gone)
+    waits.extend(t for t in expiries if t > now)
+    return waits
+
+
+def silent(
+    job: Job,
+    running: Generation,
+    beats: Mapping[str, float],
+    cut: set[str],
+    since: float,
+    now: float,
+) -> tuple[str | None, float]:
+    """Whether a running generation ends for a member's silence.
+
+    Args:
+        beats: Each node's last beat.
+        cut: Nodes whose heartbeat connection was cut and that did not beat since.
+        since: When every member's clock starts at the latest: the seal (a member was
+            alive to be chosen), this coordinator's start, or the end of the last storage
+            outage it saw. Neither kills a job for heartbeats nobody could deliver.
+
+    Returns:
+        Why it ends (None: it runs on), and the seconds until this can next change.
+    """
+    members = running.members
+    dropped = [m.node_id for m in members if m.node_id in cut]
+    if dropped:
+        return f"node {dropped[0]} dropped its heartbeat connection", 0.0
+    timeout = job.spec.heartbeat_timeout.total_seconds()
+    last = {m.node_id: max(beats.get(m.node_id, 0.0), since) for m in members}
+    late = sorted((t, n) for n, t in last.items() if now - t >= timeout)
+    if late:
+        t, node_id = late[0]
+        return f"node {node_id} missed heartbeats for {now - t:.1f} s", 0.0
+    return None, min(last.values()) + timeout - now
+
+
+def verdict(job: Job, node_id: str, generation: int | None) -> Literal["continue", "restart"]:
+    """What a heartbeat is told, given a recent job snapshot: ``restart`` when the
+    node's generation is not the job's running one (a member died or left, a node wants
+    in); a waiting node (no generation) is kept alive.
+
+    Raises:
+        StaleGeneration: The generation is newer than any the job sealed.
+    """
+    if generation is None:
+        return "continue"
+    if generation > job.generation:
+        raise StaleGeneration(
+            f"generation {generation} of job {job.job_id!r} was never sealed "
+            f"(latest is {job.generation})"
+        )
+    if generation < job.generation or job.status != "sealed":
+        return "restart"
+    return "continue"

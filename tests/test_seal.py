@@ -1,0 +1,89 @@
+"""The seal and end rules as plain functions: no storage, no clock (see service/_seal.py)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from rallypoint.client.models import JobSpec
+from rallypoint.service import _seal as seal
+from rallypoint.service._rendezvous import Generation, Job, Member, Node
+from rallypoint.service.errors import JobFull, StaleGeneration
+
+SPEC = JobSpec(
+    min_nodes=2,
+    max_nodes=3,
+    last_call=timedelta(seconds=5),
+    heartbeat_timeout=timedelta(seconds=10),
+)
+
+
+def job(generation: int = 1, status: str = "sealed") -> Job:
+    return Job("job", SPEC, generation, status, 2, 0.0, 100.0, "etag")  # type: ignore[arg-type]
+
+
+def running(*nodes: str) -> Generation:
+    members = tuple(Member(n, i, "h", 1) for i, n in enumerate(nodes))
+    return Generation(1, members, 100.0, None, None, None, "etag")
+
+
+def node(name: str, joined_at: float) -> Node:
+    return Node(name, "h", 1, 2, joined_at, "waiting")
+
+
+def test_a_join_ends_the_running_generation_unless_it_is_full() -> None:
+    assert seal.join_ends(job(), running("a", "b"), "a") == "member a re-joined"
+    assert seal.join_ends(job(), running("a", "b"), "c") == "node c joined"
+    with pytest.raises(JobFull):
+        seal.join_ends(job(), running("a", "b", "c"), "d")
+
+
+def test_a_node_counts_while_heard_from_within_the_timeout() -> None:
+    nodes = [node("a", 0), node("b", 0), node("c", 0)]
+    beats = {"a": 95.0, "b": 89.0}  # c never beat
+    assert [n.node_id for n in seal.alive(nodes, beats, 100.0, 0.0, 10)] == ["a"]
+    # After an outage that ended at 95, nobody is judged for the silence before it.
+    assert len(seal.alive(nodes, beats, 100.0, 95.0, 10)) == 3
+
+
+def test_survivors_keep_their_ranks_and_newcomers_follow_in_join_order() -> None:
+    waiting = [node("new2", 5), node("b", 9), node("new1", 1), node("a", 8)]
+    order = seal.ranked(waiting, {"a": 1, "b": 0})
+    assert [n.node_id for n in order] == ["b", "a", "new1", "new2"]
+
+
+def test_a_round_waits_for_last_call_and_for_restarting_members() -> None:
+    # The first round: last call after the quorum (the min_nodes-th join, at 3).
+    first = [node("a", 1), node("b", 3)]
+    assert seal.seal_waits(job(0, "open"), first, {}, {}, set(), 4.0) == [8.0]
+    assert seal.seal_waits(job(0, "open"), first, {}, {}, set(), 8.0) == []
+    # After a restart: survivors only, c still beating (last at 95): wait for it...
+    back = [node("a", 1), node("b", 3)]
+    previous = {"a": 0, "b": 1, "c": 2}
+    assert seal.seal_waits(job(), back, previous, {"c": 95.0}, set(), 100.0) == [105.0]
+    # ...unless it left, or went silent past the timeout.
+    assert seal.seal_waits(job(), back, previous, {"c": 95.0}, {"c"}, 100.0) == []
+    assert seal.seal_waits(job(), back, previous, {"c": 89.0}, set(), 100.0) == []
+
+
+def test_a_generation_ends_for_a_cut_connection_first_then_the_longest_silence() -> None:
+    gen = running("a", "b", "c")
+    beats = {"a": 99.0, "b": 85.0, "c": 88.0}
+    assert seal.silent(job(), gen, beats, {"c"}, 0.0, 100.0) == (
+        "node c dropped its heartbeat connection",
+        0.0,
+    )
+    reason, _ = seal.silent(job(), gen, beats, set(), 0.0, 100.0)
+    assert reason == "node b missed heartbeats for 15.0 s"
+    # The clocks start at the seal at the latest: nobody is late 5 s after it.
+    assert seal.silent(job(), gen, {}, set(), 100.0, 105.0) == (None, 5.0)
+
+
+def test_a_heartbeat_is_told_whether_its_generation_runs() -> None:
+    assert seal.verdict(job(2), "a", None) == "continue"
+    assert seal.verdict(job(2), "a", 2) == "continue"
+    assert seal.verdict(job(2), "a", 1) == "restart"
+    assert seal.verdict(job(2, "open"), "a", 2) == "restart"
+    with pytest.raises(StaleGeneration):
+        seal.verdict(job(2), "a", 3)
