@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import anyio.to_thread
+from starlette.types import Receive
 
 from rallypoint.client.models import JobSpec
 
@@ -33,9 +34,34 @@ from ._rendezvous import Job, Rendezvous
 from .errors import StorageError
 from .storage import each_try_within
 
-__all__ = ["Driver"]
+__all__ = ["Driver", "hang_up", "until_changed"]
 
 log = logging.getLogger("rallypoint.driver")
+
+
+async def until_changed(
+    changed: asyncio.Future[None], timeout: float, *others: asyncio.Future[None]
+) -> None:
+    """Waits for the job to change (the future :meth:`Driver.snapshot` gave with it), for
+    one of ``others``, or ``timeout`` seconds: the one way a request waits on a job here.
+    A thousand long-polls wait on the same future, with no task or timer wake-ups of
+    their own (polling each held heartbeat four times a second cost 8,000 wake-ups a
+    second at 2,048 members and made every reply half a second late)."""
+    await asyncio.wait(
+        (changed, *others), timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED
+    )
+
+
+def hang_up(receive: Receive) -> asyncio.Task[None]:
+    """A task that ends when the caller of a request whose body was read hangs up (the
+    server's ``http.disconnect``): with :func:`until_changed`, what ends a held reply
+    early. Cancel it once the reply is made."""
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    return asyncio.ensure_future(watch())
 
 
 @dataclass

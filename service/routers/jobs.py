@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from dataclasses import replace
@@ -30,7 +29,7 @@ from rallypoint.client.models import (
 
 from .. import _credentials as credentials
 from .._contract import errors
-from .._driver import Driver
+from .._driver import Driver, hang_up, until_changed
 from .._rendezvous import Generation, Node, Rendezvous
 from ..deps import (
     AdminOnly,
@@ -221,7 +220,7 @@ async def _await_seal(
             # The seal resolves ``changed``; the timeout only paces the join-timeout and
             # disconnect checks, and a vanished waiter must not look alive for long.
             pace = max(1.0, job.spec.heartbeat_timeout.total_seconds() / 3)
-            await asyncio.wait((changed,), timeout=min(left, pace))
+            await until_changed(changed, min(left, pace))
 
 
 @router.post(
@@ -299,19 +298,15 @@ async def answer_heartbeat(
     if action == "continue":
         driver.queue_beat(job_id, node_id, generation or 0)
     if generation is not None and wait > 0 and action == "continue" and not driver.closing:
-        # Held on one wait: for the job to change, or the caller to hang up, or the hold
-        # to end. (Polling each held beat a few times a second cost 8,000 wake-ups a
-        # second at 2,048 members and made every reply half a second late.)
+        # Held until the job changes, the caller hangs up, or the hold ends.
         deadline = time.monotonic() + wait
-        gone = asyncio.ensure_future(_hung_up(receive))
+        gone = hang_up(receive)
         try:
             while action == "continue" and not driver.closing:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                await asyncio.wait(
-                    (changed, gone), timeout=left, return_when=asyncio.FIRST_COMPLETED
-                )
+                await until_changed(changed, left, gone)
                 if gone.done():
                     # The member's process is gone (or will reconnect at once: see dropped).
                     driver.dropped(job_id, node_id)
@@ -321,12 +316,6 @@ async def answer_heartbeat(
         finally:
             gone.cancel()
     return _reply(action, job.generation)
-
-
-async def _hung_up(receive: Receive) -> None:
-    """Returns when the caller hangs up (the server's ``http.disconnect``)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 @functools.lru_cache(maxsize=256)
