@@ -22,19 +22,23 @@ MAX_PACKED = 14 * _CHUNK
 
 def pack(value: Any) -> dict[str, bytes]:
     """``value`` as JSON, compressed, in properties ``m0``, ``m1``, ..."""
-    packed = zlib.compress(json.dumps(value, separators=(",", ":")).encode(), 6)
-    return {f"m{i // _CHUNK}": packed[i : i + _CHUNK] for i in range(0, len(packed), _CHUNK)}
+    return _properties(_compressed(value))
 
 
 def pack_rows(value: Any) -> list[dict[str, bytes]]:
     """:func:`pack`, split over as many entities as it needs (one for most values), each
     with at most :data:`MAX_PACKED` bytes: a value that may outgrow one entity (the
     members of a 10,000-node generation) is stored across rows rather than refused."""
-    packed = zlib.compress(json.dumps(value, separators=(",", ":")).encode(), 6)
-    rows = [packed[i : i + MAX_PACKED] for i in range(0, len(packed), MAX_PACKED)]
-    return [
-        {f"m{i // _CHUNK}": row[i : i + _CHUNK] for i in range(0, len(row), _CHUNK)} for row in rows
-    ]
+    packed = _compressed(value)
+    return [_properties(packed[i : i + MAX_PACKED]) for i in range(0, len(packed), MAX_PACKED)]
+
+
+def _compressed(value: Any) -> bytes:
+    return zlib.compress(json.dumps(value, separators=(",", ":")).encode(), 6)
+
+
+def _properties(packed: bytes) -> dict[str, bytes]:
+    return {f"m{i // _CHUNK}": packed[i : i + _CHUNK] for i in range(0, len(packed), _CHUNK)}
 
 
 def unpack(data: Mapping[str, Value | None]) -> Any:

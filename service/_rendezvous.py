@@ -366,12 +366,15 @@ def _generation_key(generation: int) -> str:
     return f"{GEN}{generation:010d}"
 
 
-def _part_key(generation: int, seal: str, index: int) -> str:
-    return f"{_generation_key(generation)}~{seal}~{index}"
+def _part_key(generation: int, seal_id: str, index: int) -> str:
+    return f"{_generation_key(generation)}~{seal_id}~{index}"
 
 
-def _generation_entity(job_id: str, g: Generation) -> Entity:
-    """A generation's row: what it is and, unless they are in part rows, its members."""
+def _generation_entity(
+    job_id: str, g: Generation, members: dict[str, bytes] | None = None
+) -> Entity:
+    """A generation's row: what it is and, unless they are in part rows, its members
+    (``members``: already packed, else packed here)."""
     data: dict[str, Value | None] = {
         "kind": "gen",
         "generation": g.generation,
@@ -384,7 +387,8 @@ def _generation_entity(job_id: str, g: Generation) -> Entity:
     if g.parts is not None:
         data.update(seal=g.parts[0], parts=g.parts[1])
     else:
-        (members,) = pack_rows([_member_fields(m) for m in g.members])
+        if members is None:
+            (members,) = pack_rows([_member_fields(m) for m in g.members])
         data.update(members)
     return Entity(job_id, _generation_key(g.generation), data)
 
@@ -396,11 +400,11 @@ def _sealing_rows(job_id: str, g: Generation) -> tuple[Entity, list[Entity]]:
     must not have overwritten the winner's."""
     packed = pack_rows([_member_fields(m) for m in g.members])
     if len(packed) == 1:
-        return _generation_entity(job_id, g), []
-    seal = secrets.token_hex(6)
-    g = replace(g, parts=(seal, len(packed)))
+        return _generation_entity(job_id, g, packed[0]), []
+    seal_id = secrets.token_hex(6)
+    g = replace(g, parts=(seal_id, len(packed)))
     return _generation_entity(job_id, g), [
-        Entity(job_id, _part_key(g.generation, seal, i), {"kind": "genpart", **part})
+        Entity(job_id, _part_key(g.generation, seal_id, i), {"kind": "genpart", **part})
         for i, part in enumerate(packed)
     ]
 
@@ -572,9 +576,11 @@ class Rendezvous:
         """The generation whose row is ``e``, reading its part rows if it has any."""
         if not e.data.get("parts"):
             return _generation(e)
-        seal, n, generation = str(e.data["seal"]), _int(e.data, "parts"), _int(e.data, "generation")
+        seal_id, n = str(e.data["seal"]), _int(e.data, "parts")
+        generation = _int(e.data, "generation")
         return _generation(
-            e, [self.table.get(e.partition_key, _part_key(generation, seal, i)) for i in range(n)]
+            e,
+            [self.table.get(e.partition_key, _part_key(generation, seal_id, i)) for i in range(n)],
         )
 
     def sealed(self, job_id: str, generation: int) -> Generation:
@@ -866,8 +872,7 @@ class Rendezvous:
             for partition in self._partitions(job_id)
             for e in self.table.query(partition, where)
         ]
-        for n in nodes:  # the driver's ticks read every waiting node: the joins' cache
-            self._seen(job_id, n)
+        self._seen(job_id, *nodes)  # ticks read every waiting node: what joins condition on
         return nodes
 
     def outcome(self, job: Job, node_id: str, round: int) -> Generation | Literal["missed"] | None:
@@ -938,13 +943,14 @@ class Rendezvous:
         self._seen(job_id, node)
         return node
 
-    def _seen(self, job_id: str, node: Node) -> None:
-        """Keeps ``node``'s row as last seen here, for the most recent 100,000 nodes (a
+    def _seen(self, job_id: str, *nodes: Node) -> None:
+        """Keeps the nodes' rows as last seen here, for the most recent 100,000 nodes (a
         node not kept costs its next join a read, nothing else)."""
         with self._lock:
-            self._rows[(job_id, node.node_id)] = node
-            self._rows.move_to_end((job_id, node.node_id))
-            if len(self._rows) > 100_000:
+            for node in nodes:
+                self._rows[(job_id, node.node_id)] = node
+                self._rows.move_to_end((job_id, node.node_id))
+            while len(self._rows) > 100_000:
                 self._rows.popitem(last=False)
 
     # --- driving ------------------------------------------------------------------------
