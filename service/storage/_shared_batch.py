@@ -86,14 +86,14 @@ class SharedBatches:
             try:
                 results = self.table.batch(ops)
             except (Modified, NotFound, AlreadyExists) as exc:
-                culprit = _owner(group, exc.op_index)
-                if culprit is None:  # no index to blame: each goes alone
-                    culprit = group[0]
+                located = _owner(group, exc.op_index)
+                if located is None:  # no index to blame: each goes alone
                     if len(group) > 1:
                         for request in group:
                             self._send([request])
                         return
-                offset = sum(len(r.ops) for r in group[: group.index(culprit)])
+                    located = group[0], 0
+                culprit, offset = located
                 culprit.error = type(exc)(
                     str(exc),
                     op_index=None if exc.op_index is None else exc.op_index - offset,
@@ -131,13 +131,14 @@ def _take(pending: list[_Request]) -> list[_Request]:
     return group
 
 
-def _owner(group: list[_Request], op_index: int | None) -> _Request | None:
-    """The request whose operation is ``op_index`` of the group's transaction."""
+def _owner(group: list[_Request], op_index: int | None) -> tuple[_Request, int] | None:
+    """The request whose operation is ``op_index`` of the group's transaction, and where
+    its operations start in it."""
     if op_index is None:
         return None
     start = 0
     for request in group:
         if op_index < start + len(request.ops):
-            return request
+            return request, start
         start += len(request.ops)
     return None
