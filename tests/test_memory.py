@@ -8,11 +8,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from rallypoint.cli.processes import Coordinator
+from rallypoint.trainer import RallypointReader
 from rallypoint.trainer._memory import MEMORY_ENV, NodeMemory
 
 from . import test_torchrun
@@ -42,7 +44,7 @@ def test_a_restart_reads_this_nodes_memory_and_a_bad_copy_falls_back(
     m.close()
     held = sorted(p.name for p in (memory / "job" / "a" / "v0000000001").rglob("*"))
     # Rank 0's files (DCP's metadata among them, for peers) and this node's own copy of
-    # the metadata, with the summary written once the version committed.
+    # the metadata, with the version's index.
     assert held == ["data.distcp", "dcp.metadata", "dcp.metadata", "rank-00000", "version.json"]
     (m,) = managers(url, ["a"], 1, 1)  # the restarted process, same node
     restored = m.load_latest()
@@ -63,6 +65,33 @@ def test_a_restart_reads_this_nodes_memory_and_a_bad_copy_falls_back(
     again = m.load_latest()
     assert again is not None and again.bytes_from["storage"] >= (1 << 18)
     assert torch.equal(again.state["w"], state["w"])
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_a_report_names_this_node_only_once_its_copy_is_readable(
+    start: Start, memory: Path
+) -> None:
+    """The rule that makes a named version readable: when a rank's report (rank 0's
+    commits) reaches the coordinator, the node it names already holds an indexed copy
+    that a restarted process reads without this one, so a node dying the moment the
+    version commits loses nothing the report promised."""
+    (m,) = managers(start().url, ["a"], 1, 1)
+    report = m.client.report_checkpoint
+    seen: list[tuple[list[str], list[str]]] = []
+
+    def spy(version: int, *args: Any, **kwargs: Any) -> Any:
+        folder = memory / "job" / "a" / f"v{version:010d}"
+        seen.append((kwargs["memory"], sorted(p.name for p in folder.iterdir())))
+        # What a restarted process of this node would read, as of now.
+        reader = RallypointReader(m.client, version, memory=NodeMemory.from_env("job", "a"))
+        reader.version = version
+        assert reader._from_memory() is not None
+        return report(version, *args, **kwargs)
+
+    m.client.report_checkpoint = spy  # type: ignore[method-assign]
+    m.save({"w": torch.arange(64.0)}, 1, blocking=True)
+    m.close()
+    assert seen == [(["a"], ["dcp.metadata", "rank-00000", "version.json"])]
 
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)

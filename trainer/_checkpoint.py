@@ -16,7 +16,6 @@ reshards), or, without a template, as the state that was saved.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import pickle
@@ -38,12 +37,12 @@ from torch.distributed.tensor import DTensor
 
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, RallypointError
 
+from . import _faults as faults
 from ._bytes import tensor_bytes
 from ._dcp import (
     METADATA,
     RallypointReader,
     RallypointWriter,
-    Summary,
     check_metadata,
     global_rank,
 )
@@ -269,6 +268,7 @@ class CheckpointManager:
         full = {**state, RESERVED: {"fixups": fixups, "rank": {str(rank): mine}}}
         staged, copies = self._staging.stage(full)
         blocked = time.perf_counter() - started
+        faults.reached("staged", step, rank)
         writer = RallypointWriter(
             self.client,
             step,
@@ -344,14 +344,12 @@ class CheckpointManager:
             log.error("checkpoint of step %d failed: %s", writer.step, exc)
             raise
         assert writer.info is not None
-        if self.memory is not None and writer.version:
+        faults.reached("returned", writer.step, writer.rank)
+        if self.memory is not None and writer.version and writer.rank != 0:
             # Every process of the node holds DCP's metadata (dcp.save returned it to
             # each), so a restarted one needs nothing from storage to find its items.
+            # (Rank 0 wrote it before its report; the index went before each report.)
             self.memory.write(writer.version, METADATA, [pickle.dumps(metadata)])
-            summary = Summary(
-                writer.version, writer.step, self.generation, writer.world_size, writer.metadata
-            )
-            self.memory.commit(writer.version, dataclasses.asdict(summary))
         return writer.info
 
     def wait(self) -> CheckpointInfo | None:

@@ -24,6 +24,7 @@ local files without a copy. Every item carries its own xxh3-128, checked on read
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -59,6 +60,7 @@ from rallypoint.client import (
     UnknownCheckpoint,
 )
 
+from . import _faults as faults
 from ._bytes import as_memoryview, checksum, tensor_bytes
 from ._memory import NodeMemory, map_file
 from ._peers import push, read_peer
@@ -366,10 +368,16 @@ class RallypointWriter(StorageWriter):
         assert begun is not None
         path = f"rank-{self.rank:05d}/{name}"
         # The data file goes first; a later one (rank 0's metadata) goes where it went.
+        # A place counts (is named in the report) only once the file can be read there:
+        # here once the version's index is written too, on the peer once it took the
+        # whole file, in storage once uploaded. A node that dies right after the commit
+        # then leaves copies that every rank of the next generation can read.
         first = name == DATA
         if self.memory is not None and self.memory.write(self._version, path, parts):
-            if first or self.client.node_id in self.holders:
+            faults.reached("memory", self.step, self.rank)
+            if first and self._index():
                 self.holders = sorted({*self.holders, self.client.node_id})
+                faults.reached("indexed", self.step, self.rank)
         elif self.client.node_id in self.holders:
             self.holders.remove(self.client.node_id)
         replica = begun.replica
@@ -389,6 +397,7 @@ class RallypointWriter(StorageWriter):
                     self.holders.remove(replica.node_id)
             else:
                 self.holders = sorted({*self.holders, replica.node_id})
+                faults.reached("peer", self.step, self.rank)
         nodes = self.client.assignment.world_size if self.client.assignment else 1
         wanted = begun.persist or len(self.holders) < min(2, nodes)
         if wanted and not self.storage and not first:
@@ -399,6 +408,15 @@ class RallypointWriter(StorageWriter):
         if wanted or self.storage:
             self._upload(name, parts, size)
             self.storage = True
+            faults.reached("uploaded", self.step, self.rank)
+
+    def _index(self) -> bool:
+        """Writes the version's index into this node's memory (see ``NodeMemory``)."""
+        assert self.memory is not None and self._begun is not None
+        summary = Summary(
+            self._version, self.step, self._begun.generation, self.world_size, self.metadata
+        )
+        return self.memory.index(self._version, dataclasses.asdict(summary))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """See base class. Rank 0 uploads DCP's metadata and reports last."""
@@ -410,10 +428,17 @@ class RallypointWriter(StorageWriter):
             storage.update({r.index: r.storage_data for r in rank_results})
         metadata.storage_data = storage
         raw = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        if self.memory is not None:
+            # This node's own copy of DCP's metadata, beside the index, before the report
+            # that commits: a restarted process of this node then reads the version from
+            # memory alone, even if this one dies the moment it commits. Other nodes'
+            # processes get theirs once dcp.save returns (CheckpointManager).
+            self.memory.write(self._version, METADATA, [raw])
         self._place(METADATA, [memoryview(raw)], len(raw), [(0, len(raw), checksum([raw]))])
         assert self._data is not None
         files = [self._data, ShardFile(name=METADATA, size=len(raw), checksum=checksum([raw]))]
         self.info = self._report(files, self.metadata)
+        faults.reached("committed", self.step, self.rank)
 
     def _upload(self, name: str, parts: list[memoryview], size: int) -> None:
         label = f"checkpoint v{self._version} step {self.step} rank {self.rank}: {name}"
@@ -449,6 +474,7 @@ class RallypointWriter(StorageWriter):
             "in storage" if self.storage else "in memory",
             f" on {', '.join(self.holders)}" if self.holders else "",
         )
+        faults.reached("reported", self.step, self.rank)
         return info
 
     def storage_meta(self) -> None:

@@ -2,10 +2,13 @@
 
 Under a Rallypoint agent (``torchrun --rdzv-backend=rallypoint`` or ``rallypoint run``)
 every save writes this node's ranks' files to ``ROOT/JOB/NODE/vVVVVVVVVVV/`` before it
-uploads them, and a version's ``version.json`` is written once the version committed.
-A worker restarted on the same node (torchrun restarts every worker after one fails)
-reads them from there instead of from blob storage; every item is still checked against
-its checksum, and a file that fails falls back to storage.
+uploads them, then the version's index, ``version.json``: what the version is (step,
+generation, world size). Files of a version without an index are never read or served.
+A rank writes the index before it reports its files, so a report that names this node
+names a copy that can be read, even if every process of the node dies the moment the
+version commits. A worker restarted on the same node (torchrun restarts every worker
+after one fails) reads them from there instead of from blob storage; every item is
+still checked against its checksum, and a file that fails falls back to another copy.
 
 Other nodes' files, copied here by their ranks through this node's replica server
 (:mod:`._peers`), live beside them in ``replicas/vVVVVVVVVVV/rank-RRRRR/``.
@@ -160,7 +163,7 @@ class NodeMemory:
         return True
 
     def find(self, version: int, name: str) -> Path | None:
-        """A file of a version held here: this node's own, once committed, or a replica
+        """A file of a version held here: this node's own, once indexed, or a replica
         another node's rank copied here."""
         path = self._version(version) / name
         if (self._version(version) / _DONE).is_file() and path.is_file():
@@ -169,24 +172,32 @@ class NodeMemory:
         return replica if replica.is_file() else None
 
     def summary(self, version: int) -> dict[str, Any] | None:
-        """What :meth:`commit` recorded of ``version``, if it is held here."""
+        """What :meth:`index` recorded of ``version``, if it is held here."""
         try:
             found: dict[str, Any] = json.loads((self._version(version) / _DONE).read_text())
         except (OSError, ValueError):
             return None
         return found
 
-    def commit(self, version: int, summary: dict[str, Any]) -> None:
-        """Marks ``version`` committed (its files are all here) and drops the versions
-        beyond the newest ``keep``."""
+    def index(self, version: int, summary: dict[str, Any]) -> bool:
+        """Writes ``version``'s index (after the files it makes readable: see the module's
+        docstring) and drops the versions beyond the newest ``keep``.
+
+        Every process of the node writes the same index; each write is whole, so any
+        one of them makes the node's files readable.
+
+        Returns:
+            False if it could not be written: this node's copy does not count.
+        """
         if not self.write(version, _DONE, [json.dumps(summary).encode()]):
-            return
+            return False
         done = sorted(int(p.name[1:]) for p in self.folder.glob("v[0-9]*") if (p / _DONE).is_file())
         kept = done[-self.keep :]
         for path in self.folder.glob("v[0-9]*"):
             number = int(path.name[1:])
             if number not in kept and number < kept[0]:
                 shutil.rmtree(path, ignore_errors=True)
+        return True
 
     def claim(self) -> None:
         """Makes this process (the agent) the folder's owner and removes the folders of
