@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -222,10 +222,18 @@ class Cluster:
         )
         self.agents: dict[str, Agent] = {}
 
-    def add(self, node_id: str) -> Agent:
-        """Starts a torchrun agent as node ``node_id`` (its VM name too)."""
+    def add(
+        self, node_id: str, *, nproc: int | None = None, env: Mapping[str, str] | None = None
+    ) -> Agent:
+        """Starts a torchrun agent as node ``node_id`` (its VM name too).
+
+        Args:
+            nproc: Its worker processes, if not the cluster's ``nproc``.
+            env: Variables added to its environment (and its workers').
+        """
         env = {
             **os.environ,
+            **(env or {}),
             "RALLYPOINT_NODE": node_id,
             "RALLYPOINT_VM_NAME": node_id,
             "PYTHONWARNINGS": "ignore",
@@ -244,7 +252,7 @@ class Cluster:
             *launcher,
             *self.rdzv,
             f"--nnodes={self.nnodes}",
-            f"--nproc-per-node={self.nproc}",
+            f"--nproc-per-node={nproc or self.nproc}",
             "--max-restarts=100",
             "--monitor-interval=0.1",
             "--local-addr=127.0.0.1",

@@ -24,6 +24,7 @@ from .errors import JoinTimeout, RallypointError, TransportError, error_for
 from .models import (
     CREDENTIAL_HEADER,
     ENVELOPE_PATH,
+    MAX_FAILURE_REASON,
     Assignment,
     BeginCheckpoint,
     CheckpointBegun,
@@ -41,6 +42,7 @@ from .models import (
     PeerKey,
     QuarantineRequest,
     ReportShard,
+    RestoreFailure,
     RestoreReport,
     ShardFile,
     StoreReply,
@@ -688,6 +690,39 @@ class ElasticClient:
         self._request(
             "POST", f"{self._job}/checkpoints/{version}/restores", body, retry=_REPORT_RETRY
         )
+
+    def report_unreadable(
+        self, version: int, reason: str, *, rank: int, generation: int | None = None
+    ) -> CheckpointInfo:
+        """Tells the coordinator that this rank could not load ``version`` from any copy
+        it was given (a holder gone, a file missing or failing its checksum). The
+        coordinator marks the version unrecoverable, so no generation resumes from it
+        again, and ends the generation: the next one resumes from the newest version
+        still recoverable. :class:`~rallypoint.trainer.CheckpointManager` reports its own
+        failed restores.
+
+        Args:
+            version: The version that failed to load.
+            reason: What failed (cut to 1,000 characters).
+            rank: This process's global rank.
+            generation: Defaults to this node's.
+
+        Returns:
+            The version, marked.
+
+        Raises:
+            StaleGeneration: The generation ended.
+            UnknownCheckpoint: No such version (or it was collected since).
+            CheckpointConflict: The version is not committed.
+        """
+        body = RestoreFailure(
+            node_id=self.node_id,
+            generation=self._generation(generation),
+            rank=rank,
+            reason=reason[:MAX_FAILURE_REASON] or "unknown",
+        )
+        reply = self._request("POST", f"{self._job}/checkpoints/{version}/failures", body)
+        return CheckpointInfo.model_validate_json(reply.content)
 
     def checkpoint(self, version: int | None = None) -> CheckpointInfo:
         """A version with read URLs for its manifest and files; the authoritative latest

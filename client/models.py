@@ -55,6 +55,7 @@ __all__ = [
     "PeerKey",
     "QuarantineRequest",
     "ReportShard",
+    "RestoreFailure",
     "RestoreReport",
     "RestoreSource",
     "ShardFile",
@@ -372,6 +373,12 @@ class CheckpointInfo(_Model):
     quarantined: bool = False
     quarantined_at: float | None = None
     quarantine_reason: str | None = None
+    #: Whether a rank could not load it when it was named (a holder gone, a file
+    #: missing or failing its checksum): no generation resumes from it again; when, and
+    #: which rank said why.
+    unrecoverable: bool = False
+    unrecoverable_at: float | None = None
+    unrecoverable_reason: str | None = None
     urls: dict[str, str] = Field(default_factory=dict)
     #: Global rank (as a string) to the live nodes whose memory holds its files; with
     #: ``urls``, for a committed version.
@@ -407,6 +414,23 @@ class RestoreReport(_Model):
     #: the version's).
     rank: int = Field(ge=0, lt=MAX_RANKS)
     bytes_from: dict[RestoreSource, Annotated[int, Field(ge=0, le=2**63 - 1)]]
+
+
+#: The longest reason a rank gives for a version it could not load (more is cut).
+MAX_FAILURE_REASON = 1000
+
+
+class RestoreFailure(_Model):
+    """A rank of the running generation could not load a version: the coordinator marks
+    it unrecoverable and ends the generation."""
+
+    node_id: Id
+    #: The generation the rank restores in (fenced: it must be running).
+    generation: int = Field(ge=1)
+    #: The restoring process's global rank.
+    rank: int = Field(ge=0, lt=MAX_RANKS)
+    #: What failed (the error's message).
+    reason: str = Field(min_length=1, max_length=MAX_FAILURE_REASON)
 
 
 class ManifestFile(_Model):

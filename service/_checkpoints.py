@@ -25,6 +25,12 @@ Quarantine: an operator marks a committed version bad (:meth:`Checkpoints.quaran
 It is never named again (not by a seal, not as the latest) until unquarantined; a
 pointer at it moves back, in the same batch, to the newest good version no newer by step.
 
+Unrecoverable: a rank of the running generation could not load the version it was
+named (a holder gone, a file missing or failing its checksum: :meth:`Checkpoints.unreadable`).
+The version is marked so, with the reason, exactly as a quarantine marks it, and the
+generation ends: the next seal names the newest version still recoverable, and no job
+seals a second generation on a version that failed to load. The mark stays.
+
 Ranks are global: every process of the job (torchrun's ``RANK``) saves its own files,
 and a version commits when all ``world_size`` processes reported. A node may run several.
 
@@ -56,6 +62,7 @@ from rallypoint.client.models import (
     ManifestShard,
     PeerGrant,
     ReportShard,
+    RestoreFailure,
     RestoreReport,
     RestoreSource,
     ShardFile,
@@ -115,15 +122,23 @@ class Version:
     #: When an operator quarantined it (None: it is not), and why.
     quarantined_at: float | None = None
     quarantine_reason: str | None = None
+    #: When a rank reported it could not load it (None: none did), and why.
+    unrecoverable_at: float | None = None
+    unrecoverable_reason: str | None = None
 
     @property
     def quarantined(self) -> bool:
         return self.quarantined_at is not None
 
     @property
+    def unrecoverable(self) -> bool:
+        return self.unrecoverable_at is not None
+
+    @property
     def good(self) -> bool:
-        """Committed and not quarantined: a version a pointer may name."""
-        return self.state == "committed" and not self.quarantined
+        """Committed, not quarantined and not unrecoverable: a version a pointer may
+        name."""
+        return self.state == "committed" and not self.quarantined and not self.unrecoverable
 
     @property
     def folder(self) -> str:
@@ -213,6 +228,7 @@ def _version(job_id: str, e: Entity) -> Version:
     committed_at = d.get("committed_at")
     persist, durable = d.get("persist"), d.get("durable")
     quarantined_at, reason = d.get("quarantined_at"), d.get("quarantine_reason")
+    unrecoverable_at, unreadable = d.get("unrecoverable_at"), d.get("unrecoverable_reason")
     state = str(d["state"])
     if state not in ("pending", "committed", "deleting"):
         raise TypeError(f"stored checkpoint state {state!r} is unknown")
@@ -231,6 +247,8 @@ def _version(job_id: str, e: Entity) -> Version:
         durable=True if durable is None else bool(durable),
         quarantined_at=None if quarantined_at is None else float(str(quarantined_at)),
         quarantine_reason=None if reason is None else str(reason),
+        unrecoverable_at=None if unrecoverable_at is None else float(str(unrecoverable_at)),
+        unrecoverable_reason=None if unreadable is None else str(unreadable),
     )
 
 
@@ -252,6 +270,8 @@ def _entity(v: Version) -> Entity:
             "durable": v.durable,
             "quarantined_at": v.quarantined_at,
             "quarantine_reason": v.quarantine_reason,
+            "unrecoverable_at": v.unrecoverable_at,
+            "unrecoverable_reason": v.unrecoverable_reason,
         },
     )
 
@@ -747,15 +767,10 @@ class Checkpoints:
         """Marks a committed version bad: no seal names it, and it is not the latest or
         the durable version again until :meth:`unquarantine`.
 
-        A pointer at it moves back to the newest good version no newer by step (for the
-        durable pointer, the newest good durable one; None if there is none). The mark,
-        the pointers and the row the pointer moves to are written in one batch with the
-        job entity's CAS: a commit or seal that read the job before it fails its own CAS
-        and judges again, and a collect that read the row before fails to mark it.
-
-        The running generation is not affected (its ranks resumed already, and a worker
-        restarted within it loads what the others loaded) unless ``restart``: then it
-        ends, and its members regroup and load the version the pointer moved back to.
+        A pointer at it moves back as :meth:`_mark` says. The running generation is
+        not affected (its ranks resumed already, and a worker restarted within it loads
+        what the others loaded) unless ``restart``: then it ends, and its members regroup
+        and load the version the pointer moved back to.
         Quarantining a quarantined version changes nothing: its first mark stands.
 
         Args:
@@ -771,6 +786,73 @@ class Checkpoints:
             CheckpointConflict: The version is not committed (a pending one becomes the
                 latest only when it commits: quarantine it then).
         """
+        job, version = self._mark(
+            job_id,
+            number,
+            "quarantined",
+            lambda v: (
+                None
+                if v.quarantined
+                else replace(v, quarantined_at=self.rdzv.clock(), quarantine_reason=reason or None)
+            ),
+        )
+        if restart:
+            why = f"checkpoint v{number} quarantined" + (f": {reason}" if reason else "")
+            self._restart(job_id, job.generation, why)
+        return self._info(job, version)
+
+    def unreadable(
+        self, job_id: str, number: int, failure: RestoreFailure, credential: str | None
+    ) -> CheckpointInfo:
+        """Marks a version unrecoverable because a rank of the running generation could
+        not load it, and ends that generation: its members regroup, and the seal names
+        the newest version still recoverable. Pointers move back as for
+        :meth:`quarantine`, in the same batch. Fenced like every report of a member.
+        Marking a marked version again keeps the first mark (and still ends the
+        generation, if it runs).
+
+        Returns:
+            The version, marked.
+
+        Raises:
+            StaleGeneration: The generation is not the job's running one.
+            UnknownNode: The node is not a member of it.
+            InvalidCredential: Not the node's credential.
+            UnknownCheckpoint: No such version, or it is being collected.
+            CheckpointConflict: The version is not committed (nothing loads it).
+        """
+        job = self.rdzv.get_job(job_id)
+        self.rdzv.member(job, failure.node_id, failure.generation, credential)
+        reason = f"rank {failure.rank} of generation {failure.generation}: {failure.reason}"
+        job, version = self._mark(
+            job_id,
+            number,
+            "marked unrecoverable",
+            lambda v: (
+                None
+                if v.unrecoverable
+                else replace(v, unrecoverable_at=self.rdzv.clock(), unrecoverable_reason=reason)
+            ),
+        )
+        log.warning("job %r: checkpoint v%d is unrecoverable: %s", job_id, number, reason)
+        self._restart(job_id, failure.generation, f"checkpoint v{number} unrecoverable: {reason}")
+        return self._info(job, version)
+
+    def _mark(
+        self, job_id: str, number: int, what: str, mark: Callable[[Version], Version | None]
+    ) -> tuple[Job, Version]:
+        """The one CAS loop that takes a committed version out of the good ones: writes
+        ``mark(version)`` (None: it is marked already, nothing to write), and moves a
+        pointer at it back to the newest good version no newer by step (for the durable
+        pointer, the newest good durable one; None if there is none). The mark, the
+        pointers and the row the pointer moves to are written in one batch with the job
+        entity's CAS: a commit or seal that read the job before it fails its own CAS and
+        judges again, and a collect that read the row before fails to mark it.
+
+        Raises:
+            UnknownCheckpoint: No such version, or it is being collected.
+            CheckpointConflict: The version is not committed.
+        """
         for _ in range(_CAS_TRIES):
             job = self.rdzv.get_job(job_id)
             rows = self._rows(job_id)
@@ -778,13 +860,11 @@ class Checkpoints:
             if version.state != "committed":
                 raise CheckpointConflict(
                     f"version {number} is not committed: only a committed version can be "
-                    "quarantined (a pending one is never named)"
+                    f"{what} (a pending one is never named)"
                 )
-            if version.quarantined:
-                break
-            marked = replace(
-                version, quarantined_at=self.rdzv.clock(), quarantine_reason=reason or None
-            )
+            marked = mark(version)
+            if marked is None:
+                return job, version
             good = [v for v in rows if v.good and v.version != number]
             moved, targets = job, {}
             if job.checkpoint is not None and job.checkpoint.version == number:
@@ -805,14 +885,8 @@ class Checkpoints:
                 self.table.batch(ops)
             except (Modified, NotFound):
                 continue  # a commit, seal or collect came first: judge again
-            version, job = marked, moved
-            break
-        else:
-            raise StorageUnavailable(f"could not quarantine version {number} of {job_id!r}")
-        if restart:
-            why = f"checkpoint v{number} quarantined" + (f": {reason}" if reason else "")
-            self._restart(job_id, job.generation, why)
-        return self._info(job, version)
+            return moved, marked
+        raise StorageUnavailable(f"version {number} of {job_id!r} could not be {what}")
 
     def unquarantine(self, job_id: str, number: int) -> CheckpointInfo:
         """Clears a version's quarantine: it may be named again.
@@ -888,9 +962,9 @@ class Checkpoints:
         version = self._get(job_id, number)
         if version.state == "deleting":
             raise UnknownCheckpoint(f"version {number} of job {job_id!r} was collected")
-        if latest and version.quarantined:
-            # Not expected: a quarantine moves the pointer in the batch that marks the row.
-            raise UnknownCheckpoint(f"the latest of job {job_id!r}, v{number}, is quarantined")
+        if latest and not version.good:
+            # Not expected: a mark moves the pointer in the batch that marks the row.
+            raise UnknownCheckpoint(f"the latest of job {job_id!r}, v{number}, is marked bad")
         # A quarantined version keeps its read URLs here, by number: whoever investigates
         # it may read it, and a worker restarted within a generation that was told to
         # resume from it loads what its generation's other ranks loaded.
@@ -952,14 +1026,16 @@ class Checkpoints:
 
     def durabilities(self, job_id: str) -> dict[str, int]:
         """How many versions not being collected are pending, committed in memory and
-        durable, and (besides) how many of them are ``quarantined``: one query and no
+        durable, and (besides) how many of them are ``quarantined`` and ``unrecoverable``:
+        one query and no
         rank reports read, for the metrics at every scrape. A job deleted meanwhile has
         none."""
-        counts = {"pending": 0, "memory": 0, "durable": 0, "quarantined": 0}
+        counts = {"pending": 0, "memory": 0, "durable": 0, "quarantined": 0, "unrecoverable": 0}
         for version in self._rows(job_id):
             if version.state != "deleting":
                 counts[version.durability] += 1
                 counts["quarantined"] += version.quarantined
+                counts["unrecoverable"] += version.unrecoverable
         return counts
 
     def _info(
@@ -984,6 +1060,9 @@ class Checkpoints:
             quarantined=version.quarantined,
             quarantined_at=version.quarantined_at,
             quarantine_reason=version.quarantine_reason,
+            unrecoverable=version.unrecoverable,
+            unrecoverable_at=version.unrecoverable_at,
+            unrecoverable_reason=version.unrecoverable_reason,
         )
 
     def _get(self, job_id: str, number: int) -> Version:
@@ -1018,9 +1097,9 @@ class Checkpoints:
 
     def collect(self, job_id: str) -> list[int]:
         """Deletes unfinished versions past their timeout and committed ones beyond the
-        last ``keep`` good (not quarantined) ones; never the latest or the durable one.
-        Quarantined versions are kept while they are among the last ``keep`` committed,
-        for whoever investigates them, and never push a good one out.
+        last ``keep`` good (neither quarantined nor unrecoverable) ones; never the latest
+        or the durable one. Marked versions are kept while they are among the last
+        ``keep`` committed, for whoever investigates them, and never push a good one out.
 
         Returns:
             The versions deleted.
@@ -1030,8 +1109,8 @@ class Checkpoints:
         latest = job.checkpoint.version if job.checkpoint else None
         durable = job.durable.version if job.durable else None
         committed = [v for v in versions if v.state == "committed"]
-        good = [v.version for v in committed if not v.quarantined]
-        suspect = {v.version for v in committed[-self.keep :] if v.quarantined}
+        good = [v.version for v in committed if v.good]
+        suspect = {v.version for v in committed[-self.keep :] if not v.good}
         # The durable pointer is what a job falls back to when memory copies are lost.
         # (A quarantine that moves a pointer back rewrites the row it moves to, so a
         # collect that read the pointer before fails to mark that row deleting.)

@@ -58,7 +58,9 @@ def test_fsdp2_resumes_resharded_after_a_node_is_killed(
     verdict = judge(log, history)
     assert verdict.consistent, verdict.problems
     assert verdict.final_step == 40
-    saved = {e["step"]: e["digests"] for e in log if e["event"] == "saved" and e["world_size"] == 4}
+    saved = {
+        e["step"]: e["digests"] for e in log if e["event"] == "saving" and e["world_size"] == 4
+    }
     resumed = [e for e in log if e["event"] == "resumed" and e["world_size"] == 2]
     assert {e["rank"] for e in resumed} == {0, 1}
     for e in resumed:

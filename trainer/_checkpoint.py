@@ -48,7 +48,7 @@ from ._dcp import (
 )
 from ._memory import NodeMemory
 from ._staging import StagedPlanner, Staging
-from .errors import CheckpointError, StateNotReplicated
+from .errors import CheckpointCorrupt, CheckpointError, StateNotReplicated
 
 __all__ = ["RESERVED", "CheckpointManager", "Restored", "SaveHandle"]
 
@@ -393,10 +393,31 @@ class CheckpointManager:
     def load(self, version: int, state: dict[str, Any] | None = None) -> Restored:
         """Restores one version (see :meth:`load_latest`), at any world size.
 
+        A version that no copy of can be read (every holder the coordinator named and
+        blob storage tried) is reported to the coordinator before this raises: it marks
+        the version unrecoverable and ends the generation, and the next generation
+        resumes from the newest version still recoverable, so a job never loops on a
+        checkpoint that cannot load.
+
         Raises:
             UnknownCheckpoint: No such version (or it was collected).
             CheckpointCorrupt: A file is missing, truncated or fails its checksum.
         """
+        try:
+            return self._load(version, state)
+        except CheckpointCorrupt as exc:
+            log.error("checkpoint v%d cannot be loaded: %s", version, exc)
+            try:
+                self.client.report_unreadable(
+                    version, str(exc), rank=self.rank, generation=self.generation
+                )
+            except RallypointError as report_exc:
+                # A generation that ended meanwhile, a coordinator out of reach: the
+                # restart that follows asks again, and the next failure reports again.
+                log.warning("could not report v%d as unreadable: %s", version, report_exc)
+            raise
+
+    def _load(self, version: int, state: dict[str, Any] | None) -> Restored:
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         reader = RallypointReader(

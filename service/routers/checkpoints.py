@@ -18,6 +18,7 @@ from rallypoint.client.models import (
     PeerKey,
     QuarantineRequest,
     ReportShard,
+    RestoreFailure,
     RestoreReport,
 )
 
@@ -95,6 +96,30 @@ async def restored(
     """Counts what a rank's restore of the version read from this node's memory, a
     peer's and blob storage (``/metrics``); fenced like every report of a member."""
     await anyio.to_thread.run_sync(checkpoints.restored, job_id, version, body, credential)
+
+
+@router.post(
+    "/{version}/failures",
+    responses=errors(
+        UnknownJob, UnknownNode, UnknownCheckpoint, StaleGeneration, CheckpointConflict
+    ),
+)
+async def unreadable(
+    job_id: JobId,
+    version: VersionNumber,
+    body: RestoreFailure,
+    checkpoints: CheckpointsDep,
+    credential: Credential,
+    driver: DriverDep,
+) -> CheckpointInfo:
+    """A rank of the running generation could not load the version from any copy: it
+    is marked unrecoverable, with the reason, and never named again; the generation
+    ends, and the next one resumes from the newest version still recoverable. Fenced
+    like every report of a member."""
+    info = await anyio.to_thread.run_sync(checkpoints.unreadable, job_id, version, body, credential)
+    # This replica's heartbeats answer from the job as it is now (a restart at once).
+    await driver.refresh(job_id)
+    return info
 
 
 @router.get("", responses=errors(UnknownJob))

@@ -190,11 +190,11 @@ def main() -> None:
             stop = watcher.should_stop()  # a collective: every rank stops at the same step
             if step % args.checkpoint_every == 0 or stop:
                 now = state()
+                if args.digests:  # before the save: it may be where the process dies
+                    event("saving", step=step, digests=digests(now))
                 # On a preemption notice the version goes to storage whatever the policy:
                 # the notified node's memory goes with it.
                 checkpoints.save(now, step, rank_state={"rng": torch.get_rng_state()}, persist=stop)
-                if args.digests:
-                    event("saved", step=step, digests=digests(now))
             if stop:
                 info = checkpoints.wait()
                 event("emergency", step=step, version=info.version if info else None)
