@@ -140,14 +140,14 @@ def print_status(status: JobStatus, out: TextIO) -> None:
 def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
     """One row per version; POINTER marks the job's ``latest`` and its newest
     ``durable`` version (what it falls back to if the memory copies of newer ones go);
-    STATE says QUARANTINED for a version an operator marked bad, and a line under the
-    table says when and why."""
+    STATE says QUARANTINED for a version an operator marked bad and UNRECOVERABLE for
+    one a rank could not load, and a line under the table says when and why."""
     rows = [
         (
             v.version,
             v.step,
             v.generation,
-            "QUARANTINED" if v.quarantined else v.state,
+            "QUARANTINED" if v.quarantined else "UNRECOVERABLE" if v.unrecoverable else v.state,
             v.durability,
             f"{v.reported}/{v.world_size}",
             ",".join(p for p, on in (("latest", v.latest), ("durable", v.latest_durable)) if on)
@@ -163,6 +163,11 @@ def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
         if v.quarantined:
             why = f": {v.quarantine_reason}" if v.quarantine_reason else ""
             out.write(f"v{v.version} quarantined {_when(v.quarantined_at)} UTC{why}\n")
+        if v.unrecoverable:
+            out.write(
+                f"v{v.version} unrecoverable since {_when(v.unrecoverable_at)} UTC: "
+                f"{v.unrecoverable_reason}\n"
+            )
 
 
 def _show(args: argparse.Namespace, fetch: Callable[[], str]) -> int:

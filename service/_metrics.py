@@ -80,6 +80,12 @@ class _Jobs(Collector):
             "Checkpoint versions kept that an operator quarantined (never resumed from)",
             labels=["job"],
         )
+        unrecoverable = GaugeMetricFamily(
+            "rallypoint_checkpoint_unrecoverable",
+            "Checkpoint versions kept that a rank could not load when they were named "
+            "(never resumed from again)",
+            labels=["job"],
+        )
         for job in self.read():
             generation.add_metric([job.job_id], job.generation)
             world.add_metric([job.job_id], job.world_size)
@@ -103,6 +109,7 @@ class _Jobs(Collector):
                 for durability in _DURABILITIES:
                     versions.add_metric([job.job_id, durability], counts.get(durability, 0))
                 quarantined.add_metric([job.job_id], counts.get("quarantined", 0))
+                unrecoverable.add_metric([job.job_id], counts.get("unrecoverable", 0))
         yield from (
             generation,
             world,
@@ -113,6 +120,7 @@ class _Jobs(Collector):
             durable_step,
             versions,
             quarantined,
+            unrecoverable,
         )
 
 

@@ -7,6 +7,7 @@ memory version is made unreadable.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -16,8 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rallypoint.cli._inspect import print_checkpoints
 from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
-from rallypoint.client.models import RestoreFailure
+from rallypoint.client import CREDENTIAL_HEADER
+from rallypoint.client import StaleGeneration as ClientStaleGeneration
+from rallypoint.client.models import RestoreFailure, ShardFile
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import (
@@ -27,10 +31,15 @@ from rallypoint.service.errors import (
     UnknownNode,
 )
 from rallypoint.service.storage import BlobStore
+from rallypoint.trainer import upload
 from rallypoint.trainer._faults import HALT_ENV, HALT_FILE_ENV
 
 from . import test_torchrun
-from .test_quarantine import begin_all, commit, named, pointers
+from .conftest import Start
+from .test_cli import TOKEN
+from .test_coordinator import clients, join_all
+from .test_coordinator import spec as coordinator_spec
+from .test_quarantine import FILE, begin_all, commit, named, pointers
 from .test_tiers import end, save, seal
 from .test_torchrun import status
 
@@ -169,3 +178,59 @@ def test_a_torchrun_job_whose_only_copy_is_unreadable_resumes_from_the_version_b
     for e in resumed:
         assert (e["version"], e["step"], e["bytes"]) == (2, 6, 0)
         assert e["digests"] == saved[5]
+
+
+def test_a_rank_reports_an_unreadable_version_and_everyone_sees_it(start: Start) -> None:
+    """Through the API as a trainer calls it: the mark is in the version list, the CLI's
+    table, the status page and the metrics; bad or foreign reports are refused and
+    change nothing."""
+    url = start("--token", TOKEN).url
+    a, b = clients(url, ["a", "b"], job="ops", token=TOKEN)
+    join_all([a, b], coordinator_spec(2, 2))
+    # A one-rank-per-node version, both ranks in storage.
+    versions = []
+    for step in (10, 20):
+        begun = {n.node_id: n.begin_checkpoint(step, [FILE]) for n in (a, b)}
+        for n in (a, b):
+            upload(begun[n.node_id].upload_urls[FILE], b"x")
+            shard = ShardFile(name=FILE, size=1, checksum="xxh3-128:0")
+            info = n.report_checkpoint(begun[n.node_id].version, [shard])
+        assert info.state == "committed"
+        versions.append(info.version)
+    good, bad = versions
+    assert a.assignment is not None
+    gen = a.assignment.generation
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    route = f"{url}/v1/jobs/ops/checkpoints/{bad}/failures"
+    body = {"node_id": "a", "generation": gen, "rank": 0, "reason": "gone"}
+    refused = [
+        httpx.post(route, json=body, headers=auth),  # no credential
+        httpx.post(route, json=body, headers={**auth, CREDENTIAL_HEADER: b.credential or ""}),
+        httpx.post(route, json={**body, "reason": ""}, headers=auth),
+        httpx.post(route, json={**body, "reason": "x" * 1001}, headers=auth),
+        httpx.post(route, json={**body, "generation": 7}, headers=auth),
+    ]
+    assert [r.status_code for r in refused][:2] == [403, 403]
+    assert all(r.status_code in (400, 403, 409, 422) and "code" in r.json() for r in refused)
+    assert not any(v.unrecoverable for v in a.checkpoints())
+
+    marked = b.report_unreadable(bad, "rank-00001/data.distcp fails its checksum", rank=1)
+    assert marked.unrecoverable and marked.unrecoverable_at is not None
+    reason = f"rank 1 of generation {gen}: rank-00001/data.distcp fails its checksum"
+    assert marked.unrecoverable_reason == reason
+    assert a.checkpoint().version == good  # the latest moved back
+    listed = {v.version: v for v in a.checkpoints()}
+    assert listed[bad].unrecoverable and not listed[good].unrecoverable
+    with pytest.raises(ClientStaleGeneration):  # the generation ended with the report
+        a.report_unreadable(good, "late", rank=0)
+
+    out = io.StringIO()
+    print_checkpoints(list(listed.values()), out)
+    rows = {line.split()[0]: line.split() for line in out.getvalue().splitlines()}
+    assert rows[str(bad)][3] == "UNRECOVERABLE" and rows[str(good)][6] == "latest,durable"
+    assert out.getvalue().rstrip().endswith(f"UTC: {reason}")
+    page = httpx.get(f"{url}/jobs/ops", headers=auth).text
+    assert "<span class='badge quarantined'>unrecoverable</span>" in page
+    assert "fails its checksum" in page
+    metrics = httpx.get(f"{url}/metrics", headers=auth).text
+    assert 'rallypoint_checkpoint_unrecoverable{job="ops"} 1.0' in metrics

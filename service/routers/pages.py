@@ -96,12 +96,18 @@ def _badges(*names: tuple[str, str]) -> _Html:
     )
 
 
-def _quarantine(version: CheckpointInfo) -> str:
-    """When and why an operator quarantined the version; "-" if not."""
-    if not version.quarantined:
-        return "-"
-    why = f": {version.quarantine_reason}" if version.quarantine_reason else ""
-    return f"{_when(version.quarantined_at)}{why}"
+def _marked(version: CheckpointInfo) -> str:
+    """When and why an operator quarantined the version, or a rank found it could not
+    load it; "-" if neither."""
+    marks = []
+    if version.quarantined:
+        why = f": {version.quarantine_reason}" if version.quarantine_reason else ""
+        marks.append(f"quarantined {_when(version.quarantined_at)}{why}")
+    if version.unrecoverable:
+        marks.append(
+            f"unrecoverable {_when(version.unrecoverable_at)}: {version.unrecoverable_reason}"
+        )
+    return "; ".join(marks) or "-"
 
 
 def _pointer(pointer: CheckpointPointer | None) -> str:
@@ -289,7 +295,7 @@ async def job_page(
                 "durability",
                 "ranks reported",
                 "committed",
-                "quarantined",
+                "marked bad",
             ],
             [
                 (
@@ -300,16 +306,22 @@ async def job_page(
                     _badges(
                         (v.durability, v.durability),
                         *([("quarantined", "quarantined")] if v.quarantined else []),
+                        *([("unrecoverable", "quarantined")] if v.unrecoverable else []),
                         *([("latest", "pointer latest")] if v.latest else []),
                         *([("newest durable", "pointer fallback")] if v.latest_durable else []),
                     ),
                     f"{v.reported}/{v.world_size}",
                     _when(v.committed_at),
-                    _quarantine(v),
+                    _marked(v),
                 )
                 for v in reversed(versions)
             ],
-            [("quarantined " if v.quarantined else "") + v.durability for v in reversed(versions)],
+            [
+                ("quarantined " if v.quarantined else "")
+                + ("unrecoverable " if v.unrecoverable else "")
+                + v.durability
+                for v in reversed(versions)
+            ],
         )
         + f"<p class='muted'>updated {_when(rdzv.clock())}</p>"
     )
