@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from rallypoint.cli._inspect import print_checkpoints
 from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
@@ -31,11 +32,12 @@ from rallypoint.service.errors import (
     UnknownNode,
 )
 from rallypoint.service.storage import BlobStore
-from rallypoint.trainer import upload
+from rallypoint.trainer import CheckpointCorrupt, CheckpointError, upload
 from rallypoint.trainer._faults import HALT_ENV, HALT_FILE_ENV
 
 from . import test_torchrun
 from .conftest import Start
+from .test_checkpoint_manager import managers
 from .test_cli import TOKEN
 from .test_coordinator import clients, join_all
 from .test_coordinator import spec as coordinator_spec
@@ -234,3 +236,35 @@ def test_a_rank_reports_an_unreadable_version_and_everyone_sees_it(start: Start)
     assert "fails its checksum" in page
     metrics = httpx.get(f"{url}/metrics", headers=auth).text
     assert 'rallypoint_checkpoint_unrecoverable{job="ops"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_a_manager_reports_a_corrupt_version_but_not_a_state_that_does_not_fit(
+    start: Start, tmp_path: Path
+) -> None:
+    """What is reported is what the version's copies are to blame for: a caller's
+    tensors of another shape are the caller's fault, and must not walk the job's
+    pointers back one version per restart."""
+    url = start().url
+    (m,) = managers(url, ["a"], 1, 1)
+    m.save({"w": torch.arange(1000.0)}, 1, blocking=True)
+    m.save({"w": torch.arange(1000.0) + 1}, 2, blocking=True)
+    (m2,) = managers(url, ["a"], 1, 1)
+    with pytest.raises((CheckpointError, ValueError), match="(?i)size") as mismatch:
+        m2.load_latest({"w": torch.zeros(10)})
+    assert not isinstance(mismatch.value, CheckpointCorrupt)
+    assert not any(v.unrecoverable for v in m2.client.checkpoints())
+    (shard,) = tmp_path.glob("storage/**/v0000000002/**/data.distcp")
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(data)
+    with pytest.raises(CheckpointCorrupt, match="checksum"):
+        m2.load_latest()
+    marked = {v.version: v for v in m2.client.checkpoints()}
+    assert marked[2].unrecoverable and "fails its checksum" in (
+        marked[2].unrecoverable_reason or ""
+    )
+    (m3,) = managers(url, ["a"], 1, 1)  # the next generation
+    restored = m3.load_latest()
+    assert restored is not None and restored.version == 1
+    assert torch.equal(restored.state["w"], torch.arange(1000.0))

@@ -401,7 +401,11 @@ class CheckpointManager:
 
         Raises:
             UnknownCheckpoint: No such version (or it was collected).
-            CheckpointCorrupt: A file is missing, truncated or fails its checksum.
+            CheckpointCorrupt: A file is missing, truncated or fails its checksum in
+                every copy (reported).
+            CheckpointError: ``state``'s tensors do not fit what was saved, or the
+                version was saved by a release before 0.2 (not reported: the version is
+                not at fault).
         """
         try:
             return self._load(version, state)

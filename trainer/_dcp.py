@@ -66,7 +66,13 @@ from ._memory import NodeMemory, map_file
 from ._peers import push, read_peer
 from ._progress import Progress
 from ._transfer import download, read_object, read_range, upload_parts
-from .errors import CheckpointCorrupt, TransferDenied, TransferError, TransferNotFound
+from .errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    TransferDenied,
+    TransferError,
+    TransferNotFound,
+)
 
 __all__ = [
     "DATA",
@@ -557,7 +563,9 @@ class RallypointReader(StorageReader):
         info = self._checkpoint()
         manifest = self._manifest(info)
         if manifest.format != FORMAT:
-            raise CheckpointCorrupt(
+            # Not corrupt: readable by the release that wrote it (so never reported as
+            # unrecoverable, which would move the job's pointers back for good).
+            raise CheckpointError(
                 f"{self.label} was saved by a release of Rallypoint before 0.2 (format "
                 f"{manifest.format}); this release reads only {FORMAT} (DCP) versions"
             )
@@ -677,7 +685,8 @@ class RallypointReader(StorageReader):
                     tensor = tensor.narrow(dim, start, length)
                 target = planner.resolve_tensor(req).detach()
                 if target.size() != tensor.size():
-                    raise CheckpointCorrupt(
+                    # The caller's layout, not the version, is at fault: not reported.
+                    raise CheckpointError(
                         f"{self.label}: {req.storage_index.fqn} holds {tuple(tensor.size())}, "
                         f"the load plan wants {tuple(target.size())}"
                     )
