@@ -202,7 +202,11 @@ class _ResumeLauncher(_Launcher):
             if resume is not None or given in ("last", "hpc", "best"):
                 # Never a directory's "latest": the coordinator's version, or none yet.
                 if given is not None and given != resume:
-                    log.warning("fit(ckpt_path=%r) ignored: resuming from %s", given, resume)
+                    log.warning(
+                        "fit(ckpt_path=%r) ignored: %s",
+                        given,
+                        f"resuming from {resume}" if resume else "the job has no checkpoint yet",
+                    )
                 bound.arguments["ckpt_path"] = resume
                 args, kwargs = bound.args, bound.kwargs
         if self.inner is not None:
@@ -227,10 +231,12 @@ class _Rallypoint:
         return _ResumeLauncher(self.session, None if external else inner)
 
     def _add_preemption(self, trainer: pl.Trainer) -> None:
-        if not any(isinstance(c, RallypointPreemption) for c in trainer.callbacks):
+        # Set by Lightning's callback connector, so not declared on Trainer for mypy.
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, RallypointPreemption) for c in callbacks):
             # First: Lightning keeps checkpoint callbacks last, and the emergency save must
             # come before ModelCheckpoint's save of the same step.
-            trainer.callbacks.insert(0, self.preemption)
+            callbacks.insert(0, self.preemption)
 
     def _finish(self, trainer: pl.Trainer | None, exception: BaseException) -> None:
         watcher = self.preemption.watcher

@@ -41,6 +41,7 @@ class Classifier(L.LightningModule):
         if self.shard:
             from torch.distributed.fsdp import fully_shard
 
+            assert self.device_mesh is not None  # set by ModelParallelStrategy
             mesh = self.device_mesh["data_parallel"]
             for layer in self.model.features:
                 if isinstance(layer, nn.Conv2d):
@@ -64,7 +65,7 @@ def digest(state: Any) -> str:
         if isinstance(value, torch.Tensor):
             full = value.full_tensor() if isinstance(value, DTensor) else value
             h.update(path.encode())
-            h.update(full.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            h.update(full.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
         elif isinstance(value, dict):
             for k in sorted(value, key=str):
                 walk(value[k], f"{path}.{k}")
