@@ -9,16 +9,21 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup venv dev azurite browser balancer test test-fast lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers clean
+.PHONY: setup venv dev frameworks azurite browser balancer test test-fast test-frameworks lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers clean
 
 # What `make test` needs: everything below.
-setup: dev azurite browser balancer
+setup: dev frameworks azurite browser balancer
 
 # The package with every extra: what the demo, the coordinator and the benchmarks run.
 venv: $(VENV)/.installed
 
 # The same venv with the tools the tests and linters use (the dev extra).
 dev: $(VENV)/.dev
+
+# DeepSpeed for its integration's tests: built from source without its C++/CUDA ops
+# (DS_BUILD_OPS=0; they compile on first use, and the CPU tests use none) and without
+# build isolation (its setup imports torch). Lightning and transformers come with dev.
+frameworks: $(VENV)/.frameworks
 
 azurite: node_modules/.installed
 
@@ -47,6 +52,10 @@ $(VENV)/.dev: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[all,dev]'
 	touch $@
 
+$(VENV)/.frameworks: $(VENV)/.dev
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation 'deepspeed>=0.19.8'
+	touch $@
+
 node_modules/.installed: package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
@@ -64,6 +73,10 @@ test: setup lint typecheck
 # The unit lane: tests that start no process (tests/conftest.py says which are which).
 test-fast: dev
 	$(BIN)/python -m pytest -m unit
+
+# The framework integrations' tests alone (part of `make test` too).
+test-frameworks: dev frameworks
+	$(BIN)/python -m pytest tests/test_lightning*.py tests/test_transformers*.py tests/test_deepspeed*.py
 
 serve: venv
 	$(BIN)/rallypoint serve --storage $(STORAGE) --port $(PORT)
