@@ -1,0 +1,240 @@
+"""Lightning's own checkpointing, side by side with rallypoint.trainer.lightning.
+
+One process trains an MLP of ``--mib`` MiB of float32 parameters with Adam (the
+checkpoint is about 3x that: weights and two moments) under Lightning 2.6, saving after
+every step (a callback's ``on_train_batch_end``, where ``ModelCheckpoint`` saves), one
+warm-up and ``--repeat`` timed, through each of:
+
+1. ``trainer.save_checkpoint(path)`` with Lightning's default ``TorchCheckpointIO``
+   (``torch.save`` to a local file): the synchronous anchor;
+2. the same with ``plugins=[AsyncCheckpointIO()]``: Lightning's async option (it clones
+   every tensor on the training thread, then ``torch.save`` in a thread);
+3. ``RallypointDDPStrategy``: ``ModelCheckpoint``'s save path through
+   ``CheckpointManager`` (staged into reused buffers, then DCP through the coordinator
+   to this node's memory tier in the background).
+
+Blocked is how long ``save_checkpoint`` keeps training waiting; each save is drained
+before the next (not timed). Restore, at the end of training (``on_train_end``), is the
+time from nothing in memory to the model and optimizer loaded: Lightning's
+``strategy.load_checkpoint`` of its file (the page cache warm: it was just written)
+plus ``load_state_dict``, against the integration's ``load_checkpoint`` of the version
+the coordinator names, read from the node's memory tier (``/dev/shm``, every item's
+checksum verified), plus the same ``load_state_dict``. Medians; ratios are printed.
+
+Usage: python bench/frameworks_lightning.py [--mib 128] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+warnings.filterwarnings("ignore")
+logging.getLogger("lightning").setLevel(logging.ERROR)
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from rallypoint.client import CheckpointPointer, ElasticClient, JobSpec  # noqa: E402
+from rallypoint.trainer.lightning import RallypointDDPStrategy  # noqa: E402
+from tests._coordinator import Coordinator  # noqa: E402
+
+MiB = 1 << 20
+WIDTH = 1024
+
+
+class MLP(L.LightningModule):
+    def __init__(self, mib: int) -> None:
+        super().__init__()
+        layers = max(1, mib * MiB // (WIDTH * WIDTH * 4))
+        self.net = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+
+    def training_step(self, batch: tuple[torch.Tensor], index: int) -> torch.Tensor:
+        out: torch.Tensor = self.net(batch[0]).pow(2).mean()
+        return out
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+class Measure(L.Callback):
+    """Saves and restores at the end of training, while the trainer is still set up."""
+
+    def __init__(
+        self,
+        name: str,
+        work: Path,
+        repeat: int,
+        drain: Callable[[L.Trainer], None],
+        restore: Callable[[L.Trainer, str], None],
+    ) -> None:
+        self.name, self.work, self.repeat = name, work, repeat
+        self.drain, self.restore = drain, restore
+        self.blocked: list[float] = []
+        self.restored: list[float] = []
+        self.path: str | None = None
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        if self.path is not None and os.path.exists(self.path):
+            os.remove(self.path)  # keeps the disk's use to one checkpoint at a time
+        self.path = str(self.work / f"{self.name}-{trainer.global_step}.ckpt")
+        start = time.perf_counter()
+        trainer.save_checkpoint(self.path)
+        blocked = time.perf_counter() - start
+        self.drain(trainer)
+        if trainer.global_step > 1:  # the first is a warm-up
+            self.blocked.append(blocked)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        assert self.path is not None
+        for i in range(self.repeat + 1):
+            start = time.perf_counter()
+            self.restore(trainer, self.path)
+            if i:
+                self.restored.append(time.perf_counter() - start)
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+
+def apply(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
+    """What Lightning does with a loaded checkpoint's tensors."""
+    trainer.lightning_module.load_state_dict(checkpoint["state_dict"])
+    for optimizer, state in zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True):
+        optimizer.load_state_dict(state)
+
+
+def lightning_restore(trainer: L.Trainer, path: str) -> None:
+    apply(trainer, trainer.strategy.load_checkpoint(path))
+
+
+def rallypoint_restore(trainer: L.Trainer, path: str) -> None:
+    strategy = trainer.strategy
+    assert isinstance(strategy, RallypointDDPStrategy)
+    manager = strategy.session.manager
+    info = manager.wait()
+    assert info is not None and info.state == "committed"
+    # As after a restart: the coordinator names the version at the seal.
+    pointer = CheckpointPointer(version=info.version, step=info.step, generation=info.generation)
+    manager.assignment = manager.assignment.model_copy(update={"checkpoint": pointer})
+    resume = strategy.session.resume_path()
+    assert resume is not None
+    apply(trainer, strategy.load_checkpoint(resume))
+    restored = strategy.restored
+    assert restored is not None and restored.bytes_from["memory"] > 0, restored
+
+
+def wait_async(trainer: L.Trainer) -> None:
+    trainer.strategy.checkpoint_io.teardown()  # waits for the thread; made again next save
+
+
+def run(name: str, args: argparse.Namespace, work: Path, **trainer_kwargs: Any) -> Measure:
+    torch.manual_seed(0)
+    module = MLP(args.mib)
+    rallypoint = name == "rallypoint"
+    measure = Measure(
+        name,
+        work,
+        args.repeat,
+        drain=(lambda t: t.strategy.checkpoint_io.teardown())
+        if rallypoint
+        else wait_async
+        if name == "async"
+        else (lambda t: None),
+        restore=rallypoint_restore if rallypoint else lightning_restore,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.repeat + 1,
+        callbacks=[measure],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        default_root_dir=str(work),
+        **trainer_kwargs,
+    )
+    data = DataLoader(TensorDataset(torch.randn(8, WIDTH)), batch_size=4)
+    trainer.fit(module, data)
+    return measure
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=128, help="parameters; Adam adds 2x")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    build = ROOT / "build"
+    build.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=build) as tmp:
+        work = Path(tmp)
+        memory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="rallypoint-bench-"))
+        os.environ["RALLYPOINT_MEMORY_DIR"] = str(memory)
+        coordinator = Coordinator(["--storage", f"local:{work / 'storage'}"], {}).start()
+        try:
+            client = ElasticClient(coordinator.url, "bench-lightning", "n0")
+            spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
+            client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
+            client.heartbeats(timedelta(seconds=1))
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29517")
+            results = {
+                "sync": run("sync", args, work),
+                "async": run("async", args, work, plugins=[AsyncCheckpointIO()]),
+                # Routine versions stay in memory (the first always goes to storage too).
+                "rallypoint": run(
+                    "rallypoint",
+                    args,
+                    work,
+                    strategy=RallypointDDPStrategy(client, persist_every=1000),
+                ),
+            }
+        finally:
+            coordinator.stop()
+            shutil.rmtree(memory, ignore_errors=True)
+    size = sum(p.numel() * 4 for p in MLP(args.mib).parameters()) * 3 // MiB
+    print(
+        f"lightning {L.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"checkpoint ~{size} MiB (weights + Adam), median of {args.repeat} after a warm-up"
+    )
+    blocked = {k: statistics.median(m.blocked) for k, m in results.items()}
+    restore = {k: statistics.median(m.restored) for k, m in results.items()}
+    print(f"{'':<40}{'blocked per save':>18}{'restore':>12}")
+    labels = {
+        "sync": "trainer.save_checkpoint (TorchCheckpointIO)",
+        "async": "AsyncCheckpointIO",
+        "rallypoint": "RallypointDDPStrategy (memory tier)",
+    }
+    for key, label in labels.items():
+        print(f"{label:<44}{blocked[key] * 1000:>11.1f} ms{restore[key] * 1000:>9.1f} ms")
+    r = blocked["rallypoint"]
+    print(f"blocked: {r / blocked['sync']:.3f}x the sync save (goal <= 0.2x)")
+    print(f"blocked: {r / blocked['async']:.3f}x AsyncCheckpointIO (goal <= 1.0x)")
+    print(
+        f"restore: {restore['sync'] / restore['rallypoint']:.2f}x faster than Lightning's "
+        "from local disk (goal >= 2x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
