@@ -1,0 +1,322 @@
+"""A DeepSpeed ``CheckpointEngine`` over :class:`CheckpointManager`: the role Nebula had.
+
+DeepSpeed's ``save_checkpoint`` builds each of this rank's files (the model states on
+the data-parallel writer, this rank's ZeRO optimizer partition everywhere) and hands
+each to ``checkpoint_engine.save(state_dict, path)``, then calls ``commit``. Here the
+files are kept by name until ``commit``, which saves them as one version: files DeepSpeed
+reads on every rank (``mp_rank_00_model_states.pt``) in the shared state, each rank's
+partition (``zero_pp_rank_R_...``) in its ``rank_state``. The save blocks only for the
+staging copy; the upload, the memory tier and the peer copy run in the background.
+
+Loading goes the other way: ``load(path)`` answers by file name from the version the
+coordinator named for this generation, whatever directory or tag the path holds.
+DeepSpeed itself still lists the model files with ``glob`` and reads the ``latest`` file
+with ``open()``, so :func:`load_checkpoint` points it at a scratch directory holding
+empty stand-ins for the version's files and the version's tag.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+    CheckpointCommitInfo,
+    CheckpointEngine,
+)
+
+from rallypoint.client import ElasticClient
+
+from ._checkpoint import CheckpointManager, Restored, SaveHandle
+from ._deepspeed_pack import file_key, name_of, pack, split, unpack
+from .errors import CheckpointError
+
+__all__ = ["ENGINE_NAME", "RallypointCheckpointEngine", "install", "installed", "load_checkpoint"]
+
+log = logging.getLogger("rallypoint.trainer")
+
+ENGINE_NAME = "RallypointCheckpointEngine"
+#: Top-level key of a version's state and rank_state that holds the tag DeepSpeed saved
+#: it under; every other key is a file.
+TAG = "tag"
+#: Files DeepSpeed reads only on the rank that wrote them: ZeRO optimizer partitions
+#: (``zero_pp_rank_``, ``bf16_zero_pp_rank_``) and expert-parallel optimizer states.
+_PER_RANK = ("zero_pp_rank_", "expp_rank_")
+
+
+def _per_rank(name: str) -> bool:
+    return any(marker in name for marker in _PER_RANK)
+
+
+class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
+    """Saves DeepSpeed checkpoints as Rallypoint versions and loads the coordinator's.
+
+    Made by :func:`install`. See base class for the protocol DeepSpeed drives.
+
+    Attributes:
+        checkpoints: The manager every save and load goes through.
+        restored: What the last load restored (``bytes_from`` says from where), or None.
+        last_save: The last save's handle (its ``blocked`` time and result).
+        extra: Files added to every save's shared state (the HF Trainer's
+            ``trainer_state.json``), by name.
+        extra_rank: Files added to this rank's ``rank_state`` (its RNG state), by name.
+        step: The step the next version is saved as; None: the engine's
+            ``global_steps``.
+    """
+
+    def __init__(self, engine: Any, checkpoints: CheckpointManager) -> None:
+        super().__init__(None)
+        self.name = ENGINE_NAME
+        self.engine = engine
+        self.checkpoints = checkpoints
+        self.restored: Restored | None = None
+        self.last_save: SaveHandle | None = None
+        self.extra: dict[str, Any] = {}
+        self.extra_rank: dict[str, Any] = {}
+        self.step: int | None = None
+        self._files: dict[str, Any] = {}
+        self._persist = False
+        self._blocking = False
+        self._loaded: dict[str, Any] | None = None
+        self._scratch: str | None = None
+
+    # --- saving -------------------------------------------------------------------------
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        """See base class."""
+        self._files = {}
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        """See base class. The folders are made: DeepSpeed copies its recovery scripts
+        (``zero_to_fp32.py``) into the tag's folder with plain ``copyfile``."""
+        os.makedirs(path, exist_ok=True)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """See base class. Keeps the file until :meth:`commit`; copies nothing."""
+        self._files[split(path)] = state_dict
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """See base class. Saves this rank's files as the version of the engine's step
+        (every rank commits in the same ``save_checkpoint``)."""
+        shared: dict[str, Any] = {TAG: info.tag}
+        own: dict[str, Any] = {TAG: info.tag}
+        for name, obj in {**self._files, **self.extra}.items():
+            (own if _per_rank(name) else shared)[file_key(name)] = pack(obj)
+        for name, obj in self.extra_rank.items():
+            own[file_key(name)] = pack(obj)
+        self._files = {}
+        step = self.step if self.step is not None else int(self.engine.global_steps)
+        self.last_save = self.checkpoints.save(
+            shared,
+            step,
+            rank_state=own,
+            metadata={TAG: info.tag, "framework": "deepspeed"},
+            blocking=self._blocking,
+            persist=self._persist,
+        )
+        return True
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        *,
+        client_state: dict[str, Any] | None = None,
+        persist: bool = False,
+        blocking: bool = False,
+        **kwargs: Any,
+    ) -> SaveHandle | None:
+        """``engine.save_checkpoint`` with the manager's options for this one save.
+
+        Args:
+            save_dir, tag, client_state: As ``engine.save_checkpoint`` takes them.
+            persist: Send this version to blob storage whatever ``persist_every`` says
+                (on a preemption notice).
+            blocking: Return once the version is committed.
+
+        Returns:
+            The save's handle (None if the manager skipped it).
+        """
+        with self._options(persist=persist, blocking=blocking):
+            self.engine.save_checkpoint(save_dir, tag, client_state=client_state or {}, **kwargs)
+        return self.last_save
+
+    @contextmanager
+    def _options(self, *, persist: bool, blocking: bool) -> Iterator[None]:
+        self._persist, self._blocking = persist, blocking
+        try:
+            yield
+        finally:
+            self._persist = self._blocking = False
+
+    def wait(self) -> None:
+        """Waits for the save in flight (raises what it raised)."""
+        self.checkpoints.wait()
+
+    # --- loading ------------------------------------------------------------------------
+
+    def restore(self) -> Restored | None:
+        """Reads the version the coordinator named for this generation (once), or None
+        if the job has none yet. Each rank reads the shared files and its own."""
+        if self.restored is None:
+            self.restored = self.checkpoints.load_latest()
+            if self.restored is None:
+                return None
+            files: dict[str, Any] = {}
+            for part in (self.restored.state, self.restored.rank_state or {}):
+                files.update({name_of(k): v for k, v in part.items() if k != TAG})
+            self._loaded = files
+        return self.restored
+
+    @property
+    def tag(self) -> str | None:
+        """The tag the restored version was saved under."""
+        if self.restored is None:
+            return None
+        return str((self.restored.metadata or {}).get(TAG) or self.restored.state[TAG])
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """See base class. The file named like ``path``'s base name in the coordinator's
+        version, wherever ``path`` points.
+
+        Raises:
+            CheckpointError: The job has no checkpoint, or the version holds no such
+                file for this rank (it was saved by another layout).
+        """
+        if self.restore() is None:
+            raise CheckpointError("the coordinator names no checkpoint for this generation")
+        assert self._loaded is not None and self.restored is not None
+        name = split(path)
+        tag = os.path.basename(os.path.dirname(path))
+        if tag and tag != self.tag:
+            log.warning(
+                "DeepSpeed asked for %s of tag %s; loading the coordinator's v%d (tag %s)",
+                name,
+                tag,
+                self.restored.version,
+                self.tag,
+            )
+        if name not in self._loaded:
+            raise CheckpointError(
+                f"checkpoint v{self.restored.version} holds no {name} for rank "
+                f"{self.checkpoints.rank} (it has {sorted(self._loaded)}); DeepSpeed "
+                "cannot change its ZeRO partitioning at load"
+            )
+        return unpack(self._loaded[name], map_location)
+
+    def stand_in(self, directory: str | None = None) -> str | None:
+        """A folder DeepSpeed's own file checks accept for the restored version: empty
+        files under its tag, named as the version's files, and a ``latest`` file naming
+        the tag. Nothing is read from them: :meth:`load` answers by name.
+
+        Returns:
+            The folder, or None if the job has no checkpoint yet.
+        """
+        if self.restore() is None:
+            return None
+        assert self._loaded is not None and self.tag is not None
+        if directory is None:
+            if self._scratch is None:
+                self._scratch = tempfile.mkdtemp(prefix="rallypoint-deepspeed-")
+            directory = self._scratch
+        folder = os.path.join(directory, self.tag)
+        os.makedirs(folder, exist_ok=True)
+        for name in self._loaded:
+            open(os.path.join(folder, name), "wb").close()
+        with open(os.path.join(directory, "latest"), "w") as f:
+            f.write(self.tag)
+        return directory
+
+    def close(self) -> None:
+        """Waits for the save in flight and frees the manager's staging buffers."""
+        self.checkpoints.close()
+
+
+def install(
+    engine: Any,
+    client: ElasticClient | None = None,
+    *,
+    checkpoints: CheckpointManager | None = None,
+    **manager_options: Any,
+) -> RallypointCheckpointEngine:
+    """Routes ``engine.save_checkpoint`` and ``engine.load_checkpoint`` through Rallypoint.
+
+    Call it once after ``deepspeed.initialize`` on every rank::
+
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        rallypoint_engine = rallypoint.trainer.deepspeed.install(engine)
+        load_path, client_state = rallypoint.trainer.deepspeed.load_checkpoint(engine)
+
+    Args:
+        engine: The ``DeepSpeedEngine``.
+        client: The node's client; defaults to ``ElasticClient.from_env()``, joined (the
+            agent's assignment under torchrun).
+        checkpoints: A manager to use; else one is made with ``manager_options``
+            (``persist_every``, ``if_busy``, ...).
+
+    Returns:
+        The installed checkpoint engine (also ``engine.checkpoint_engine``).
+
+    Raises:
+        ValueError: The engine uses MoE layers (DeepSpeed loads experts with a
+            ``TorchCheckpointEngine`` of its own) or ZeRO's elastic checkpoints (every
+            rank reads every partition).
+    """
+    if getattr(engine, "has_moe_layers", False):
+        raise ValueError(
+            "MoE engines are not supported: DeepSpeed loads expert files with a "
+            "TorchCheckpointEngine of its own, not engine.checkpoint_engine"
+        )
+    if engine.zero_optimization() and engine.zero_elastic_checkpoint():
+        raise ValueError(
+            "zero_optimization.elastic_checkpoint makes every rank read every partition"
+        )
+    if isinstance(engine.checkpoint_engine, RallypointCheckpointEngine):
+        return engine.checkpoint_engine
+    if checkpoints is None:
+        if client is None:
+            client = ElasticClient.from_env()
+        if client.assignment is None:
+            client.join()
+        checkpoints = CheckpointManager(client, **manager_options)
+    if engine.checkpoint_engine is not None and engine.checkpoint_engine.is_decoupled():
+        engine.checkpoint_engine.cleanup()  # its writer process would outlive it
+    ours = RallypointCheckpointEngine(engine, checkpoints)
+    engine.checkpoint_engine = ours
+    return ours
+
+
+def installed(engine: Any) -> RallypointCheckpointEngine:
+    """The engine's Rallypoint checkpoint engine.
+
+    Raises:
+        ValueError: :func:`install` was not called on it.
+    """
+    ours = getattr(engine, "checkpoint_engine", None)
+    if not isinstance(ours, RallypointCheckpointEngine):
+        raise ValueError("call rallypoint.trainer.deepspeed.install(engine) first")
+    return ours
+
+
+def load_checkpoint(engine: Any, **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """``engine.load_checkpoint`` of the version the coordinator named for this
+    generation, never of what a directory's ``latest`` file says.
+
+    Args:
+        engine: The engine :func:`install` was called on.
+        **kwargs: ``engine.load_checkpoint``'s options (``load_optimizer_states``, ...).
+
+    Returns:
+        What ``engine.load_checkpoint`` returns (the load path and the client state), or
+        ``(None, None)`` if the job has no checkpoint yet (a fresh start).
+    """
+    ours = installed(engine)
+    folder = ours.stand_in()
+    if folder is None:
+        return None, None
+    load_path, client_state = engine.load_checkpoint(folder, tag=ours.tag, **kwargs)
+    return load_path, client_state
