@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rallypoint.cli.fake_imds import FakeImds
-from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
+from rallypoint.cli.processes import Cluster, Coordinator, judge
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -145,31 +145,3 @@ def test_a_preemption_notice_and_a_sigterm_lose_no_steps(
     assert [(c["version"], c["durable"]) for c in resumed] == [(v, True) for _, v in saved]
     versions = httpx.get(f"{coordinator.url}/v1/jobs/preempt/checkpoints", timeout=10).json()
     assert "memory" in {v["durability"] for v in versions}  # routine ones stayed in memory
-
-
-def test_the_lightning_example_resumes_through_a_preemption(
-    coordinator: Coordinator, tmp_path: Path
-) -> None:
-    events = tmp_path / "lit.events.jsonl"
-    script = example_script().with_name("train_lightning.py")
-    with FakeImds() as imds:
-        cluster = Cluster(
-            coordinator.url,
-            "lit",
-            tmp_path,
-            nnodes="1:2",
-            imds_url=imds.url,
-            script=[str(script), "--steps", "80", "--events", str(events)],
-        )
-        cluster.events_file = events
-        try:
-            cluster.add("a")
-            cluster.add("b")
-            step_at(cluster, 20, world_size=2)
-            imds.schedule("b")
-            step_at(cluster, 0, world_size=1)
-            verdict, history = finish(cluster, coordinator, 80)
-        finally:
-            cluster.stop()
-    assert [g["world_size"] for g in history] == [2, 1]
-    assert verdict.steps_lost == {2: 0}
