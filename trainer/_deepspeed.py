@@ -159,11 +159,16 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     # --- loading ------------------------------------------------------------------------
 
-    def restore(self) -> Restored | None:
+    def restore(self, restored: Restored | None = None) -> Restored | None:
         """Reads the version the coordinator named for this generation (once), or None
-        if the job has none yet. Each rank reads the shared files and its own."""
+        if the job has none yet. Each rank reads the shared files and its own.
+
+        Args:
+            restored: That version, already read through the same manager (the HF
+                Trainer reads it before DeepSpeed's engine exists).
+        """
         if self.restored is None:
-            self.restored = self.checkpoints.load_latest()
+            self.restored = restored or self.checkpoints.load_latest()
             if self.restored is None:
                 return None
             files: dict[str, Any] = {}

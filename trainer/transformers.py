@@ -1,0 +1,23 @@
+"""The Hugging Face Trainer through Rallypoint (``pip install rallypoint[transformers]``).
+
+One line changes: ``Trainer`` becomes :class:`RallypointTrainer`, and
+``resume_from_checkpoint=True`` now means "the version the coordinator named"::
+
+    from rallypoint.trainer.transformers import RallypointTrainer
+
+    trainer = RallypointTrainer(model=model, args=args, train_dataset=dataset)
+    trainer.train(resume_from_checkpoint=True)
+
+Saves (``save_steps``) become versions: model, optimizer, scheduler, each rank's RNG
+and ``trainer_state``, staged and uploaded in the background through the memory tier,
+a peer and blob storage. With ``deepspeed=`` in the arguments, DeepSpeed's own save and
+load go through :mod:`rallypoint.trainer.deepspeed`. A preemption notice stops every
+rank at one step, saves with ``persist=True`` and leaves. See
+docs/frameworks/transformers.md.
+
+Importing this module imports transformers; ``import rallypoint.trainer`` does not.
+"""
+
+from ._transformers import PreemptionCallback, RallypointTrainer
+
+__all__ = ["PreemptionCallback", "RallypointTrainer"]
