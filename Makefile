@@ -54,6 +54,11 @@ $(VENV)/.dev: $(VENV)/.installed
 
 $(VENV)/.frameworks: $(VENV)/.dev
 	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-build-isolation 'deepspeed>=0.19.8'
+	# On a CPU, deepspeed.initialize compiles its shared-memory collectives on first use
+	# (minutes, into ~/.cache/torch_extensions): once here, not inside a timed test, where
+	# a build killed half-way would leave a lock every later start waits on forever.
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; \
+	  a().create_op_builder('ShareMemCommBuilder').load()"
 	touch $@
 
 node_modules/.installed: package.json package-lock.json
