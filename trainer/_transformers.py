@@ -23,7 +23,8 @@ import logging
 import os
 import random
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ TRAINER_STATE = "trainer_state.json"
 SCHEDULER = "scheduler.pt"
 
 
-class PreemptionCallback(TrainerCallback):  # type: ignore[misc]
+class PreemptionCallback(TrainerCallback):
     """Stops every rank at the same step on a preemption notice and has the Trainer
     save: the Trainer's own ``should_save``/``should_training_stop`` controls, which
     :class:`RallypointTrainer` turns into the emergency version (``persist=True``),
@@ -68,7 +69,7 @@ class PreemptionCallback(TrainerCallback):  # type: ignore[misc]
         self.watcher.stop()
 
 
-class RallypointTrainer(Trainer):  # type: ignore[misc]
+class RallypointTrainer(Trainer):
     """``transformers.Trainer`` whose checkpoints are the coordinator's versions.
 
     A drop-in for ``Trainer``; ``train(resume_from_checkpoint=True)`` resumes from the
@@ -123,25 +124,34 @@ class RallypointTrainer(Trainer):  # type: ignore[misc]
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         step = int(self.state.global_step)
+        # TrainerState annotates stateful_callbacks as a list, but __post_init__ turns it
+        # into the dict by callback name that the Trainer's own save indexes.
+        stateful = cast(dict[str, Any], self.state.stateful_callbacks)
         for cb in [*self.callback_handler.callbacks, self.control]:
             if isinstance(cb, ExportableState):  # as the Trainer records them
                 name = cb.__class__.__name__
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(cb.state())
+                if isinstance(stateful.get(name), list):
+                    stateful[name].append(cb.state())
                 else:
-                    self.state.stateful_callbacks[name] = cb.state()
+                    stateful[name] = cb.state()
         trainer_state = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
         rng = _rng_state()
         emergency, self.emergency = self.emergency, False
+        # Both exist once training runs: _prepare_for_training made them.
+        optimizer, scheduler = self.optimizer, self.lr_scheduler
+        assert optimizer is not None and scheduler is not None
         if self.is_deepspeed_enabled:
             from ._deepspeed import install
 
             ours = install(self.model_wrapped, checkpoints=self.checkpoints)
             ours.extra = {TRAINER_STATE: trainer_state}
-            if not _deepspeed_scheduler(self.lr_scheduler):
-                ours.extra[SCHEDULER] = self.lr_scheduler.state_dict()
+            if not _deepspeed_scheduler(scheduler):
+                ours.extra[SCHEDULER] = scheduler.state_dict()
             ours.extra_rank = {"rng_state.pth": rng}
             ours.step = step
+            # DeepSpeed makes this folder (and copies zero_to_fp32.py there); no
+            # checkpoint file is written to it.
+            assert self.args.output_dir is not None  # TrainingArguments defaults it
             ours.save_checkpoint(
                 os.path.join(self.args.output_dir, "deepspeed"),
                 f"global_step{step}",
@@ -152,8 +162,8 @@ class RallypointTrainer(Trainer):  # type: ignore[misc]
             unwrapped = self.accelerator.unwrap_model(model)
             state = {
                 "model": pack(unwrapped.state_dict()),
-                "optimizer": pack(self.optimizer.state_dict()),
-                "scheduler": pack(self.lr_scheduler.state_dict()),
+                "optimizer": pack(optimizer.state_dict()),
+                "scheduler": pack(scheduler.state_dict()),
                 "trainer_state": pack(trainer_state),
             }
             self.checkpoints.save(
@@ -234,6 +244,7 @@ class RallypointTrainer(Trainer):  # type: ignore[misc]
             return
         assert self.restored is not None
         target = model if model is not None else self.model
+        assert target is not None
         target.load_state_dict(unpack(self.restored.state["model"]))
 
     def _prepare_for_training(
@@ -243,7 +254,9 @@ class RallypointTrainer(Trainer):  # type: ignore[misc]
         engine exists, and loads the restored optimizer and scheduler (and, with
         DeepSpeed, everything) where the Trainer would load its folder's."""
         ours_to_load = self._scratch is not None and resume_from_checkpoint == self._scratch
-        model, train_dataloader = super()._prepare_for_training(
+        # transformers leaves this method unannotated; it returns (model, dataloader).
+        prepare = cast(Callable[..., tuple[Any, Any]], super()._prepare_for_training)
+        model, train_dataloader = prepare(
             max_steps, train_dataloader, None if ours_to_load else resume_from_checkpoint
         )
         ours = None
@@ -253,21 +266,25 @@ class RallypointTrainer(Trainer):  # type: ignore[misc]
             ours = install(self.model_wrapped, checkpoints=self.checkpoints)
         if ours_to_load:
             assert self.restored is not None
+            optimizer, scheduler = self.optimizer, self.lr_scheduler
+            assert optimizer is not None and scheduler is not None
             if ours is not None:
                 ours.restore(self.restored)
                 folder = ours.stand_in()
-                load_path, _ = self.model_wrapped.load_checkpoint(
+                # model_wrapped is annotated as a Module; with DeepSpeed it is the engine.
+                engine: Any = self.model_wrapped
+                load_path, _ = engine.load_checkpoint(
                     folder, tag=ours.tag, load_optimizer_states=True, load_lr_scheduler_states=True
                 )
                 if load_path is None:
                     raise RuntimeError(
                         f"DeepSpeed could not load checkpoint v{self.restored.version}"
                     )
-                if not _deepspeed_scheduler(self.lr_scheduler):
-                    self.lr_scheduler.load_state_dict(ours.load(SCHEDULER))
+                if not _deepspeed_scheduler(scheduler):
+                    scheduler.load_state_dict(ours.load(SCHEDULER))
             else:
-                self.optimizer.load_state_dict(unpack(self.restored.state["optimizer"]))
-                self.lr_scheduler.load_state_dict(unpack(self.restored.state["scheduler"]))
+                optimizer.load_state_dict(unpack(self.restored.state["optimizer"]))
+                scheduler.load_state_dict(unpack(self.restored.state["scheduler"]))
         return model, train_dataloader
 
 
