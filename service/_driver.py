@@ -8,7 +8,11 @@ read the job and query the partition. Per job that this process serves, one task
 - calls :meth:`Rendezvous.tick` (seal an open round, end a generation with a silent
   member) as soon as a join asks and otherwise at least every ``max_tick``;
 - writes the heartbeats it received since its last pass as batches of 100, and keeps
-  the nodes long-polling here alive the same way.
+  the nodes long-polling here alive the same way;
+- reads the job at once, for every request that names a generation newer than the
+  snapshot (another replica sealed it since this one's last pass), before any of them is
+  answered: behind a balancer that sends each request to the next replica, a node's
+  first heartbeat follows the join that sealed its generation by milliseconds.
 
 The driver holds no state that matters: it is rebuilt from storage after a restart, and
 any number of replicas may drive the same job, as every write is ETag-conditioned.
@@ -32,7 +36,7 @@ from rallypoint.client.models import JobSpec
 
 from ._rendezvous import Job, Rendezvous
 from .errors import StorageError
-from .storage import each_try_within
+from .storage import each_try_within, within
 
 __all__ = ["Driver", "hang_up", "until_changed"]
 
@@ -86,6 +90,8 @@ class _JobState:
     last_used: float = field(default_factory=time.monotonic)
     error: BaseException | None = None
     task: asyncio.Task[None] | None = None
+    # The read a request naming a generation newer than ``job`` started, and when.
+    missed: tuple[float, asyncio.Task[None]] | None = None
 
 
 class Driver:
@@ -131,13 +137,21 @@ class Driver:
         state.last_used = time.monotonic()
         return state
 
-    async def snapshot(self, job_id: str) -> tuple[Job, asyncio.Future[None]]:
+    async def snapshot(
+        self, job_id: str, generation: int | None = None
+    ) -> tuple[Job, asyncio.Future[None]]:
         """The job as of at most one interval ago, and a future resolved when it changes.
+
+        Args:
+            generation: The generation a request names. A snapshot older than it (another
+                replica sealed it since this one's last pass) is read again from storage
+                first, once for all the requests that miss together, and the read
+                becomes the snapshot; a snapshot as new costs nothing more.
 
         Raises:
             UnknownJob: No such job (or whatever else the last read raised).
             StorageError: Storage has not answered for ``grace`` seconds, or had not
-                since this process began to drive the job.
+                since this process began to drive the job; or the read on a miss failed.
         """
         state = self._state(job_id)
         await state.ready.wait()
@@ -149,7 +163,44 @@ class Driver:
         ):
             raise state.error
         assert state.job is not None
+        if generation is not None and generation > state.job.generation:
+            await self._catch_up(job_id, state, generation)
         return state.job, state.changed
+
+    async def _catch_up(self, job_id: str, state: _JobState, generation: int) -> None:
+        """Reads the job for a request that named ``generation``, newer than the snapshot.
+
+        Requests that miss together share a read, but only one that began after they
+        arrived: the generation a request names was sealed before it was sent, and a read
+        begun earlier may not show it.
+        """
+        arrived = time.monotonic()
+        while state.job is not None and state.job.generation < generation:
+            if state.missed is None:
+                task = asyncio.ensure_future(self._read_missed(job_id, state, generation))
+                # Retrieved here too: the requests awaiting it may all have hung up.
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                state.missed = (time.monotonic(), task)
+            began, task = state.missed
+            # Shielded: one waiter hanging up must not cancel the others' read.
+            await asyncio.shield(task)
+            if began >= arrived:
+                return
+
+    async def _read_missed(self, job_id: str, state: _JobState, generation: int) -> None:
+        assert state.job is not None
+        known, started = state.job, time.monotonic()
+        # A heartbeat's storage reads have a third of the heartbeat timeout.
+        budget = known.spec.heartbeat_timeout.total_seconds() / 3
+        try:
+            job = await anyio.to_thread.run_sync(self._read_within, known, generation, budget)
+            self._publish(state, job, started)
+        finally:
+            state.missed = None
+
+    def _read_within(self, known: Job, generation: int, budget: float) -> Job:
+        with within(budget):
+            return self.rdzv.catch_up(known, generation)
 
     async def create(self, job_id: str, spec: JobSpec) -> Job:
         """Creates a job that :meth:`snapshot` did not find, once for all the joins that

@@ -168,6 +168,13 @@ class Metrics:
         self.heartbeats = Counter(
             "rallypoint_heartbeats", "Heartbeats received", ["job"], registry=self.registry
         )
+        self.generation_misses = Counter(
+            "rallypoint_generation_miss_reads",
+            "Reads of a job a request caused by naming a generation newer than this "
+            "replica's snapshot (sealed through another replica since its last pass)",
+            ["job"],
+            registry=self.registry,
+        )
         self.commits = Counter(
             "rallypoint_checkpoint_commits",
             "Checkpoint versions committed through this process",
@@ -188,6 +195,10 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_Jobs(jobs, versions))
+
+    def generation_missed(self, job_id: str) -> None:
+        """Counts a read of the job for a generation newer than this replica's snapshot."""
+        self.generation_misses.labels(job_id).inc()
 
     def committed(self, job_id: str, size: int) -> None:
         """Counts a version this process committed, of ``size`` bytes in all."""

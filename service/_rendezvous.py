@@ -466,6 +466,7 @@ class Rendezvous:
         resume: Names, at a seal, the checkpoint the new members resume from (the
             checkpoints' :meth:`~Checkpoints.resume`); None: the job's pointer as it is.
             It may be set after construction, as the checkpoints need the rendezvous.
+        on_miss: Called with the job's id at each read :meth:`catch_up` takes (metrics).
     """
 
     def __init__(
@@ -473,10 +474,12 @@ class Rendezvous:
         table: Table,
         clock: Callable[[], float] = time.time,
         resume: Callable[[Job, tuple[Member, ...]], CheckpointPointer | None] | None = None,
+        on_miss: Callable[[str], None] | None = None,
     ) -> None:
         self.table = table
         self.clock = clock
         self.resume = resume
+        self.on_miss = on_miss
         self.secrets = JobSecrets(table)
         # A coordinator that was down heard no heartbeats: it gives every member a full
         # timeout from its start before declaring one dead (see _check_members).
@@ -551,6 +554,21 @@ class Rendezvous:
 
     def _partition(self, job_id: str, node_id: str) -> str:
         return member_partition(job_id, node_id, self._spread(job_id))
+
+    def catch_up(self, job: Job, generation: int) -> Job:
+        """``job``, unless a request names a ``generation`` newer than it: then the job
+        as storage has it now. A replica's snapshot (see ``_driver.py``) may predate a
+        seal that another replica made a few milliseconds ago, and a member of that
+        generation must not be refused for it.
+
+        Raises:
+            UnknownJob: The job is gone.
+        """
+        if generation <= job.generation:
+            return job
+        if self.on_miss is not None:
+            self.on_miss(job.job_id)
+        return self.get_job(job.job_id)
 
     def list_jobs(self) -> list[Job]:
         """Every job, in id order."""
@@ -903,6 +921,8 @@ class Rendezvous:
         node's rank.
 
         Args:
+            job: The job as read from storage, or a replica's snapshot: one older than
+                ``generation`` is read again (:meth:`catch_up`) before it refuses.
             ended: Also accept a generation that ended (for reads of what it left).
 
         Raises:
@@ -911,6 +931,7 @@ class Rendezvous:
             UnknownNode: The node is not a member of it.
             InvalidCredential: ``credential`` is not the member's.
         """
+        job = self.catch_up(job, generation)
         running = generation == job.generation and job.status == "sealed"
         if not running and not (ended and 1 <= generation <= job.generation):
             raise StaleGeneration(

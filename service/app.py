@@ -59,7 +59,7 @@ def create_app(
         for name in CONTAINERS:
             backend.blobs(name)
         app.state.storage = backend
-        app.state.rdzv = Rendezvous(backend.table("jobs"))
+        app.state.rdzv = Rendezvous(backend.table("jobs"), on_miss=metrics.generation_missed)
         app.state.driver = Driver(app.state.rdzv, grace=settings.storage_grace)
         app.state.kv = KeyValue(backend.table("jobs"))
         app.state.tokens = Tokens(backend.table("jobs"), settings.token)

@@ -177,7 +177,9 @@ async def _await_seal(
     response: Response,
 ) -> JoinReply | Response:
     node_id, round, credential = node.node_id, node.round, node.credential
-    join_timeout = (await driver.snapshot(job_id))[0].spec.join_timeout.total_seconds()
+    # A round follows the generation before it: a snapshot that has not seen that one
+    # sealed missed a seal through another replica (a round's own seal wakes the wait).
+    join_timeout = (await driver.snapshot(job_id, round - 1))[0].spec.join_timeout.total_seconds()
     deadline = time.monotonic() + wait
     with driver.waiting(job_id, node_id):
         while True:
@@ -210,6 +212,10 @@ async def _await_seal(
             if outcome is not None:
                 return _sealed_reply(job_id, node, outcome)
             if rdzv.clock() - node.joined_at > join_timeout:
+                # Not refused before storage is read: the round may have sealed through
+                # another replica since this one's last pass.
+                if (await driver.snapshot(job_id, round))[0].generation >= round:
+                    continue
                 raise JoinTimeout(
                     f"round {round} of job {job_id!r} did not seal within {join_timeout:.0f} s"
                 )
@@ -280,7 +286,9 @@ async def answer_heartbeat(
     """
     rdzv: Rendezvous = state.rdzv
     driver: Driver = state.driver
-    job, changed = await driver.snapshot(job_id)
+    # A generation newer than this replica's snapshot is read from storage first: a
+    # member's first beat may follow the seal, made by another replica, by milliseconds.
+    job, changed = await driver.snapshot(job_id, generation)
     action = rdzv.judge_beat(job, node_id, generation)
     if generation is not None:
         # A member's beat is checked against the generation record (cached: it never
@@ -388,7 +396,7 @@ async def assignment(
 ) -> Response:
     """A member's assignment in a running generation, without joining again (what a
     worker under torchrun asks for with its agent's credential: the agent joined)."""
-    job, _ = await driver.snapshot(job_id)
+    job, _ = await driver.snapshot(job_id, generation)
     sealed, _ = await anyio.to_thread.run_sync(rdzv.member, job, node_id, generation, credential)
     return Response(sealed.assignment_json(job_id, node_id), media_type="application/json")
 
@@ -413,7 +421,7 @@ async def members(
     Assignments carry only the list's digest, which is its ETag: a generation's members
     never change, so a cache (or ``If-None-Match``) keeps one copy per generation.
     """
-    job, _ = await driver.snapshot(job_id)
+    job, _ = await driver.snapshot(job_id, generation)
     if generation > job.generation:
         raise StaleGeneration(
             f"generation {generation} of job {job_id!r} never sealed (latest is {job.generation})"
