@@ -33,7 +33,7 @@ from transformers.trainer_callback import ExportableState
 
 from rallypoint.client import ElasticClient
 
-from ._checkpoint import CheckpointManager, Restored
+from ._checkpoint import CheckpointManager, Restored, SaveHandle
 from ._deepspeed_pack import pack, unpack
 from ._preemption import PreemptionWatcher
 
@@ -88,7 +88,9 @@ class RallypointTrainer(Trainer):
     Attributes:
         checkpoints: The manager.
         restored: What the last resume restored (``bytes_from`` says from where).
-        emergency: The next save is the emergency one.
+        emergency: The next save (or the one in progress, while callbacks' ``on_save``
+            runs) is the emergency one.
+        last_save: The last save's handle (its ``blocked`` time and the version).
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class RallypointTrainer(Trainer):
         self.checkpoints = CheckpointManager(client, **(checkpoint_options or {}))
         self.restored: Restored | None = None
         self.emergency = False
+        self.last_save: SaveHandle | None = None
         self._scratch: str | None = None
         self.watcher: PreemptionWatcher | None = None
         if watch_preemption:
@@ -136,7 +139,7 @@ class RallypointTrainer(Trainer):
                     stateful[name] = cb.state()
         trainer_state = json.dumps(dataclasses.asdict(self.state), sort_keys=True)
         rng = _rng_state()
-        emergency, self.emergency = self.emergency, False
+        emergency = self.emergency
         # Both exist once training runs: _prepare_for_training made them.
         optimizer, scheduler = self.optimizer, self.lr_scheduler
         assert optimizer is not None and scheduler is not None
@@ -152,11 +155,14 @@ class RallypointTrainer(Trainer):
             # DeepSpeed makes this folder (and copies zero_to_fp32.py there); no
             # checkpoint file is written to it.
             assert self.args.output_dir is not None  # TrainingArguments defaults it
-            ours.save_checkpoint(
+            self.last_save = ours.save_checkpoint(
                 os.path.join(self.args.output_dir, "deepspeed"),
                 f"global_step{step}",
                 persist=emergency,
                 blocking=emergency,
+                # Nothing reads it (resuming asks the coordinator), and a `latest` left
+                # in output_dir is what a stale mount shows the next job.
+                save_latest=False,
             )
         else:
             unwrapped = self.accelerator.unwrap_model(model)
@@ -166,7 +172,7 @@ class RallypointTrainer(Trainer):
                 "scheduler": pack(scheduler.state_dict()),
                 "trainer_state": pack(trainer_state),
             }
-            self.checkpoints.save(
+            self.last_save = self.checkpoints.save(
                 state,
                 step,
                 rank_state={"rng": pack(rng)},
@@ -176,7 +182,11 @@ class RallypointTrainer(Trainer):
             )
         if emergency and self.watcher is not None:
             self.checkpoints.wait()
+            # The Trainer runs on_save after this method returns, which it never does
+            # here: callbacks see the emergency save before this process leaves.
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
             self.watcher.finish()  # leaves (the notified node) or awaits the restart
+        self.emergency = False
 
     # --- resuming -----------------------------------------------------------------------
 
