@@ -206,7 +206,9 @@ def verify_file_url(url: str, permission: str, *, now: float | None = None) -> t
         raise SignedUrlError("URL names an object outside its scope")
     root = Path(str(path)[: -len(suffix)] or "/")
     key = scope_key(root, scope) if scope else load_key(root)
-    if not hmac.compare_digest(sig, _signature(key, signed_name, granted, expiry, scope)):
+    expected = _signature(key, signed_name, granted, expiry, scope)
+    # As bytes: hmac.compare_digest raises TypeError on text with a non-ASCII character.
+    if not hmac.compare_digest(sig.encode("utf-8", "surrogatepass"), expected.encode()):
         raise SignedUrlError("URL signature does not match: it was altered")
     if granted != permission:
         raise SignedUrlError(f"URL grants {granted!r} access, not {permission!r}")

@@ -23,10 +23,24 @@ import secrets
 
 from .errors import InvalidCredential
 
-__all__ = ["NODE_KEY", "check", "derive", "digest", "new_registration"]
+__all__ = ["MAX_LENGTH", "NODE_KEY", "check", "derive", "digest", "new_registration", "same"]
 
 #: The job's row holding the key credentials are derived from.
 NODE_KEY = "nodekey"
+#: Longer than any credential issued here (43 characters): a longer one is refused unread.
+MAX_LENGTH = 128
+
+
+def _raw(value: str) -> bytes:
+    # A header arrives as text decoded from latin-1, so it may hold any byte, and
+    # hmac.compare_digest raises TypeError on text with a non-ASCII character.
+    return value.encode("utf-8", "surrogatepass")
+
+
+def same(secret: str, presented: str) -> bool:
+    """Whether ``presented`` is ``secret``, in constant time, compared as bytes: whatever
+    characters a caller sends, the answer is yes or no, never an error."""
+    return hmac.compare_digest(_raw(secret), _raw(presented))
 
 
 def new_registration() -> str:
@@ -43,7 +57,7 @@ def derive(key: bytes, job_id: str, node_id: str, registration: str) -> str:
 
 def digest(credential: str) -> str:
     """What storage keeps of a credential: 128 bits of its SHA-256, base64url."""
-    raw = hashlib.sha256(credential.encode()).digest()[:16]
+    raw = hashlib.sha256(_raw(credential)).digest()[:16]
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
@@ -52,15 +66,17 @@ def check(expected: str | None, credential: str | None, node_id: str) -> None:
     the node's registration (or generation record) holds.
 
     Raises:
-        InvalidCredential: No credential, another node's, or one of an earlier
-            registration of this node.
+        InvalidCredential: No credential, another node's, one of an earlier registration
+            of this node, or none this coordinator could have issued (non-ASCII, longer
+            than :data:`MAX_LENGTH`).
     """
     if not credential:
         raise InvalidCredential(
             f"acting for node {node_id!r} needs its credential (X-Rallypoint-Credential, "
             "from its join)"
         )
-    if expected is None or not hmac.compare_digest(digest(credential), expected):
+    issuable = len(credential) <= MAX_LENGTH and credential.isascii()
+    if not issuable or expected is None or not same(expected, digest(credential)):
         raise InvalidCredential(
             f"the credential is not that of node {node_id!r}'s current registration"
         )

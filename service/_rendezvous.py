@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import hmac
 import json
 import math
 import secrets
@@ -198,7 +197,7 @@ class Generation:
         if rank is None:
             raise UnknownNode(f"node {node_id!r} is not a member of generation {self.generation}")
         known = self._verified.get(node_id)
-        if known is not None and credential is not None and hmac.compare_digest(known, credential):
+        if known is not None and credential is not None and credentials.same(known, credential):
             return
         credentials.check(self.members[rank].cred, credential, node_id)
         self._verified[node_id] = credential or ""

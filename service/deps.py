@@ -13,6 +13,7 @@ from fastapi import Depends, Header, Path, Request
 
 from rallypoint.client.models import CREDENTIAL_HEADER, ENVELOPE_PATH, ID_JSON_SCHEMA, check_id
 
+from . import _credentials as credentials
 from ._checkpoints import Checkpoints
 from ._contract import raises
 from ._driver import Driver
@@ -157,7 +158,7 @@ JobId = Annotated[str, Depends(_job_id)]
 NodeId = Annotated[str, Depends(_node_id)]
 GenerationNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
 #: Longer than any credential the coordinator issues (43 characters).
-MAX_CREDENTIAL = 128
+MAX_CREDENTIAL = credentials.MAX_LENGTH
 
 
 @raises(InvalidCredential)
@@ -166,7 +167,9 @@ async def _credential(
         str | None,
         Header(
             alias=CREDENTIAL_HEADER,
-            max_length=MAX_CREDENTIAL,
+            # Documented, and checked below: a value that is no credential is refused as
+            # one (403), not as a malformed request (422).
+            json_schema_extra={"maxLength": MAX_CREDENTIAL},
             description="The node's credential, from its join",
         ),
     ] = None,
@@ -177,6 +180,11 @@ async def _credential(
         raise InvalidCredential(
             f"a request that acts for a node needs its credential ({CREDENTIAL_HEADER}, "
             "from its join)"
+        )
+    if len(credential) > MAX_CREDENTIAL or not credential.isascii():
+        raise InvalidCredential(
+            f"{CREDENTIAL_HEADER} is no credential this coordinator issues (they are "
+            f"ASCII, at most {MAX_CREDENTIAL} characters)"
         )
     return credential
 
