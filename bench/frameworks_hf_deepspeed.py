@@ -1,0 +1,356 @@
+"""The HF Trainer's and DeepSpeed's own checkpointing, side by side with
+rallypoint.trainer.transformers and rallypoint.trainer.deepspeed.
+
+One process (world size 1, CPU, gloo) trains an MLP of ``--mib`` MiB of float32
+parameters with AdamW (the checkpoint is about 3x that: weights and two moments), saving
+after every step, one warm-up and ``--repeat`` timed, through each of:
+
+HF Trainer (a callback's ``on_step_end``, where the Trainer saves):
+
+1. ``Trainer._save_checkpoint``: the ``checkpoint-N`` folder (safetensors, ``torch.save``
+   of optimizer, scheduler and RNG, ``trainer_state.json``), synchronous. The Trainer has
+   no asynchronous save of its own;
+2. ``RallypointTrainer._save_checkpoint``: one version, staged, then uploaded to this
+   node's memory tier in the background.
+
+DeepSpeed ZeRO-2 alone (``DS_ACCELERATOR=cpu``):
+
+3. ``engine.save_checkpoint`` through ``TorchCheckpointEngine`` (the default): synchronous;
+4. through ``DecoupledCheckpointEngine`` (``"checkpoint": {"writer": {"type":
+   "python", "decoupled": true, "data_parallel": "replica"}}``): the files go to a writer
+   process; the next ``engine.step()`` waits for it to finish (the commit), so its
+   blocked time is the save call plus that wait, both shown;
+5. through ``FastCheckpointEngine`` (``"writer": {"type": "fast"}``).
+
+4 and 5 are tried and, where they fail here, the reason is printed: on 0.19.8 with
+ZeRO-2 on CPU the decoupled engine cannot pass ZeRO's fp32 partitions (which require
+grad) through its ``torch.multiprocessing`` queue, and the fast writer needs an
+accelerator device.
+6. ``rallypoint.trainer.deepspeed.install``: one version, as 2.
+
+Blocked is how long the save keeps training waiting; each save is drained before the
+next (not timed). Restore is the time from nothing in memory to model and optimizer
+loaded: the framework's loader of its files on local disk (the page cache warm: they were
+just written) against the integration's load of the version the coordinator names, read
+from the node's memory tier (``/dev/shm``, every item's checksum verified). Medians;
+ratios are printed.
+
+Usage: python bench/frameworks_hf_deepspeed.py [--mib 64] [--repeat 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+warnings.filterwarnings("ignore")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+for name in ("DeepSpeed", "deepspeed", "transformers", "accelerate", "torch.distributed"):
+    logging.getLogger(name).setLevel(logging.ERROR)
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+import rallypoint.trainer.deepspeed as rp_deepspeed  # noqa: E402
+from rallypoint.client import CheckpointPointer, ElasticClient, JobSpec  # noqa: E402
+from rallypoint.trainer import CheckpointManager  # noqa: E402
+from rallypoint.trainer._deepspeed_pack import unpack  # noqa: E402
+from rallypoint.trainer.transformers import RallypointTrainer  # noqa: E402
+from tests._coordinator import Coordinator  # noqa: E402
+
+MiB = 1 << 20
+WIDTH = 1024
+
+
+class MLP(nn.Module):
+    def __init__(self, mib: int) -> None:
+        super().__init__()
+        layers = max(1, mib * MiB // (WIDTH * WIDTH * 4))
+        self.net = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        loss = self.net(x).pow(2).mean()
+        return {"loss": loss}
+
+
+def name_the_last_version(manager: CheckpointManager) -> None:
+    """As after a restart: the coordinator names the newest version at the seal."""
+    info = manager.wait()
+    assert info is not None and info.state == "committed", info
+    pointer = CheckpointPointer(version=info.version, step=info.step, generation=info.generation)
+    manager.assignment = manager.assignment.model_copy(update={"checkpoint": pointer})
+
+
+# --- the HF Trainer ---------------------------------------------------------------------
+
+
+class Measure(TrainerCallback):
+    """Saves after every step, and restores at the end of training (still set up)."""
+
+    def __init__(self, repeat: int) -> None:
+        self.repeat = repeat
+        self.blocked: list[float] = []
+        self.restored: list[float] = []
+        self.trainer: Trainer | None = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        assert trainer is not None
+        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # one checkpoint on disk
+        start = time.perf_counter()
+        trainer._save_checkpoint(trainer.model_wrapped, None)
+        blocked = time.perf_counter() - start
+        if isinstance(trainer, RallypointTrainer):
+            trainer.checkpoints.wait()  # drained, not timed
+        if state.global_step > 1:  # the first is a warm-up
+            self.blocked.append(blocked)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self.trainer
+        assert trainer is not None
+        folder = os.path.join(trainer.args.output_dir, f"checkpoint-{state.global_step}")
+        for i in range(self.repeat + 1):
+            start = time.perf_counter()
+            if isinstance(trainer, RallypointTrainer):
+                name_the_last_version(trainer.checkpoints)
+                scratch = trainer._restore()  # the version: trainer state and RNG files
+                assert scratch is not None and trainer.restored is not None
+                assert trainer.restored.bytes_from["memory"] > 0, trainer.restored
+                trainer._load_from_checkpoint(scratch)  # the model
+                assert trainer.optimizer is not None and trainer.lr_scheduler is not None
+                trainer.optimizer.load_state_dict(unpack(trainer.restored.state["optimizer"]))
+                trainer.lr_scheduler.load_state_dict(unpack(trainer.restored.state["scheduler"]))
+                trainer._load_rng_state(scratch)
+            else:  # what train(resume_from_checkpoint=folder) loads
+                trainer._load_from_checkpoint(folder)
+                trainer._load_optimizer_and_scheduler(folder)
+                trainer._load_rng_state(folder)
+            if i:
+                self.restored.append(time.perf_counter() - start)
+
+
+def run_trainer(rallypoint: bool, args: argparse.Namespace, work: Path, client: Any) -> Measure:
+    torch.manual_seed(0)
+    measure = Measure(args.repeat)
+    training = TrainingArguments(
+        output_dir=str(work / ("hf-rp" if rallypoint else "hf")),
+        use_cpu=True,
+        max_steps=args.repeat + 1,
+        save_strategy="no",  # the callback saves
+        per_device_train_batch_size=4,
+        report_to=[],
+        disable_tqdm=True,
+        logging_strategy="no",
+        optim="adamw_torch",
+    )
+    data = [{"x": torch.randn(WIDTH)} for _ in range(8)]
+    kwargs: dict[str, Any] = {"model": MLP(args.mib), "args": training, "train_dataset": data}
+    kwargs["callbacks"] = [measure]
+    trainer = (
+        RallypointTrainer(
+            **kwargs,
+            rallypoint_client=client,
+            checkpoint_options={"persist_every": 1000, "progress": False},
+            watch_preemption=False,
+        )
+        if rallypoint
+        else Trainer(**kwargs)
+    )
+    measure.trainer = trainer
+    trainer.train()
+    if isinstance(trainer, RallypointTrainer):
+        trainer.checkpoints.close()
+    return measure
+
+
+# --- DeepSpeed alone ----------------------------------------------------------------------
+
+
+class Result:
+    def __init__(self) -> None:
+        self.blocked: list[float] = []
+        self.commit: list[float] = []
+        self.restored: list[float] = []
+        self.error: str | None = None
+
+
+def run_deepspeed(variant: str, args: argparse.Namespace, work: Path, client: Any) -> Result:
+    result = Result()
+    torch.manual_seed(0)
+    model = MLP(args.mib)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "zero_optimization": {"stage": 2},
+        "steps_per_print": 10**9,
+    }
+    if variant == "decoupled":
+        # "replica": without it 0.19.8 reads a dp_rank its UniversalParallelInfo lacks.
+        writer = {"type": "python", "decoupled": True, "data_parallel": "replica"}
+        config["checkpoint"] = {"writer": writer}
+    elif variant == "fast":
+        config["checkpoint"] = {"writer": {"type": "fast", "data_parallel": "replica"}}
+    try:
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+    except Exception as exc:  # a writer that cannot run here: say why, go on
+        result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return result
+    ours = None
+    if variant == "rallypoint":
+        ours = rp_deepspeed.install(engine, client, persist_every=1000, progress=False)
+    save_dir = str(work / f"ds-{variant}")
+    x = torch.randn(4, WIDTH)
+    try:
+        for step in range(args.repeat + 1):
+            loss = engine(x)["loss"]
+            engine.backward(loss)
+            engine.step()
+            shutil.rmtree(save_dir, ignore_errors=True)  # one checkpoint on disk
+            start = time.perf_counter()
+            engine.save_checkpoint(save_dir)
+            blocked = time.perf_counter() - start
+            start = time.perf_counter()
+            if variant == "decoupled":
+                # What the next engine.step() does first: wait for the writer process.
+                engine._commit_decoupled_checkpoint()
+            elif ours is not None:
+                ours.wait()  # drained, not timed
+            commit = time.perf_counter() - start
+            if step:
+                result.blocked.append(blocked)
+                result.commit.append(commit if variant == "decoupled" else 0.0)
+        for i in range(args.repeat + 1):
+            start = time.perf_counter()
+            if ours is not None:
+                name_the_last_version(ours.checkpoints)
+                ours.restored = None  # read again, from the memory tier
+                load_path, _ = rp_deepspeed.load_checkpoint(engine)
+                assert ours.restored is not None and ours.restored.bytes_from["memory"] > 0
+            else:
+                load_path, _ = engine.load_checkpoint(save_dir)
+            assert load_path is not None
+            if i:
+                result.restored.append(time.perf_counter() - start)
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    finally:
+        if ours is not None:
+            ours.close()
+        elif engine.checkpoint_engine.is_decoupled():
+            engine.checkpoint_engine.cleanup()
+    return result
+
+
+def ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1000:>9.1f} ms" if values else f"{'-':>12}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=64, help="parameters; AdamW adds 2x")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519", "RANK": "0", "LOCAL_RANK": "0"}
+    )
+    os.environ.update({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
+    # DeepSpeed's checkpoint writers read the machine count its own launcher exports.
+    os.environ.update({"CROSS_SIZE": "1", "CROSS_RANK": "0"})
+    build = ROOT / "build"
+    build.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=build) as tmp:
+        work = Path(tmp)
+        memory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="rallypoint-bench-"))
+        os.environ["RALLYPOINT_MEMORY_DIR"] = str(memory)
+        coordinator = Coordinator(["--storage", f"local:{work / 'storage'}"], {}).start()
+        try:
+            # One job each: a version becomes latest only if its step is newer.
+            clients = {}
+            for job in ("bench-hf", "bench-deepspeed"):
+                client = clients[job] = ElasticClient(coordinator.url, job, "n0")
+                spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
+                client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
+                client.heartbeats(timedelta(seconds=1))
+            hf = {
+                "sync": run_trainer(False, args, work, clients["bench-hf"]),
+                "rallypoint": run_trainer(True, args, work, clients["bench-hf"]),
+            }
+            ds = {
+                variant: run_deepspeed(variant, args, work, clients["bench-deepspeed"])
+                for variant in ("torch", "decoupled", "fast", "rallypoint")
+            }
+        finally:
+            coordinator.stop()
+            shutil.rmtree(memory, ignore_errors=True)
+    size = sum(p.numel() * 4 for p in MLP(args.mib).parameters()) * 3 // MiB
+    print(
+        f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}, "
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, checkpoint ~{size} MiB "
+        f"(weights + AdamW), median of {args.repeat} after a warm-up"
+    )
+    print(f"{'':<52}{'blocked per save':>17}{'restore':>12}")
+    rows = [
+        ("HF Trainer._save_checkpoint (sync)", hf["sync"].blocked, hf["sync"].restored),
+        ("RallypointTrainer (memory tier)", hf["rallypoint"].blocked, hf["rallypoint"].restored),
+    ]
+    for label, blocked, restored in rows:
+        print(f"{label:<56}{ms(blocked)}{ms(restored)}")
+    labels = {
+        "torch": "DeepSpeed TorchCheckpointEngine (sync)",
+        "decoupled": "DeepSpeed DecoupledCheckpointEngine: save call",
+        "fast": "DeepSpeed FastCheckpointEngine",
+        "rallypoint": "rallypoint.trainer.deepspeed (memory tier)",
+    }
+    for key, label in labels.items():
+        r = ds[key]
+        if r.error:
+            print(f"{label:<56}  did not run: {r.error}")
+            continue
+        print(f"{label:<56}{ms(r.blocked)}{ms(r.restored)}")
+        if key == "decoupled":
+            total = [b + c for b, c in zip(r.blocked, r.commit, strict=True)]
+            print(f"{'  + its commit at the next step (writer drained)':<56}{ms(r.commit)}")
+            print(f"{'  = blocked per save':<56}{ms(total)}")
+            r.blocked = total
+
+    def ratio(a: list[float], b: list[float]) -> float:
+        return statistics.median(a) / statistics.median(b)
+
+    h = hf["rallypoint"]
+    print(f"HF: blocked {ratio(h.blocked, hf['sync'].blocked):.3f}x the sync save (goal <= 0.2x)")
+    print(f"HF: restore {ratio(hf['sync'].restored, h.restored):.2f}x faster (goal >= 2x)")
+    r = ds["rallypoint"]
+    if not r.error:
+        print(
+            f"DS: blocked {ratio(r.blocked, ds['torch'].blocked):.3f}x TorchCheckpointEngine "
+            "(goal <= 0.2x)"
+        )
+        for key in ("decoupled", "fast"):
+            if not ds[key].error:
+                print(f"DS: blocked {ratio(r.blocked, ds[key].blocked):.3f}x {key} (goal <= 1.0x)")
+        print(
+            f"DS: restore {ratio(ds['torch'].restored, r.restored):.2f}x faster than "
+            "TorchCheckpointEngine from local disk (goal >= 2x)"
+        )
+
+
+if __name__ == "__main__":
+    main()
