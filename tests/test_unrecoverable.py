@@ -250,7 +250,7 @@ def test_a_manager_reports_a_corrupt_version_but_not_a_state_that_does_not_fit(
     m.save({"w": torch.arange(1000.0)}, 1, blocking=True)
     m.save({"w": torch.arange(1000.0) + 1}, 2, blocking=True)
     (m2,) = managers(url, ["a"], 1, 1)
-    with pytest.raises((CheckpointError, ValueError), match="(?i)size") as mismatch:
+    with pytest.raises((CheckpointError, ValueError), match=r"(?i)size") as mismatch:
         m2.load_latest({"w": torch.zeros(10)})
     assert not isinstance(mismatch.value, CheckpointCorrupt)
     assert not any(v.unrecoverable for v in m2.client.checkpoints())
