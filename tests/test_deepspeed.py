@@ -17,8 +17,6 @@ from rallypoint.cli.processes import Cluster, Coordinator, judge
 from . import test_torchrun
 from .test_torchrun import status
 
-pytest.importorskip("deepspeed")
-
 coordinator = test_torchrun.coordinator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -25,8 +25,6 @@ from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 from . import test_torchrun
 from .test_torchrun import status
 
-pytest.importorskip("transformers")
-
 coordinator = test_torchrun.coordinator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
