@@ -32,12 +32,12 @@ import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -160,7 +160,7 @@ class RallypointPreemption(pl.Callback):
         self.emergency = info.version if info is not None else None
         log.warning("rallypoint: emergency checkpoint of step %d saved; stopping", step)
         # Lightning's own way out of a SIGTERM: on_exception hooks, then the strategy's,
-        # where the watcher leaves the job (see _finish).
+        # where the watcher leaves the job (see _Rallypoint.on_exception).
         raise SIGTERMException
 
     @override
@@ -219,18 +219,38 @@ class _ResumeLauncher(_Launcher):
             self.inner.kill(signum)
 
 
-class _Rallypoint:
-    """What both strategies add to their Lightning base class."""
+# The mixin's methods call the strategy's own through super(): typed as the strategies'
+# common base for mypy, a plain object at run time (the MRO puts the real base after it).
+if TYPE_CHECKING:
+    _StrategyBase = ParallelStrategy
+else:
+    _StrategyBase = object
+
+
+class _Rallypoint(_StrategyBase):
+    """What both strategies add to their Lightning base class (listed first among the
+    bases, so these overrides wrap the base's)."""
 
     session: Session
     preemption: RallypointPreemption
 
-    def _rallypoint_launcher(self, inner: _Launcher | None, external: bool) -> _ResumeLauncher:
+    @property
+    def restored(self) -> Restored | None:
+        """What this process restored (``state`` dropped); ``bytes_from`` by source."""
+        return self.session.restored
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        assert self.cluster_environment is not None
         # Under torchrun there is nothing to launch: Lightning's launcher would only check
         # devices x num_nodes == WORLD_SIZE, which nodes with different process counts fail.
-        return _ResumeLauncher(self.session, None if external else inner)
+        external = self.cluster_environment.creates_processes_externally
+        self._launcher = _ResumeLauncher(self.session, None if external else self._launcher)
 
-    def _add_preemption(self, trainer: pl.Trainer) -> None:
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
         # Set by Lightning's callback connector, so not declared on Trainer for mypy.
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(c, RallypointPreemption) for c in callbacks):
@@ -238,7 +258,10 @@ class _Rallypoint:
             # come before ModelCheckpoint's save of the same step.
             callbacks.insert(0, self.preemption)
 
-    def _finish(self, trainer: pl.Trainer | None, exception: BaseException) -> None:
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        trainer = self.lightning_module.trainer if self.lightning_module else None
         watcher = self.preemption.watcher
         if isinstance(exception, SIGTERMException) and watcher is not None and watcher.stopping:
             for logger in trainer.loggers if trainer is not None else []:
@@ -272,27 +295,10 @@ class RallypointDDPStrategy(_Rallypoint, DDPStrategy):
         self.preemption = RallypointPreemption(self.session)
 
     @property
-    def restored(self) -> Restored | None:
-        """What this process restored (``state`` dropped); ``bytes_from`` by source."""
-        return self.session.restored
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # The job's processes, not devices x num_nodes: nodes may run different numbers.
         return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        assert self.cluster_environment is not None
-        external = self.cluster_environment.creates_processes_externally
-        self._launcher = self._rallypoint_launcher(self._launcher, external)
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        self._add_preemption(trainer)
 
     @override
     def save_checkpoint(
@@ -300,11 +306,6 @@ class RallypointDDPStrategy(_Rallypoint, DDPStrategy):
     ) -> None:
         # Every rank: DCP plans the save together (and writes replicated tensors once).
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self._finish(self.lightning_module.trainer if self.lightning_module else None, exception)
 
 
 class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
@@ -341,29 +342,12 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
         )
         self.preemption = RallypointPreemption(self.session)
 
-    @property
-    def restored(self) -> Restored | None:
-        """What this process restored (``state`` dropped); ``bytes_from`` by source."""
-        return self.session.restored
-
     @override
     def setup_environment(self) -> None:
         if self._data_parallel_size == "auto":
             assert isinstance(self._tensor_parallel_size, int)
             self._data_parallel_size = self.world_size // self._tensor_parallel_size
         super().setup_environment()
-
-    @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        assert self.cluster_environment is not None
-        external = self.cluster_environment.creates_processes_externally
-        self._launcher = self._rallypoint_launcher(self._launcher, external)
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)
-        self._add_preemption(trainer)
 
     @override
     def save_checkpoint(
@@ -418,8 +402,3 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
     def teardown(self) -> None:
         self.session.wait()
         super().teardown()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        super().on_exception(exception)
-        self._finish(self.lightning_module.trainer if self.lightning_module else None, exception)
