@@ -18,14 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from ._azurite import Azurite
-from ._balancer import Balancer
-from ._coordinator import Coordinator
 from ._plugin_nodes import PluginNode, VictimNode
+from .test_failover import REPLICAS, Topology
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-REPLICAS = 3
 STARTUPS = 30  # jobs of 3 agents (min = max = 3, heartbeat timeout 5 s, no last call)
 STARTUP_SPEC = (3, 3, 5, 0)
 WAVE = 10  # start-ups at once
@@ -38,25 +35,13 @@ KILL_SPEC = (2, 3, 4, 10)
 HOLD = 1.5
 
 
-class Replicas:
-    def __init__(self, tmp_path: Path) -> None:
-        self.azurite = Azurite(location=tmp_path / "azurite")
-        env = {"AZURE_STORAGE_CONNECTION_STRING": self.azurite.connection_string}
-        self.replicas = [Coordinator(["--storage", "azure"], env=env) for _ in range(REPLICAS)]
-        self.balancer = Balancer([f"127.0.0.1:{r.port}" for r in self.replicas])
-        self.unavailable: list[str] = []
-        try:
-            assert self.azurite.start(), self.azurite.log.read_text()
-            for replica in self.replicas:
-                replica.start()
-            self.balancer.start()
-        except BaseException:
-            self.stop()
-            raise
+class Replicas(Topology):
+    """The failover tests' topology (3 replicas on one Azurite behind HAProxy), with a
+    patient look at a job and the replicas' counters."""
 
-    @property
-    def url(self) -> str:
-        return self.balancer.url
+    def __init__(self, tmp_path: Path) -> None:
+        super().__init__(tmp_path)
+        self.unavailable: list[str] = []
 
     def status(self, job: str) -> dict[str, Any]:
         """The job's status; a 503 (storage, or every replica, busy past its limit on a
@@ -80,12 +65,6 @@ class Replicas:
             for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE):
                 total += float(m.group(1))
         return total
-
-    def stop(self) -> None:
-        self.balancer.stop()
-        for replica in self.replicas:
-            replica.stop()
-        self.azurite.stop()
 
 
 @pytest.fixture
