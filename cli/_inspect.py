@@ -1,5 +1,6 @@
 """``rallypoint jobs``, ``rallypoint status`` and ``rallypoint checkpoints``: a job's
-membership and checkpoints from a running coordinator, as tables or JSON; and
+membership and checkpoints from a running coordinator, as tables or JSON;
+``rallypoint jobs show JOB --timeline``: its history, one line per event; and
 ``rallypoint checkpoints quarantine|unquarantine JOB VERSION`` for the operator.
 
 They need only the client (httpx and pydantic), so they run from any laptop.
@@ -29,6 +30,7 @@ from rallypoint.client import (
     JobSummary,
     RallypointError,
     RetryPolicy,
+    Timeline,
 )
 
 __all__ = ["add_commands", "client_for", "connection_options"]
@@ -137,6 +139,80 @@ def print_status(status: JobStatus, out: TextIO) -> None:
     )
 
 
+def _offset(seconds: float) -> str:
+    if seconds < 600:
+        return f"+{seconds:.1f}s"
+    if seconds < 36000:
+        return f"+{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    return f"+{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
+
+
+def print_timeline(timeline: Timeline, out: TextIO) -> None:
+    """The job's history, one line per event in time order: generations sealed (world
+    size, the version resumed from) and ended (the cause in brackets, then the recorded
+    reason), versions committed (tier, pointers, marks; ``collected`` once deleted) and
+    marked bad. Each line has the UTC time and the seconds since the first event."""
+    t = timeline
+    spec = t.spec
+    out.write(
+        f"job {t.job_id}: generation {t.generation} {t.status}, world size {t.world_size} "
+        f"(nodes {spec.min_nodes}:{spec.max_nodes})\n"
+        f"latest checkpoint: {_pointer(t.checkpoint)}; newest durable: {_pointer(t.durable)}\n"
+    )
+    events: list[tuple[float, int, str]] = []
+    for g in t.generations:
+        source = "scratch" if g.checkpoint is None else f"v{g.checkpoint.version}"
+        events.append(
+            (
+                g.sealed_at,
+                0,
+                f"generation {g.generation} sealed: world size {g.world_size}, "
+                f"resumed from {source}",
+            )
+        )
+        if g.ended_at is not None:
+            events.append(
+                (g.ended_at, 1, f"generation {g.generation} ended [{g.cause}]: {g.ended_reason}")
+            )
+    for v in t.versions:
+        name = f"checkpoint v{v.version} step {v.step} (generation {v.generation})"
+        if v.committed_at is None:
+            events.append((v.created_at, 2, f"{name} begun: pending"))
+        else:
+            tags = [
+                ("durable" if v.durability == "durable" else "memory"),
+                *(["latest"] if v.latest else []),
+                *(["newest durable"] if v.latest_durable else []),
+                *(["quarantined"] if v.quarantined else []),
+                *(["unrecoverable"] if v.unrecoverable else []),
+                *(["collected"] if v.collected else []),
+            ]
+            events.append((v.committed_at, 2, f"{name} committed: {', '.join(tags)}"))
+        if v.quarantined_at is not None:
+            events.append((v.quarantined_at, 3, f"checkpoint v{v.version} quarantined"))
+        if v.unrecoverable_at is not None:
+            events.append((v.unrecoverable_at, 3, f"checkpoint v{v.version} unrecoverable"))
+    if not events:
+        out.write("\nno generation sealed and no checkpoint yet\n")
+        return
+    events.sort()
+    start = events[0][0]
+    day = datetime.fromtimestamp(start, timezone.utc).strftime("%Y-%m-%d")
+    out.write(f"\nsince {day} (UTC)\n")
+    _table(
+        ["TIME", "SINCE", "EVENT"],
+        [
+            (
+                datetime.fromtimestamp(at, timezone.utc).strftime("%H:%M:%S"),
+                _offset(at - start),
+                text,
+            )
+            for at, _, text in events
+        ],
+        out,
+    )
+
+
 def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
     """One row per version; POINTER marks the job's ``latest`` and its newest
     ``durable`` version (what it falls back to if the memory copies of newer ones go);
@@ -209,9 +285,20 @@ def _render(
     return out.getvalue()
 
 
-def _jobs(args: argparse.Namespace) -> int:
-    with client_for(args) as client:
-        return _show(args, lambda: _render(args, client.jobs(), print_jobs))
+def _jobs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    # ``jobs`` lists; ``jobs show JOB`` is one job's status, ``--timeline`` its history.
+    words = args.words
+    if not words:
+        if args.timeline:
+            parser.error("--timeline goes with show JOB")
+        with client_for(args) as client:
+            return _show(args, lambda: _render(args, client.jobs(), print_jobs))
+    if len(words) != 2 or words[0] != "show":
+        parser.error("give nothing (every job), or show JOB")
+    with client_for(args, words[1]) as client:
+        if args.timeline:
+            return _show(args, lambda: _render(args, client.timeline(), print_timeline))
+        return _show(args, lambda: _render(args, client.membership(), print_status))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -293,8 +380,18 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     common.add_argument(
         "--interval", type=float, default=1.0, help="seconds between --watch polls [1]"
     )
-    jobs = commands.add_parser("jobs", parents=[common], help="the coordinator's jobs")
-    jobs.set_defaults(run=_jobs)
+    jobs = commands.add_parser(
+        "jobs",
+        parents=[common],
+        help="the coordinator's jobs; show one, or its timeline",
+        usage="rallypoint jobs [options]\n       rallypoint jobs [options] show JOB [--timeline]",
+        description="Lists the jobs. show JOB prints one job as status JOB does; with "
+        "--timeline, its history instead: each generation sealed and ended (and why), each "
+        "checkpoint committed (tier, pointers) and marked bad, with times.",
+    )
+    jobs.add_argument("words", nargs="*", metavar="show JOB", help="one job (show JOB)")
+    jobs.add_argument("--timeline", action="store_true", help="show JOB: its history")
+    jobs.set_defaults(run=lambda args: _jobs(args, jobs))
     status = commands.add_parser(
         "status",
         parents=[common],

@@ -47,6 +47,7 @@ from .models import (
     ShardFile,
     StoreReply,
     StoreRequest,
+    Timeline,
     TokenCreated,
     TokenInfo,
     TokenRequest,
@@ -337,6 +338,11 @@ class ElasticClient:
     def membership(self) -> JobStatus:
         """The job's members, waiting nodes and generation history."""
         return JobStatus.model_validate_json(self._request("GET", self._job).content)
+
+    def timeline(self) -> Timeline:
+        """The job's history for a timeline: its last generations with why each ended,
+        its checkpoint versions (kept and lately collected) by tier, and the pointers."""
+        return Timeline.model_validate_json(self._request("GET", f"{self._job}/timeline").content)
 
     def jobs(self) -> list[JobSummary]:
         """Every job on the coordinator (that this client's token covers)."""

@@ -28,6 +28,7 @@ __all__ = [
     "MAX_SHARD_FILES",
     "MAX_STORE_KEYS",
     "MAX_STORE_VALUE_BYTES",
+    "TIMELINE_GENERATIONS",
     "Assignment",
     "BeginCheckpoint",
     "CheckpointBegun",
@@ -61,6 +62,10 @@ __all__ = [
     "ShardFile",
     "StoreReply",
     "StoreRequest",
+    "Timeline",
+    "TimelineCause",
+    "TimelineGeneration",
+    "TimelineVersion",
     "TokenCreated",
     "TokenInfo",
     "TokenRequest",
@@ -603,6 +608,90 @@ class JobStatus(JobSummary):
     members: list[MemberStatus]
     waiting: list[WaitingNode]
     history: list[GenerationInfo]
+
+
+#: What ended a generation, in one word, read from its ``ended_reason``: a member
+#: ``lost`` (its heartbeat connection dropped, or it missed heartbeats), ``preempted``
+#: (it left on a preemption notice), ``left`` (any other departure), ``removed`` (by
+#: the operator), a node ``joined`` (the job grows), a member ``rejoined`` (its process
+#: restarted: a worker failure), a checkpoint ``quarantined`` (with ``restart``) or
+#: found ``unrecoverable``; ``other`` for a reason none of these describes.
+TimelineCause = Literal[
+    "lost",
+    "preempted",
+    "left",
+    "removed",
+    "joined",
+    "rejoined",
+    "quarantined",
+    "unrecoverable",
+    "other",
+]
+
+
+#: The generations a timeline holds at most: the job's latest ones.
+TIMELINE_GENERATIONS = 200
+
+
+class TimelineGeneration(_Model):
+    """One generation on a job's timeline."""
+
+    generation: int
+    world_size: int
+    sealed_at: float
+    ended_at: float | None = None
+    ended_reason: str | None = None
+    #: ``ended_reason`` in one word (None while it runs).
+    cause: TimelineCause | None = None
+    #: The version it resumed from (None: from scratch).
+    checkpoint: CheckpointPointer | None = None
+
+
+class TimelineVersion(_Model):
+    """One checkpoint version on a job's timeline: a kept one, or one already collected
+    (its files deleted; the coordinator remembers the last few hundred)."""
+
+    version: int
+    step: int
+    generation: int
+    created_at: float
+    committed_at: float | None = None
+    #: ``durable``: every rank's files in blob storage; ``memory``: some only in nodes'
+    #: memory tiers; ``pending``: not committed (yet).
+    durability: Literal["pending", "memory", "durable"]
+    quarantined: bool = False
+    quarantined_at: float | None = None
+    unrecoverable: bool = False
+    unrecoverable_at: float | None = None
+    #: The job's authoritative latest, and its newest durable version.
+    latest: bool = False
+    latest_durable: bool = False
+    #: Whether its files were deleted (it fell out of the versions kept); when.
+    collected: bool = False
+    collected_at: float | None = None
+
+
+class Timeline(_Model):
+    """A job's history for a timeline: its generations and checkpoint versions, oldest
+    first, and the coordinator's clock when it was read.
+
+    Bounded: the last :data:`TIMELINE_GENERATIONS` generations, the versions kept and
+    the last few hundred collected ones.
+    """
+
+    job_id: str
+    spec: JobSpec
+    created_at: float
+    #: The coordinator's clock when it was read (the timeline's right edge).
+    now: float
+    generation: int
+    status: Literal["open", "sealed"]
+    world_size: int
+    #: The authoritative latest checkpoint, and the newest durable one.
+    checkpoint: CheckpointPointer | None = None
+    durable: CheckpointPointer | None = None
+    generations: list[TimelineGeneration]
+    versions: list[TimelineVersion]
 
 
 class NodeInfo(_Model):

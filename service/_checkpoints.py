@@ -13,6 +13,9 @@ latest-pointer moves in one atomic batch with the version's commit:
                                  its files and metadata once it reported, and where they
                                  are: in blob storage, in which nodes' memory tiers.
 - ``peerkey``                    the job's Ed25519 key for peer grants.
+- ``cklog:SSS``                  what a committed version was, once collected (its row as
+                                 it was, and when): slot ``version % 256``, so the job's
+                                 timeline shows the last 256 without any row to trim.
 
 Tiers: a version is created ``persist`` or not by the job's policy (every Nth version,
 or after T seconds). A rank's files are safe once they are in blob storage or in the
@@ -66,6 +69,7 @@ from rallypoint.client.models import (
     RestoreReport,
     RestoreSource,
     ShardFile,
+    TimelineVersion,
 )
 
 from ._packed import MAX_PACKED, pack, unpack
@@ -93,6 +97,9 @@ CKPT = "ckpt:"
 CKSTEP = "ckstep:"
 CKREP = "ckrep:"
 PEERKEY = "peerkey"
+CKLOG = "cklog:"
+#: Collected versions the log remembers (its slots).
+LOG_SLOTS = 256
 MANIFEST = "manifest.json"
 #: Tries of a read-judge-CAS loop on the job entity before giving up (commits and
 #: seals rewrite it, rarely more than a few times in a row).
@@ -274,6 +281,14 @@ def _entity(v: Version) -> Entity:
             "unrecoverable_reason": v.unrecoverable_reason,
         },
     )
+
+
+def _log_entity(v: Version, collected_at: float) -> Entity:
+    """The log's record of a committed version being collected: its row as it was, in
+    the slot of its number (overwriting the record of the version ``LOG_SLOTS`` older)."""
+    row = _entity(replace(v, state="committed"))
+    data = {**row.data, "kind": "cklog", "collected_at": collected_at}
+    return Entity(v.job_id, f"{CKLOG}{v.version % LOG_SLOTS:03d}", data)
 
 
 def _report(data: Mapping[str, Value | None]) -> Report:
@@ -1024,6 +1039,30 @@ class Checkpoints:
         job = self.rdzv.get_job(job_id)
         return [self._info(job, v) for v in self._rows(job_id) if v.state != "deleting"]
 
+    def collected(self, job_id: str) -> list[TimelineVersion]:
+        """The committed versions collected lately (the last :data:`LOG_SLOTS`), as
+        they were when collected: oldest first, for the job's timeline."""
+        logged = []
+        for e in self.table.query(job_id, [Cond("kind", "eq", "cklog")]):
+            v = _version(job_id, e)
+            logged.append(
+                TimelineVersion(
+                    version=v.version,
+                    step=v.step,
+                    generation=v.generation,
+                    created_at=v.created_at,
+                    committed_at=v.committed_at,
+                    durability=v.durability,
+                    quarantined=v.quarantined,
+                    quarantined_at=v.quarantined_at,
+                    unrecoverable=v.unrecoverable,
+                    unrecoverable_at=v.unrecoverable_at,
+                    collected=True,
+                    collected_at=float(str(e.data["collected_at"])),
+                )
+            )
+        return sorted(logged, key=lambda v: v.version)
+
     def durabilities(self, job_id: str) -> dict[str, int]:
         """How many versions not being collected are pending, committed in memory and
         durable, and (besides) how many of them are ``quarantined`` and ``unrecoverable``:
@@ -1125,12 +1164,20 @@ class Checkpoints:
 
     def _delete(self, version: Version) -> bool:
         if version.state != "deleting":
+            mark = BatchOp(
+                "replace", _entity(replace(version, state="deleting")), if_match=version.etag
+            )
+            # A committed version's record goes to the log in the same transaction, so
+            # the job's timeline keeps it without another storage call.
+            log_op = (
+                [BatchOp("upsert", _log_entity(version, self.rdzv.clock()))]
+                if version.state == "committed"
+                else []
+            )
             try:
                 # Marked first, by CAS: a commit racing this either lands before (and the
                 # mark fails) or fails itself; the blobs go only after the mark.
-                self.table.replace(
-                    _entity(replace(version, state="deleting")), if_match=version.etag
-                )
+                self.table.batch([mark, *log_op])
             except (Modified, NotFound):
                 return False
         if version.state != "committed":  # a committed one's were revoked at its commit

@@ -600,6 +600,30 @@ class Rendezvous:
             [self.table.get(e.partition_key, _part_key(generation, seal_id, i)) for i in range(n)],
         )
 
+    def history(self, job_id: str, since: int = 1) -> list[GenerationInfo]:
+        """The job's generations from ``since`` on, oldest first: one query, and no
+        member lists unpacked (a row records its world size), for the timeline. A job
+        that does not exist has none.
+        """
+        where = [Cond("kind", "eq", "gen"), Cond("generation", "ge", since)]
+        out = []
+        for e in self.table.query(job_id, where):
+            d = e.data
+            checkpoint = d.get("checkpoint")
+            out.append(
+                GenerationInfo(
+                    generation=_int(d, "generation"),
+                    world_size=_int(d, "world_size"),
+                    sealed_at=_float(d, "sealed_at"),
+                    ended_at=_opt_float(d, "ended_at"),
+                    ended_reason=None if d.get("ended_reason") is None else str(d["ended_reason"]),
+                    checkpoint=CheckpointPointer.model_validate_json(str(checkpoint))
+                    if checkpoint
+                    else None,
+                )
+            )
+        return out
+
     def sealed(self, job_id: str, generation: int) -> Generation:
         """A sealed generation as it was sealed: members in rank order and checkpoint.
 

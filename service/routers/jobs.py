@@ -13,6 +13,7 @@ from starlette.datastructures import State
 from starlette.types import Receive
 
 from rallypoint.client.models import (
+    TIMELINE_GENERATIONS,
     Assignment,
     HeartbeatReply,
     HeartbeatRequest,
@@ -24,16 +25,20 @@ from rallypoint.client.models import (
     LeaveRequest,
     MemberInfo,
     NodeInfo,
+    Timeline,
     WaitRequest,
 )
 
 from .. import _credentials as credentials
+from .. import _timeline
+from .._checkpoints import Checkpoints
 from .._contract import errors
 from .._driver import Driver, hang_up, until_changed
 from .._rendezvous import Generation, Node, Rendezvous
 from ..deps import (
     AdminOnly,
     Auth,
+    CheckpointsDep,
     Credential,
     DriverDep,
     GenerationNumber,
@@ -52,7 +57,7 @@ from ..errors import (
 )
 from ..storage import within
 
-__all__ = ["answer_heartbeat", "heartbeat", "router"]
+__all__ = ["answer_heartbeat", "heartbeat", "read_timeline", "router"]
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Auth])
 
@@ -84,6 +89,34 @@ async def create_job(job_id: JobId, spec: JobSpec, rdzv: RdzvDep, response: Resp
 async def job_status(job_id: JobId, rdzv: RdzvDep) -> JobStatus:
     """Members (rank, address, heartbeat age, state), waiting nodes, generation history."""
     return await anyio.to_thread.run_sync(rdzv.status, job_id)
+
+
+def read_timeline(rdzv: Rendezvous, checkpoints: Checkpoints, job_id: str) -> Timeline:
+    """A job's timeline, as storage has it now (blocking: a few table reads; no member
+    list is unpacked, nor a committed version's reports).
+
+    Raises:
+        UnknownJob: No job has this id.
+    """
+    job = rdzv.get_job(job_id)
+    since = max(1, job.generation - TIMELINE_GENERATIONS + 1)
+    return _timeline.timeline(
+        rdzv.summary(job),
+        rdzv.history(job_id, since),
+        checkpoints.versions(job_id),
+        checkpoints.collected(job_id),
+        rdzv.clock(),
+    )
+
+
+@router.get("/{job_id}/timeline", responses=errors(UnknownJob))
+async def timeline(job_id: JobId, rdzv: RdzvDep, checkpoints: CheckpointsDep) -> Timeline:
+    """The job's history for a timeline: its last generations (world size, when each
+    sealed and ended, and why, in one word as ``cause``), its checkpoint versions (kept,
+    and the last collected ones) with their tiers and marks, and the pointers; ``now``
+    is the coordinator's clock. The status page draws it; ``rallypoint jobs show JOB
+    --timeline`` prints it."""
+    return await anyio.to_thread.run_sync(read_timeline, rdzv, checkpoints, job_id)
 
 
 @router.post(

@@ -2,7 +2,11 @@
 
 Server-rendered HTML with inline CSS and a dozen lines of inline script that re-fetch the
 page every two seconds (a ``<meta refresh>`` does it where scripts are off): nothing is
-fetched from elsewhere, so it works on a cluster without internet access.
+fetched from elsewhere, so it works on a cluster without internet access. A job's page
+opens with its timeline, an inline SVG drawn by :mod:`.._timeline` (refreshed with the
+rest); ``GET /jobs/{job_id}/timeline.svg`` serves the drawing alone. Every page carries a
+Content-Security-Policy that allows only its own inline style and script (by a nonce
+made for each response) and requests to this coordinator.
 
 When the coordinator has a token, a browser signs in once through the form at ``/login``,
 which keeps the token in an HttpOnly cookie; ``Authorization: Bearer`` works as well. A
@@ -11,6 +15,7 @@ job's ``reader`` (or ``trainer``) token shows that job only.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Sequence
 from datetime import datetime, timezone
 from html import escape
@@ -21,11 +26,20 @@ import anyio.to_thread
 from fastapi import APIRouter, Cookie, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from rallypoint.client.models import CheckpointInfo, CheckpointPointer, JobStatus, JobSummary
+from rallypoint.client.models import (
+    CheckpointInfo,
+    CheckpointPointer,
+    JobStatus,
+    JobSummary,
+    Timeline,
+    TimelineVersion,
+)
 
+from .. import _timeline
 from .._tokens import Principal, Tokens, presented
 from ..deps import CheckpointsDep, JobId, RdzvDep
-from ..errors import RequestError
+from ..errors import Forbidden, RequestError, Unauthorized
+from .jobs import read_timeline
 
 __all__ = ["router"]
 
@@ -44,6 +58,7 @@ th{font-weight:600}.alive{color:#080}.late{color:#b60}.dead,.error{color:#c00}.l
 .badge.durable{background:#d4f0d4}.badge.memory{background:#fde9b0}.badge.pending{background:#eee}
 .badge.pointer{background:#dde6f7}.badge.quarantined{background:#f6c6c6;color:#900}
 tr.quarantined td{color:#888}
+#timeline svg{max-width:100%;height:auto;display:block}
 """
 # Re-fetches the page and swaps <main>: no flicker, scroll position kept.
 _SCRIPT = f"""
@@ -58,17 +73,30 @@ setInterval(async () => {{
 """
 
 
+def _policy(nonce: str) -> str:
+    """The pages' Content-Security-Policy: their own inline style and script (by
+    ``nonce``), requests to this coordinator (the refresh), and nothing else; no frames
+    of them elsewhere."""
+    return (
+        f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
+        "connect-src 'self'; img-src 'self'; form-action 'self'; base-uri 'none'; "
+        "frame-ancestors 'none'"
+    )
+
+
 def _page(title: str, main: str, status: int = 200, refresh: bool = True) -> HTMLResponse:
+    nonce = secrets.token_urlsafe(16)
     head = (
         f"<noscript><meta http-equiv='refresh' content='{REFRESH_S}'></noscript>" if refresh else ""
     )
-    script = f"<script>{_SCRIPT}</script>" if refresh else ""
+    script = f"<script nonce='{nonce}'>{_SCRIPT}</script>" if refresh else ""
     body = (
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{escape(title)}</title>{head}<style>{_STYLE}</style></head>"
+        f"<title>{escape(title)}</title>{head}<style nonce='{nonce}'>{_STYLE}</style></head>"
         f"<body><main>{main}</main>{script}</body></html>"
     )
-    return HTMLResponse(body, status_code=status, headers={"Cache-Control": "no-store"})
+    headers = {"Cache-Control": "no-store", "Content-Security-Policy": _policy(nonce)}
+    return HTMLResponse(body, status_code=status, headers=headers)
 
 
 def _when(epoch: float | None) -> str:
@@ -233,9 +261,13 @@ async def job_page(
         versions: list[CheckpointInfo] = await anyio.to_thread.run_sync(
             checkpoints.versions, job_id
         )
+        collected: list[TimelineVersion] = await anyio.to_thread.run_sync(
+            checkpoints.collected, job_id
+        )
     except RequestError as exc:
         main = f"<h1>Job {escape(job_id)}</h1><p class='error'>{escape(exc.message)}</p>"
         return _page(f"Rallypoint: {job_id}", main, exc.status)
+    now = rdzv.clock()
     spec = status.spec
     latest = status.checkpoint
     members = sorted(status.members, key=lambda m: m.rank)
@@ -251,8 +283,12 @@ async def job_page(
         )
         + "</p>"
     )
+    drawn = _timeline.svg(_timeline.timeline(status, status.history, versions, collected, now))
     main = (
         f"<p><a href='/'>all jobs</a></p><h1>Job {escape(job_id)}</h1>{summary}"
+        f"<h2>Timeline</h2><div id='timeline'>{drawn}</div>"
+        "<p class='muted'>Hover over a generation, restart or checkpoint for details; "
+        f"<a href='/jobs/{escape(job_id)}/timeline.svg'>the drawing alone</a>.</p>"
         "<h2>Members</h2>"
         + _table(
             "members",
@@ -323,6 +359,35 @@ async def job_page(
                 for v in reversed(versions)
             ],
         )
-        + f"<p class='muted'>updated {_when(rdzv.clock())}</p>"
+        + f"<p class='muted'>updated {_when(now)}</p>"
     )
     return _page(f"Rallypoint: {job_id}", main)
+
+
+@router.get("/jobs/{job_id}/timeline.svg")
+async def timeline_svg(
+    job_id: JobId,
+    rdzv: RdzvDep,
+    checkpoints: CheckpointsDep,
+    request: Request,
+    cookie: Token = None,
+) -> Response:
+    """The job's timeline alone, as an SVG document (for a link, or a report).
+
+    Refused as the API refuses, with a ``{"code", "message"}`` body: 401
+    ``unauthorized`` without a valid token, 403 ``forbidden`` for one that does not
+    cover the job, 404 ``unknown_job``.
+    """
+    viewer = await _viewer(request, cookie)
+    if viewer is None:
+        raise Unauthorized("the timeline needs a token (sign in, or 'Authorization: Bearer')")
+    if not viewer.may("read", job_id):
+        raise Forbidden(
+            f"a {viewer.role} token for job {viewer.job_id!r} may not read job {job_id!r}"
+        )
+    drawn: Timeline = await anyio.to_thread.run_sync(read_timeline, rdzv, checkpoints, job_id)
+    return Response(
+        _timeline.svg(drawn, standalone=True),
+        media_type="image/svg+xml",
+        headers={"Cache-Control": "no-store", "Content-Security-Policy": "default-src 'none'"},
+    )
