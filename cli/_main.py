@@ -133,8 +133,10 @@ def _parser() -> argparse.ArgumentParser:
         help="torchrun with --rdzv-backend=rallypoint and defaults from the environment",
         description="torchrun [OPTIONS] SCRIPT [ARGS], with the options left out filled "
         "from RALLYPOINT_URL, RALLYPOINT_JOB, RALLYPOINT_NNODES, RALLYPOINT_NPROC_PER_NODE, "
-        "RALLYPOINT_MAX_RESTARTS, RALLYPOINT_RDZV_CONF and AzureML's variables; torchrun's "
-        "own PET_* variables (Kubernetes) are left to it.",
+        "RALLYPOINT_MAX_RESTARTS, RALLYPOINT_RDZV_CONF and AzureML's variables. A flag wins "
+        "over RALLYPOINT_*, which wins over torchrun's own PET_* variables (Kubernetes); a "
+        "plain count in PET_NNODES (Kubeflow Trainer) is the most nodes, from "
+        "RALLYPOINT_MIN_NODES (1).",
     )
     run.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun's arguments")
     run.set_defaults(run=_run)

@@ -10,7 +10,7 @@ import runpy
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 __all__ = [
@@ -50,54 +50,75 @@ def _given(args: Sequence[str]) -> set[str]:
 
 
 def torchrun_argv(args: Sequence[str], environ: Mapping[str, str] | None = None) -> list[str]:
-    """torchrun's arguments: ``args`` plus every default they and ``PET_*`` leave open.
+    """torchrun's arguments: ``args`` plus every option they leave open.
 
-    ========================  =============================================================
-    ``--rdzv-backend``        ``rallypoint``
-    ``--rdzv-endpoint``       ``RALLYPOINT_URL``
-    ``--rdzv-id``             ``RALLYPOINT_JOB``, else AzureML's ``AZUREML_RUN_ID``
-    ``--nnodes``              ``RALLYPOINT_NNODES`` (``MIN:MAX``), else
-                              ``RALLYPOINT_MIN_NODES`` (1) to AzureML's
-                              ``AZUREML_NODE_COUNT``
-    ``--nproc-per-node``      ``RALLYPOINT_NPROC_PER_NODE``, else ``gpu`` with CUDA, else 1
-    ``--max-restarts``        ``RALLYPOINT_MAX_RESTARTS``, else 100
-    ``--rdzv-conf``           ``RALLYPOINT_RDZV_CONF``
-    ========================  =============================================================
+    Each option comes from the first of: ``args`` (the user's own flags), a
+    ``RALLYPOINT_*`` variable, torchrun's ``PET_*`` variable (torchrun reads it itself,
+    so it is left to it), and a default Rallypoint derives:
 
-    Kubernetes' PyTorchJob sets ``PET_*`` variables, which torchrun reads itself: those
-    are left to it.
+    ====================  =============================  =================================
+    option                ``RALLYPOINT_*``               derived default
+    ====================  =============================  =================================
+    ``--rdzv-backend``                                   ``rallypoint``
+    ``--rdzv-endpoint``   ``RALLYPOINT_URL``
+    ``--rdzv-id``         ``RALLYPOINT_JOB``             AzureML's ``AZUREML_RUN_ID``
+    ``--nnodes``          ``RALLYPOINT_NNODES``          ``RALLYPOINT_MIN_NODES`` (1) to
+                          (``MIN:MAX``)                  AzureML's ``AZUREML_NODE_COUNT``
+    ``--nproc-per-node``  ``RALLYPOINT_NPROC_PER_NODE``  ``gpu`` with CUDA, else 1
+    ``--max-restarts``    ``RALLYPOINT_MAX_RESTARTS``    100
+    ``--rdzv-conf``       ``RALLYPOINT_RDZV_CONF``
+    ====================  =============================  =================================
+
+    One exception: a ``PET_NNODES`` that is a plain count, as Kubeflow Trainer v2 sets
+    it (the TrainJob's ``numNodes``), is taken as the most nodes, and ``--nnodes`` becomes
+    ``RALLYPOINT_MIN_NODES`` (1) to it: left to torchrun, it would make every node wait
+    for all of them at every restart. A ``MIN:MAX`` one (PyTorchJob's ``elasticPolicy``)
+    is left to torchrun. ``PET_NODE_RANK``, ``PET_MASTER_ADDR`` and ``PET_MASTER_PORT``
+    need nothing: torchrun uses them only for its ``static`` backend, and the
+    coordinator assigns ranks and the master address.
 
     Raises:
         ValueError: No coordinator URL or job id from any source.
     """
     env = os.environ if environ is None else environ
     given = _given(args)
-    defaults: dict[str, str | None] = {
-        "rdzv-backend": "rallypoint",
-        "rdzv-endpoint": env.get("RALLYPOINT_URL"),
-        "rdzv-id": env.get("RALLYPOINT_JOB") or env.get("AZUREML_RUN_ID"),
-        "nnodes": env.get("RALLYPOINT_NNODES")
-        or (
-            f"{env.get('RALLYPOINT_MIN_NODES', '1')}:{env['AZUREML_NODE_COUNT']}"
-            if "AZUREML_NODE_COUNT" in env
-            else None
+    min_nodes = env.get("RALLYPOINT_MIN_NODES", "1")
+    pet_nnodes = env.get("PET_NNODES", "")
+    # (option, its RALLYPOINT_* value, the default Rallypoint derives); a callable
+    # default is only worked out when needed (it imports torch).
+    options: list[tuple[str, str | None, str | Callable[[], str] | None]] = [
+        ("rdzv-backend", None, "rallypoint"),
+        ("rdzv-endpoint", env.get("RALLYPOINT_URL"), None),
+        ("rdzv-id", env.get("RALLYPOINT_JOB"), env.get("AZUREML_RUN_ID")),
+        (
+            "nnodes",
+            env.get("RALLYPOINT_NNODES")
+            or (f"{min_nodes}:{pet_nnodes}" if pet_nnodes.isdigit() else None),
+            f"{min_nodes}:{env['AZUREML_NODE_COUNT']}" if "AZUREML_NODE_COUNT" in env else None,
         ),
-        "nproc-per-node": env.get("RALLYPOINT_NPROC_PER_NODE") or _gpus_or_one(),
-        "max-restarts": env.get("RALLYPOINT_MAX_RESTARTS") or str(DEFAULT_MAX_RESTARTS),
-        "rdzv-conf": env.get("RALLYPOINT_RDZV_CONF"),
-    }
+        ("nproc-per-node", env.get("RALLYPOINT_NPROC_PER_NODE"), _gpus_or_one),
+        ("max-restarts", env.get("RALLYPOINT_MAX_RESTARTS"), str(DEFAULT_MAX_RESTARTS)),
+        ("rdzv-conf", env.get("RALLYPOINT_RDZV_CONF"), None),
+    ]
     extra: list[str] = []
-    for name, value in defaults.items():
-        pet = "PET_" + name.upper().replace("-", "_")
-        if name in given or pet in env or value is None:
+    for name, ours, derived in options:
+        if name in given:
             continue
-        extra.append(f"--{name}={value}")
+        if ours:
+            extra.append(f"--{name}={ours}")
+        elif _pet(name) not in env and derived is not None:
+            extra.append(f"--{name}={derived() if callable(derived) else derived}")
     out = extra + list(args)
-    final = _given(out) | {k for k in defaults if "PET_" + k.upper().replace("-", "_") in env}
+    final = _given(out) | {name for name, _, _ in options if _pet(name) in env}
     for name, source in (("rdzv-endpoint", "RALLYPOINT_URL"), ("rdzv-id", "RALLYPOINT_JOB")):
         if name not in final:
             raise ValueError(f"set {source} or pass --{name}")
     return out
+
+
+def _pet(option: str) -> str:
+    """The variable torchrun reads ``--option`` from when the flag is not given."""
+    return "PET_" + option.upper().replace("-", "_")
 
 
 def _gpus_or_one() -> str:
