@@ -243,6 +243,35 @@ def test_the_azureml_job_runs_rallypoint_elastically() -> None:
     assert (AZUREML / job["code"] / "pyproject.toml").exists()
 
 
+# azure-ai-ml's schemas, on marshmallow 3, warn hundreds of times of marshmallow 4.
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_azureml_files_load_with_the_sdks_loaders() -> None:
+    """What ``az ml ... create -f`` reads them with: azure-ai-ml's loaders, whose schemas
+    refuse a field they do not know and a value outside their enums."""
+    from azure.ai.ml import load_job, load_online_deployment, load_online_endpoint
+
+    job = load_job(AZUREML / "job.yml")
+    # Spot (low-priority) VMs, asked of serverless compute, where the job tier applies.
+    assert job.queue_settings is not None and job.queue_settings.job_tier == "spot"
+    assert job.compute is None
+    resources = job.resources
+    assert resources.instance_type and (resources.instance_count, resources.max_instance_count) == (
+        2,
+        4,
+    )
+    assert job.distribution.process_count_per_instance == 1
+    # The cluster's word for the tier is no job tier: the loader refuses it.
+    with pytest.raises(Exception, match="job_tier"):
+        load_job(AZUREML / "job.yml", params_override=[{"queue_settings.job_tier": "low_priority"}])
+    endpoint = load_online_endpoint(AZUREML / "endpoint.yml")
+    assert (endpoint.auth_mode, endpoint.identity.type) == ("key", "system_assigned")
+    deployment = load_online_deployment(AZUREML / "deployment.yml")
+    assert deployment.endpoint_name == endpoint.name and deployment.instance_count == 2
+    assert deployment.environment.inference_config["scoringRoute"]["path"] == "/v1/envelope"
+    assert deployment.request_settings.request_timeout_ms == 90000
+    assert deployment.liveness_probe.timeout == deployment.readiness_probe.timeout == 1
+
+
 class _Gateway(ThreadingHTTPServer):
     """What a managed online endpoint does in front of the container: checks its key and
     forwards the scoring path, and only that, to the scoring route."""
