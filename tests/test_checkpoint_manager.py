@@ -177,17 +177,39 @@ def test_several_processes_need_a_process_group(start: Start) -> None:
 
 
 def test_a_save_holds_the_state_of_its_call(start: Start) -> None:
-    """Training goes on while the upload runs: what it changes after save() returned is
-    not in the checkpoint."""
+    """Training goes on while the copy and the upload run: what it changes after save()
+    returned (the optimizer's step, behind the fence; a value by hand, after
+    wait_staged()) is not in the checkpoint."""
     (m,) = managers(start().url, ["a"], 1, 1)
-    state = {"w": torch.zeros(1 << 20), "meta": {"epoch": 1}}
+    weight = torch.nn.Parameter(torch.zeros(1 << 20))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    weight.grad = torch.full_like(weight, -1.0)
+    state = {"w": weight, "meta": {"epoch": 1}, "bias": torch.zeros(1 << 20)}
     handle = m.save(state, 1)
-    state["w"].add_(1)  # the optimizer's step, in place
+    optimizer.step()  # in place, behind the fence
     state["meta"]["epoch"] = 2
+    m.wait_staged()
+    state["bias"].add_(1)  # by hand: after wait_staged()
     assert handle is not None and handle.result().state == "committed"
+    assert handle.staged() and handle.copy_seconds > 0
     restored = m.load(handle.result().version)
     assert torch.equal(restored.state["w"], torch.zeros(1 << 20))
+    assert torch.equal(restored.state["bias"], torch.zeros(1 << 20))
     assert restored.state["meta"] == {"epoch": 1}
+    assert torch.equal(weight.detach(), torch.ones(1 << 20))
+
+
+def test_without_overlap_save_returns_with_the_copy_done(start: Start) -> None:
+    nodes = clients(start().url, ["a"])
+    join_all(nodes, spec(1, 1))
+    m = CheckpointManager(nodes[0], progress=False, overlap=False)
+    state = {"w": torch.zeros(1 << 20)}
+    handle = m.save(state, 1)
+    assert handle is not None and handle.staged() and handle.waited == 0.0
+    state["w"].add_(1)  # no fence needed
+    restored = m.load(handle.result().version)
+    assert torch.equal(restored.state["w"], torch.zeros(1 << 20))
+    m.close()
 
 
 def test_consecutive_saves_never_mix(start: Start) -> None:

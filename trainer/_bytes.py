@@ -10,7 +10,14 @@ from collections.abc import Iterable
 import torch
 import xxhash
 
-__all__ = ["CHECKSUM", "as_memoryview", "checksum", "map_private", "tensor_bytes"]
+__all__ = [
+    "CHECKSUM",
+    "as_memoryview",
+    "checksum",
+    "map_private",
+    "map_shared",
+    "tensor_bytes",
+]
 
 CHECKSUM = "xxh3-128"
 
@@ -45,4 +52,16 @@ def map_private(fd: int) -> torch.Tensor:
     if os.fstat(fd).st_size == 0:
         return torch.empty(0, dtype=torch.uint8)
     mapped = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def map_shared(fd: int) -> torch.Tensor:
+    """An open file's bytes as a shared mapping (``MAP_SHARED``), a uint8 tensor: what is
+    written to the tensor is the file's content. Its pages are mapped up front
+    (``MAP_POPULATE``), in one call rather than one fault per 4 KiB. The mapping outlives
+    ``fd``."""
+    if os.fstat(fd).st_size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mapped = mmap.mmap(fd, 0, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(mapped, dtype=torch.uint8)

@@ -2,11 +2,15 @@
 
 Saving, on every process (global rank) of the job::
 
-    copy this rank's tensors into reused staging buffers     <- training waits for this
+    lay out the copy of this rank's tensors, and schedule it   <- what save() costs
+    ---- copy thread (CUDA: a side stream) ----
+    copy the tensors into the memory tier's file (else reused buffers); the optimizer's
+    next step, a load_state_dict and the next save wait for it (the fence)
     ---- background thread, on a gloo group of its own ----
     dcp.save through RallypointWriter: plan (one copy of each replicated tensor), begin
-    the version (fenced), upload this rank's file, report it; rank 0 writes DCP's
-    metadata and reports last, which commits the version
+    the version (fenced), then, once the copy is in, put this rank's file in memory, on
+    a peer, in storage, and report it; rank 0 writes DCP's metadata and reports last,
+    which commits the version
 
 Loading reads the version this generation resumes from through RallypointReader, in
 place into the caller's tensors and DTensors (another mesh, placement or world size
@@ -21,7 +25,8 @@ import logging
 import pickle
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -34,6 +39,7 @@ import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, RallypointError
 
@@ -47,7 +53,7 @@ from ._dcp import (
     global_rank,
 )
 from ._memory import NodeMemory
-from ._staging import StagedPlanner, Staging
+from ._staging import Staged, StagedPlanner, Staging
 from .errors import CheckpointCorrupt, CheckpointError, StateNotReplicated
 
 __all__ = ["RESERVED", "CheckpointManager", "Restored", "SaveHandle"]
@@ -90,12 +96,36 @@ class Restored:
 
 
 class SaveHandle:
-    """A save in flight; :meth:`result` waits for it and raises what it raised."""
+    """A save in flight; :meth:`result` waits for it and raises what it raised.
 
-    def __init__(self, step: int, future: Future[CheckpointInfo], blocked: float) -> None:
+    Attributes:
+        step: The step saved.
+        blocked: Seconds ``save()`` took before it returned.
+    """
+
+    def __init__(
+        self, step: int, future: Future[CheckpointInfo], blocked: float, staged: Staged
+    ) -> None:
         self.step = step
         self.blocked = blocked
         self._future = future
+        self._staged = staged
+
+    @property
+    def waited(self) -> float:
+        """Seconds training waited for this save's copy after ``save()`` returned: in the
+        fences (the optimizer's step, ``wait_staged()``, the next save). With
+        ``overlap=False``, 0: ``blocked`` holds the copy."""
+        return self._staged.waited
+
+    @property
+    def copy_seconds(self) -> float:
+        """How long the copy of the state took (0 until it is done)."""
+        return self._staged.copy_seconds
+
+    def staged(self) -> bool:
+        """Whether the copy is done: the saved tensors may change without a fence."""
+        return self._staged.done()
 
     def done(self) -> bool:
         return self._future.done()
@@ -138,6 +168,14 @@ class CheckpointManager:
             storage (1, the default: all of them). The first version always does.
         persist_after: ... and the first version this long (seconds or a timedelta)
             after the last one that did, whatever N says.
+        overlap: ``save()`` returns once the copy of the state is scheduled; the copy
+            runs while training goes on (the next forward and backward), and the
+            optimizer's next ``step()`` waits for it if it is not done (a fence on every
+            ``torch.optim.Optimizer``). False copies before ``save()`` returns. See
+            :meth:`wait_staged` for what a fence cannot see.
+        fence: Modules and optimizers whose state the saves hold: their
+            ``load_state_dict`` waits for the copy too (every optimizer's ``step`` and
+            ``load_state_dict`` wait anyway, once it has stepped).
 
     Raises:
         ValueError: The client has not joined and no assignment was given.
@@ -154,6 +192,8 @@ class CheckpointManager:
         verify_replicated: bool = False,
         persist_every: int = 1,
         persist_after: float | timedelta | None = None,
+        overlap: bool = True,
+        fence: Iterable[torch.nn.Module | torch.optim.Optimizer] = (),
     ) -> None:
         assignment = assignment or client.assignment
         if assignment is None:
@@ -177,15 +217,22 @@ class CheckpointManager:
         self.progress = progress
         self.attempts = attempts
         self.verify_replicated = verify_replicated
-        # Buffers allocated at the first save and reused (pinned with an accelerator):
-        # fresh memory costs a page fault per 4 KiB on first touch.
-        self._staging = Staging()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rallypoint-save")
-        self._inflight: SaveHandle | None = None
-        self._group: dist.ProcessGroup | None = None
-        self._control: dist.ProcessGroup | None = None
+        self.overlap = overlap
         #: This node's memory tier, when a Rallypoint agent runs it.
         self.memory = NodeMemory.from_env(client.job_id, client.node_id)
+        # Into the memory tier's files, else buffers allocated at the first save and
+        # reused (pinned for CUDA): fresh memory costs a page fault per 4 KiB on first
+        # touch.
+        self._staging = Staging(self.memory, lambda: self.rank)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="rallypoint-save")
+        self._inflight: SaveHandle | None = None
+        self._staged: Staged | None = None
+        self._group: dist.ProcessGroup | None = None
+        self._control: dist.ProcessGroup | None = None
+        self._hooks: list[Any] = []
+        self._stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        for owner in fence:
+            self._watch(owner)
 
     @property
     def rank(self) -> int:
@@ -211,8 +258,10 @@ class CheckpointManager:
     ) -> SaveHandle | None:
         """Saves ``state`` as the checkpoint of ``step``; every process must call it.
 
-        Returns once the tensors are copied to staging buffers (or, if ``blocking``,
-        once the save is complete); the upload runs in the background.
+        Returns once the copy of the tensors is scheduled (with ``overlap=False``, once
+        it is done; if ``blocking``, once the save is complete). The copy runs while
+        training goes on, and the optimizer's next ``step()`` waits for it if it has not
+        finished (see :meth:`wait_staged`); the upload runs in the background.
 
         Args:
             state: The job's state: DTensors of any mesh and placement (FSDP2, tensor
@@ -243,6 +292,7 @@ class CheckpointManager:
             Anything the save raised, if ``blocking``.
         """
         rank, world = self.rank, self.world_size
+        self._fence()  # the previous copy's buffers or file: it must be done
         busy = self._inflight is not None and not self._inflight.done()
         if self.if_busy == "skip":
             # Every rank must skip alike: a rank that went on would wait in DCP's
@@ -266,7 +316,12 @@ class CheckpointManager:
             _verify_replicated(state, group)
         mine = {"state": rank_state, "fixups": rank_fixups}
         full = {**state, RESERVED: {"fixups": fixups, "rank": {str(rank): mine}}}
-        staged, copies = self._staging.stage(full)
+        if self.overlap and not self._hooks:
+            # Every optimizer's step waits for the copy (its state, and the parameters
+            # it changes, may be in the checkpoint).
+            self._hooks.append(register_optimizer_step_pre_hook(self._on_step))
+        staged = self._staging.stage(full, overlap=self.overlap)
+        self._staged = staged
         blocked = time.perf_counter() - started
         faults.reached("staged", step, rank)
         writer = RallypointWriter(
@@ -281,8 +336,8 @@ class CheckpointManager:
             persist_every=self.persist_every,
             persist_after=self.persist_after,
         )
-        future = self._executor.submit(self._persist, staged, copies, writer, group)
-        handle = SaveHandle(step, future, blocked)
+        future = self._executor.submit(self._persist, staged, writer, group)
+        handle = SaveHandle(step, future, blocked, staged)
         self._inflight = handle
         if blocking:
             handle.result()
@@ -317,11 +372,7 @@ class CheckpointManager:
         return bool(votes.item())
 
     def _persist(
-        self,
-        staged: dict[str, Any],
-        copies: dict[int, torch.Tensor],
-        writer: RallypointWriter,
-        group: dist.ProcessGroup | None,
+        self, staged: Staged, writer: RallypointWriter, group: dist.ProcessGroup | None
     ) -> CheckpointInfo:
         # Imported here: torchrun imports this package (the rendezvous plugin) while
         # torch.distributed.checkpoint is itself half imported.
@@ -330,9 +381,9 @@ class CheckpointManager:
         try:
             with _single_process_quiet():
                 metadata = dcp_save(
-                    staged,
+                    staged.state,
                     storage_writer=writer,
-                    planner=StagedPlanner(copies),
+                    planner=StagedPlanner(staged),
                     process_group=group,
                     no_dist=group is None,
                 )
@@ -343,6 +394,8 @@ class CheckpointManager:
         except Exception as exc:
             log.error("checkpoint of step %d failed: %s", writer.step, exc)
             raise
+        finally:
+            staged.close(self.memory)
         assert writer.info is not None
         faults.reached("returned", writer.step, writer.rank)
         if self.memory is not None and writer.version and writer.rank != 0:
@@ -351,6 +404,55 @@ class CheckpointManager:
             # (Rank 0 wrote it before its report; the index went before each report.)
             self.memory.write(writer.version, METADATA, [pickle.dumps(metadata)])
         return writer.info
+
+    def wait_staged(self) -> float:
+        """Waits until the last save's copy of the state is done: after it, the saved
+        tensors may change in any way.
+
+        The manager fences what it can see: every ``torch.optim.Optimizer``'s ``step``
+        and ``load_state_dict``, the ``load_state_dict`` of the modules and optimizers
+        named in ``fence``, :meth:`load` and the next :meth:`save`. Tensors under
+        64 KiB are copied before ``save()`` returns (batch norm's running statistics).
+        Code that changes a larger saved tensor some other way before the next
+        optimizer step calls this first: an update by hand (an EMA of the weights, a
+        ``copy_`` into a parameter), an optimizer that is not a
+        ``torch.optim.Optimizer``, a forward pass that changes a large buffer in place.
+
+        Returns:
+            The seconds it waited.
+        """
+        staged = self._staged
+        if staged is None:
+            return 0.0
+        started = time.perf_counter()
+        staged.fence()
+        with contextlib.suppress(Exception):  # the save raises the copy's errors
+            staged.ready()
+        return time.perf_counter() - started
+
+    def _fence(self) -> None:
+        if self._staged is not None:
+            self._staged.fence()
+
+    def _on_step(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        self._fence()
+        if optimizer not in self._stepped:
+            self._stepped.add(optimizer)
+            self._hooks.append(optimizer.register_load_state_dict_pre_hook(self._on_load))
+
+    def _on_load(self, *args: Any) -> None:
+        self._fence()
+
+    def _watch(self, owner: torch.nn.Module | torch.optim.Optimizer) -> None:
+        if isinstance(owner, torch.optim.Optimizer):
+            self._stepped.add(owner)
+            self._hooks.append(owner.register_step_pre_hook(self._on_step))
+            self._hooks.append(owner.register_load_state_dict_pre_hook(self._on_load))
+        elif isinstance(owner, torch.nn.Module):
+            hook = owner.register_load_state_dict_pre_hook
+            self._hooks.append(hook(self._on_load))  # type: ignore[no-untyped-call]
+        else:
+            raise TypeError(f"fence takes modules and optimizers, not a {type(owner).__name__}")
 
     def wait(self) -> CheckpointInfo | None:
         """Waits for the save in flight, if any.
@@ -407,6 +509,7 @@ class CheckpointManager:
                 version was saved by a release before 0.2 (not reported: the version is
                 not at fault).
         """
+        self._fence()  # a copy still reading the tensors this loads into
         try:
             return self._load(version, state)
         except CheckpointCorrupt as exc:
@@ -507,6 +610,9 @@ class CheckpointManager:
         self._settle()
         self._executor.shutdown(wait=True)
         self._staging.close()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -24,15 +24,18 @@ local files without a copy. Every item carries its own xxh3-128, checked on read
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import json
 import logging
+import os
 import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -45,6 +48,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -65,6 +69,7 @@ from ._bytes import as_memoryview, checksum, tensor_bytes
 from ._memory import NodeMemory, map_file
 from ._peers import push, read_peer
 from ._progress import Progress
+from ._staging import StagedFile, StagedPlanner
 from ._transfer import download, read_object, read_range, upload_parts
 from .errors import (
     CheckpointCorrupt,
@@ -251,6 +256,8 @@ class RallypointWriter(StorageWriter):
         self.storage = False
         self.holders: list[str] = []
         self._parts: list[memoryview] = []
+        #: The memory tier's file this rank's tensors were staged into, until adopted.
+        self._staged: Path | None = None
 
     @property
     def version(self) -> int:
@@ -261,6 +268,7 @@ class RallypointWriter(StorageWriter):
         """See base class. ``checkpoint_id`` is not used: the coordinator names versions."""
         self.info, self._urls, self._data, self._committed = None, {}, None, False
         self._begun, self.storage, self.holders, self._parts = None, False, [], []
+        self._staged = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """See base class."""
@@ -327,30 +335,15 @@ class RallypointWriter(StorageWriter):
         if self._committed:
             return _done([])
         path = f"rank-{self.rank:05d}/{DATA}"
-        parts: list[memoryview] = []
-        results: list[WriteResult] = []
-        offset = 0
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                assert isinstance(data, io.BytesIO)
-                raw = data.getbuffer()
-                dtype, shape = None, None
-            else:
-                assert isinstance(data, torch.Tensor)
-                cpu = data if data.device.type == "cpu" else data.cpu()
-                raw = tensor_bytes(cpu)
-                dtype, shape = _dtype_name(cpu.dtype), tuple(cpu.shape)
-            pad = -offset % _ALIGN
-            if pad:
-                parts.append(memoryview(bytes(pad)))
-                offset += pad
-            parts.append(raw)
-            stored = StoredItem(path, offset, len(raw), checksum([raw]), dtype, shape)
-            results.append(
-                WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=stored)
-            )
-            offset += len(raw)
+        staged = None
+        if isinstance(planner, StagedPlanner):
+            planner.staged.ready()  # the copy has landed (raises what it raised)
+            staged = planner.staged.file
+        if staged is not None:
+            parts, results, offset = self._in_staged_file(staged, plan, planner, path)
+            self._staged = staged.path
+        else:
+            parts, results, offset = self._laid_out(plan, planner, path)
         # The file's checksum covers its items' checksums: hashing the bytes twice would
         # double the cost of the only CPU-bound part of a save.
         digest = checksum([json.dumps([r.storage_data.checksum for r in results]).encode()])
@@ -363,6 +356,85 @@ class RallypointWriter(StorageWriter):
         if self.rank != 0:
             self.info = self._report([self._data], None)
         return _done(results)
+
+    @staticmethod
+    def _laid_out(
+        plan: SavePlan, planner: SavePlanner, path: str
+    ) -> tuple[list[memoryview], list[WriteResult], int]:
+        """The data file as parts in plan order: each item's bytes, 64-byte aligned."""
+        parts: list[memoryview] = []
+        results: list[WriteResult] = []
+        offset = 0
+        for item in plan.items:
+            raw, dtype, shape = _item_bytes(item, planner)
+            pad = -offset % _ALIGN
+            if pad:
+                parts.append(memoryview(bytes(pad)))
+                offset += pad
+            parts.append(raw)
+            stored = StoredItem(path, offset, len(raw), checksum([raw]), dtype, shape)
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=stored)
+            )
+            offset += len(raw)
+        return parts, results, offset
+
+    @staticmethod
+    def _in_staged_file(
+        staged: StagedFile, plan: SavePlan, planner: SavePlanner, path: str
+    ) -> tuple[list[memoryview], list[WriteResult], int]:
+        """The data file made of the memory tier's file the tensors were staged into:
+        the tensors stay where the copy put them, so nothing is copied again, unless the
+        plan leaves some out (a replicated tensor another rank writes): then the rest
+        move down over the gaps, in place. Other items (non-tensor values) follow."""
+        base = staged.mapping.data_ptr()
+        in_file: list[tuple[int, WriteItem, int, str | None, tuple[int, ...] | None]] = []
+        others: list[tuple[WriteItem, memoryview, str | None, tuple[int, ...] | None]] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if isinstance(data, torch.Tensor) and data.device.type == "cpu":
+                start = data.data_ptr() - base
+                nbytes = data.numel() * data.element_size()
+                if start >= 0 and start + nbytes <= staged.size and data.is_contiguous():
+                    in_file.append(
+                        (start, item, nbytes, _dtype_name(data.dtype), tuple(data.shape))
+                    )
+                    continue
+            others.append((item, *_item_bytes(item, planner, data)))
+        whole = as_memoryview(staged.mapping)
+        results: list[WriteResult] = []
+        moved: dict[int, int] = {}
+        end = 0
+        for start, item, nbytes, kind, dims in sorted(in_file, key=lambda t: t[0]):
+            if start not in moved:  # a tensor saved under two names lies there once
+                end += -end % _ALIGN
+                if end != start:  # down over a gap: memmove handles the overlap
+                    ctypes.memmove(base + end, base + start, nbytes)
+                moved[start] = end
+                end += nbytes
+            at = moved[start]
+            raw = whole[at : at + nbytes]
+            stored = StoredItem(path, at, nbytes, checksum([raw]), kind, dims)
+            results.append(WriteResult(index=item.index, size_in_bytes=nbytes, storage_data=stored))
+        parts: list[memoryview] = [whole[:end]]
+        offset = end
+        with open(staged.path, "r+b") as f:
+            for item, raw, dtype, shape in others:
+                pad = -offset % _ALIGN
+                if pad:
+                    parts.append(memoryview(bytes(pad)))
+                    offset += pad
+                os.pwrite(f.fileno(), raw, offset)
+                parts.append(raw)
+                stored = StoredItem(path, offset, len(raw), checksum([raw]), dtype, shape)
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=stored)
+                )
+                offset += len(raw)
+            # Nothing reads the mapping past ``end`` from here on (pages past the new
+            # end of the file would fault).
+            os.truncate(f.fileno(), offset)
+        return parts, results, offset
 
     def _place(
         self, name: str, parts: list[memoryview], size: int, items: list[tuple[int, int, str]]
@@ -379,7 +451,14 @@ class RallypointWriter(StorageWriter):
         # whole file, in storage once uploaded. A node that dies right after the commit
         # then leaves copies that every rank of the next generation can read.
         first = name == DATA
-        if self.memory is not None and self.memory.write(self._version, path, parts):
+        if first and self.memory is not None and self._staged is not None:
+            # Staged straight into the tier: the file becomes the version's by a rename.
+            self.memory.adopt(self._version, path, self._staged)
+            self._staged = None
+            placed = True
+        else:
+            placed = self.memory is not None and self.memory.write(self._version, path, parts)
+        if placed:
             faults.reached("memory", self.step, self.rank)
             if first and self._index():
                 self.holders = sorted({*self.holders, self.client.node_id})
@@ -880,6 +959,20 @@ def check_metadata(metadata: dict[str, Any] | None) -> None:
         raise TypeError(f"metadata must be JSON values: {exc}") from None
     if size > MAX_METADATA_BYTES:
         raise ValueError(f"metadata is {size} bytes as JSON; at most {MAX_METADATA_BYTES}")
+
+
+def _item_bytes(
+    item: WriteItem, planner: SavePlanner, data: Any = None
+) -> tuple[memoryview, str | None, tuple[int, ...] | None]:
+    """One write item's bytes, with its dtype and shape if it is a tensor."""
+    if data is None:
+        data = planner.resolve_data(item)
+    if item.type == WriteItemType.BYTE_IO:
+        assert isinstance(data, io.BytesIO)
+        return data.getbuffer(), None, None
+    assert isinstance(data, torch.Tensor)
+    cpu = data if data.device.type == "cpu" else data.cpu()
+    return tensor_bytes(cpu), _dtype_name(cpu.dtype), tuple(cpu.shape)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

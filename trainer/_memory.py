@@ -13,6 +13,13 @@ still checked against its checksum, and a file that fails falls back to another 
 Other nodes' files, copied here by their ranks through this node's replica server
 (:mod:`._peers`), live beside them in ``replicas/vVVVVVVVVVV/rank-RRRRR/``.
 
+A save stages its rank's tensors straight into a file of the tier (:meth:`staging_file`,
+``staging/``), which becomes the version's data file once the coordinator has named the
+version (:meth:`adopt`): one copy from the training state to the tier, and the peer copy
+and the upload read from there. The data files of the versions the tier drops are kept
+in ``recycle/rank-RRRRR/`` for the next save of the same rank: their pages are already
+allocated, and a fresh file costs a page fault per 4 KiB the first time it is written.
+
 The agent owns the folder: it creates it, tells its workers where it is
 (``RALLYPOINT_MEMORY_DIR``; ``none`` turns the tier off), removes it when it exits, and
 at its start removes the folders of agents on this machine that died without doing so.
@@ -24,6 +31,7 @@ skipped with a warning: the tier never fails a save.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -53,6 +61,11 @@ KEEP_ENV = "RALLYPOINT_MEMORY_KEEP"
 _OWNER = "owner"
 _DONE = "version.json"
 _REPLICAS = "replicas"
+_STAGING = "staging"
+_RECYCLE = "recycle"
+#: Recycled files kept per rank: one version's worth (the next save takes it).
+_RECYCLED_PER_RANK = 1
+_SEQUENCE = itertools.count()
 
 
 def _keep() -> int:
@@ -120,6 +133,71 @@ class NodeMemory:
             soon is): the save goes on to storage, with a warning.
         """
         return self._write(self._version(version) / name, version, parts)
+
+    def staging_file(self, rank: int, size: int) -> Path | None:
+        """A file of ``size`` bytes in the tier for ``rank``'s next save to stage into: a
+        recycled data file of the rank's if there is one, else a new one.
+
+        Returns:
+            None if shared memory cannot hold it (the save stages into process memory,
+            and the tier's copy is skipped or written as before).
+        """
+        staging = self.folder / _STAGING
+        target = staging / f"rank-{rank:05d}.{os.getpid()}.{next(_SEQUENCE)}"
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            self._sweep_staging(staging)
+            taken = False
+            for old in sorted((self.folder / _RECYCLE / f"rank-{rank:05d}").glob("*")):
+                with contextlib.suppress(OSError):  # another process took it first
+                    os.rename(old, target)
+                    taken = True
+                    break
+            have = target.stat().st_size if taken else 0
+            free = shutil.disk_usage(staging).free
+            if size - have > free:
+                raise OSError(
+                    28, f"{size >> 20} MiB to stage, {free >> 20} MiB of shared memory free"
+                )
+            with open(target, "ab") as f:
+                os.truncate(f.fileno(), size)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                target.unlink(missing_ok=True)
+            log.warning(
+                "no staging file in this node's memory (%s): %s; staging in process memory",
+                self.folder,
+                exc.strerror or exc,
+            )
+            return None
+        return target
+
+    def _sweep_staging(self, staging: Path) -> None:
+        """Removes staging files of processes that died mid-save (the name holds the pid)."""
+        for left in staging.glob("rank-*"):
+            with contextlib.suppress(ValueError, OSError):
+                if not _alive(int(left.name.split(".")[1])):
+                    left.unlink()
+
+    def adopt(self, version: int, name: str, staged: Path) -> None:
+        """Makes a staged file ``name`` of ``version`` (a rename: nothing is copied)."""
+        target = self._version(version) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged, target)
+
+    def discard(self, staged: Path) -> None:
+        """Returns a staged file that no version adopted (a failed save) for reuse."""
+        rank = staged.name.split(".")[0]
+        self._recycle(staged, rank)
+
+    def _recycle(self, path: Path, rank: str) -> None:
+        pool = self.folder / _RECYCLE / rank
+        with contextlib.suppress(OSError):  # gone already: another process recycled it
+            pool.mkdir(parents=True, exist_ok=True)
+            os.rename(path, pool / f"{os.getpid()}.{next(_SEQUENCE)}")
+            held = sorted(pool.iterdir(), key=lambda p: p.stat().st_mtime)
+            for extra in held[:-_RECYCLED_PER_RANK]:
+                extra.unlink(missing_ok=True)
 
     def replica_path(self, version: int, name: str) -> Path:
         """Where a file another node's rank copies here goes (the replica server writes
@@ -196,6 +274,8 @@ class NodeMemory:
         for path in self.folder.glob("v[0-9]*"):
             number = int(path.name[1:])
             if number not in kept and number < kept[0]:
+                for data in path.glob("rank-*/data.distcp"):
+                    self._recycle(data, data.parent.name)
                 shutil.rmtree(path, ignore_errors=True)
         return True
 
