@@ -82,6 +82,7 @@ _LEFT, _RIGHT = 44, 16
 _WORLD_TOP, _WORLD_BOTTOM = 34, 140  # the world-size lane
 _MARKER_Y = 24  # restart markers, above it
 _CKPT_Y = 190  # checkpoint marks; pointers above them
+_MARK_GAP = 12  # the least distance between two checkpoint marks
 _AXIS_Y = 210
 _LEGEND_Y, _LEGEND_ROW = 244, 18
 _DURABLE, _MEMORY, _PENDING, _POINTER, _BAD = "#2e7d32", "#f9a825", "#9e9e9e", "#1565c0", "#c62828"
@@ -327,13 +328,29 @@ def _mark(v: TimelineVersion, x: float, y: float) -> str:
     return shape
 
 
-def _checkpoints(t: Timeline, scale: _Scale) -> list[str]:
+def _places(t: Timeline, scale: _Scale) -> dict[int, float]:
+    """Where each version's mark goes: at its commit (its start while pending), but at
+    least :data:`_MARK_GAP` right of the one before, so that versions saved moments
+    apart stay apart (their hover text has the exact times). Versions from before the
+    generations shown have none."""
+    places: dict[int, float] = {}
+    last = -math.inf
+    timed = sorted(
+        (v.committed_at if v.committed_at is not None else v.created_at, v.version)
+        for v in t.versions
+    )
+    for at, number in timed:
+        if at >= scale.t0:
+            last = places[number] = max(scale.x(at), last + _MARK_GAP)
+    return places
+
+
+def _checkpoints(t: Timeline, places: dict[int, float]) -> list[str]:
     out = []
     for v in t.versions:
-        at = v.committed_at if v.committed_at is not None else v.created_at
-        if at < scale.t0:
+        if v.version not in places:
             continue  # before the generations shown
-        x = scale.x(at)
+        x = places[v.version]
         classes = ["checkpoint", v.durability]
         classes += [name for name, on in (("collected", v.collected),) if on]
         classes += [name for name, on in (("quarantined", v.quarantined),) if on]
@@ -371,10 +388,9 @@ def _checkpoints(t: Timeline, scale: _Scale) -> list[str]:
     return out
 
 
-def _pointers(t: Timeline, scale: _Scale) -> list[str]:
+def _pointers(t: Timeline, places: dict[int, float]) -> list[str]:
     """A flag over the version each pointer names: filled for the latest, hollow for the
     newest durable (side by side when both name one)."""
-    by_version = {v.version: v for v in t.versions}
     out = []
     same = (
         t.checkpoint is not None
@@ -385,13 +401,11 @@ def _pointers(t: Timeline, scale: _Scale) -> list[str]:
         ("latest", t.checkpoint, _POINTER, -5.5 if same else 0.0),
         ("durable", t.durable, "#fff", 5.5 if same else 0.0),
     ):
-        if p is None or p.version not in by_version:
+        if p is None:
             continue
-        v = by_version[p.version]
-        at = v.committed_at if v.committed_at is not None else v.created_at
-        if at < scale.t0:
+        if p.version not in places:
             continue
-        x, y = scale.x(at) + shift, _CKPT_Y - 9
+        x, y = places[p.version] + shift, _CKPT_Y - 9
         words = "latest" if name == "latest" else "newest durable"
         out.append(
             f"<g{_a(class_=f'pointer {name}', data_version=p.version)}>"
@@ -498,8 +512,9 @@ def svg(t: Timeline, *, standalone: bool = False) -> str:
     body += _world_axis(top)
     body += _generations(t, scale, top)
     body += _restarts(t, scale)
-    body += _checkpoints(t, scale)
-    body += _pointers(t, scale)
+    places = _places(t, scale)
+    body += _checkpoints(t, places)
+    body += _pointers(t, places)
     body += _axis(scale)
     body += _legend(t)
     if not t.generations:

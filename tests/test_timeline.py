@@ -4,6 +4,7 @@ history the coordinator keeps for it, on SQLite and on Azurite."""
 
 from __future__ import annotations
 
+import itertools
 import xml.etree.ElementTree as ET
 from dataclasses import replace
 from datetime import timedelta
@@ -255,6 +256,22 @@ def test_each_checkpoint_is_marked_by_tier_and_the_pointers_name_theirs() -> Non
         ("pointer latest", "6"),
         ("pointer durable", "4"),
     ]
+
+
+def test_versions_saved_moments_apart_stay_apart_in_order() -> None:
+    latest = CheckpointPointer(version=3, step=30, generation=1)
+    t = tl.timeline(
+        job(checkpoint=latest, durable=latest), [], [kept(1, 5), kept(2, 5), kept(3, 5)], [], T0 + 9
+    )
+    root = drawn(t)
+    xs = [float(r.get("x", "")) for g in groups(root, "checkpoint") for r in g.iter(f"{SVG}rect")]
+    assert len(xs) == 3 and all(b - a >= tl._MARK_GAP - 0.1 for a, b in itertools.pairwise(xs))
+    # The pointers sit over the mark they name, wherever it was moved to.
+    flags = [p.find(f"{SVG}path") for p in groups(root, "pointer")]
+    tips = [
+        float((f.get("d") or "").rsplit("L", 1)[1].split(",")[0]) for f in flags if f is not None
+    ]
+    assert tips == pytest.approx([xs[2] + 4.5 - 5.5, xs[2] + 4.5 + 5.5], abs=0.1)
 
 
 def test_an_unrecoverable_version_is_crossed_out_too() -> None:
