@@ -203,3 +203,27 @@ def test_status_shows_waiting_nodes(url: str) -> None:
     waiting = out.split("\nwaiting\n")[1].splitlines()
     assert waiting[0].split() == ["NODE", "ADDRESS", "ROUND", "WAITING", "HEARTBEAT"]
     assert waiting[1].split()[:3] == ["g-a", "10.0.0.7", "1"]
+
+
+def test_jobs_show_prints_one_job_and_its_timeline(url: str) -> None:
+    nodes(url, "shown", ["s-a"])
+    flags = ["--url", url, "--token", TOKEN]
+    shown = cli("jobs", "show", "shown", *flags)
+    assert shown.returncode == 0, shown.stderr
+    # As status prints it (heartbeat ages differ from one call to the next).
+    assert shown.stdout.startswith("job shown: generation 1 sealed, world size 1")
+    assert "\nmembers\n" in shown.stdout and "\ngenerations\n" in shown.stdout
+    timeline = cli("jobs", "show", "shown", "--timeline", *flags)
+    assert timeline.returncode == 0, timeline.stderr
+    *_, header, event = timeline.stdout.splitlines()
+    assert header.split() == ["TIME", "SINCE", "EVENT"]
+    assert event.split(None, 2)[1:] == [
+        "+0.0s",
+        "generation 1 sealed: world size 1, resumed from scratch",
+    ]
+    ElasticClient(url, "empty", "e", TOKEN).create_job(2, 2)
+    empty = cli("jobs", "show", "empty", "--timeline", *flags)
+    assert empty.stdout.endswith("\nno generation sealed and no checkpoint yet\n")
+    for wrong in (["--timeline"], ["show"], ["list", "shown"]):
+        refused = cli("jobs", *wrong, *flags)
+        assert refused.returncode == 2 and "show JOB" in refused.stderr, wrong

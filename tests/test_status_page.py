@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -17,10 +19,12 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from rallypoint.client import ElasticClient, JobSpec
+from rallypoint.cli.fake_imds import FakeImds
+from rallypoint.client import ElasticClient, JobSpec, ShardFile, Timeline
+from rallypoint.trainer import upload
 
 from ._coordinator import Coordinator
-from .test_cli import save_by_hand
+from .test_cli import FILE, cli, save_by_hand
 
 pytestmark = pytest.mark.e2e
 
@@ -28,6 +32,11 @@ TOKEN = "page-token"
 # Debian's packages (.ci/run installs them): nothing is downloaded at test time.
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
+#: Where screenshots are kept after the run (build/ is the build's own, and ignored).
+ARTIFACTS = Path(
+    os.environ.get("RALLYPOINT_ARTIFACTS")
+    or Path(__file__).resolve().parents[1] / "build/artifacts"
+)
 
 NODE = """
 import sys
@@ -206,3 +215,268 @@ def test_pages_need_the_token_and_escape_what_nodes_send(coordinator: Coordinato
     missing = httpx.get(f"{url}/jobs/nojob", headers=auth)
     assert missing.status_code == 404 and "no job" in missing.text
     assert httpx.get(f"{url}/jobs/bad$id", headers=auth).status_code == 400
+
+
+# A node as torchrun's agent is one: joins, holds its heartbeat watch, joins again when
+# the generation ends, and prints its credential for its "workers" (the test, which
+# saves checkpoints for it as a worker with RALLYPOINT_CREDENTIAL would). With an IMDS
+# URL it runs the PreemptionWatcher, and on a notice waits for the emergency version
+# (a line on stdin) before it leaves and acknowledges, as a training loop does.
+TIMELINE_NODE = """
+import sys
+from datetime import timedelta
+from rallypoint.client import ElasticClient
+url, job, node, token, port, imds = sys.argv[1:7]
+c = ElasticClient(url, job, node, token)
+watcher = None
+if imds:
+    from rallypoint.trainer import PreemptionWatcher
+    watcher = PreemptionWatcher(
+        c, imds_url=imds, vm_name=node, poll_interval=timedelta(seconds=0.1)
+    ).start()
+print("ready", flush=True)
+while True:
+    a = c.join("127.0.0.1", int(port))
+    print("joined", a.generation, c.credential, flush=True)
+    # A held watch, so that a SIGKILL cuts it; short where the watcher is asked often.
+    hold = timedelta(seconds=0.5 if watcher else 2)
+    while c.heartbeat(wait=hold).action == "continue":
+        if watcher is not None and watcher.should_stop():
+            print("notice", flush=True)
+            sys.stdin.readline()
+            watcher.finish()
+"""
+
+
+class Node:
+    """One node's process, read line by line."""
+
+    def __init__(self, url: str, name: str, port: int, imds: str = "") -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", TIMELINE_NODE, url, "tl", name, TOKEN, str(port), imds],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def expect(self, word: str) -> list[str]:
+        """The rest of the next line that starts with ``word`` (the test's timeout
+        bounds the wait)."""
+        assert self.proc.stdout is not None
+        while line := self.proc.stdout.readline():
+            if line.split()[0] == word:
+                return line.split()[1:]
+        raise AssertionError(f"{self.name} exited ({self.proc.wait()}) before {word!r}")
+
+    def joined(self, generation: int) -> str:
+        """Its credential, once it joined ``generation``."""
+        number, credential = self.expect("joined")
+        assert int(number) == generation, f"{self.name} joined {number}, not {generation}"
+        return credential
+
+
+def save(url: str, members: dict[str, str], generation: int, step: int, persist: bool) -> int:
+    """Every member's rank saves ``step``: in storage if ``persist``, else in its node's
+    memory and its peer's (the next member). Returns the version."""
+    names = sorted(members)
+    info = None
+    for i, name in enumerate(names):
+        worker = ElasticClient(url, "tl", name, TOKEN, credential=members[name])
+        begun = worker.begin_checkpoint(
+            step, [FILE], generation=generation, persist=persist, persist_every=1000, memory=True
+        )
+        data = f"{name}@{step}".encode()
+        if begun.persist:
+            upload(begun.upload_urls[FILE], data)
+        shard = ShardFile(name=FILE, size=len(data), checksum="xxh3-128:0")
+        peer = names[(i + 1) % len(names)]
+        info = worker.report_checkpoint(
+            begun.version,
+            [shard],
+            generation=generation,
+            storage=begun.persist,
+            memory=[name, peer],
+        )
+    assert info is not None and info.state == "committed"
+    return info.version
+
+
+def drawing(driver: WebDriver) -> dict[str, list[dict[str, Any]]]:
+    """The timeline's marks as the browser has them, read in one script (the page swaps
+    its content every 2 s)."""
+    found: dict[str, list[dict[str, Any]]] = driver.execute_script(
+        """
+        const svg = document.querySelector('#timeline svg');
+        const read = (selector) => [...(svg ? svg.querySelectorAll(selector) : [])].map(g => ({
+          cls: g.getAttribute('class'), ...g.dataset,
+          title: g.querySelector('title') ? g.querySelector('title').textContent : ''}));
+        return {generations: read('g.generation'), restarts: read('g.restart'),
+                checkpoints: read('g.checkpoint'), pointers: read('g.pointer')};
+        """
+    )
+    return found
+
+
+def test_the_timeline_follows_a_kill_a_rejoin_and_a_notice(
+    coordinator: Coordinator, browser: WebDriver
+) -> None:
+    url = coordinator.url
+    operator = ElasticClient(url, "tl", "operator", TOKEN)
+    operator.create_job(
+        2, 3, last_call=timedelta(seconds=2), heartbeat_timeout=timedelta(seconds=30)
+    )
+    nodes: dict[str, Node] = {}
+    with FakeImds() as imds:
+        try:
+            # node-c (with the watcher, which imports torch) first: a, b and c seal one
+            # generation of 3, not one of 2 that c's late join ends.
+            nodes["node-c"] = Node(url, "node-c", 32002, imds.url)
+            nodes["node-c"].expect("ready")
+            for i, name in enumerate(("node-a", "node-b")):
+                nodes[name] = Node(url, name, 32000 + i)
+            gen1 = {name: node.joined(1) for name, node in nodes.items()}
+            save(url, gen1, 1, 10, persist=True)  # v1
+            save(url, gen1, 1, 20, persist=False)  # v2, in memory
+
+            # A kill: the survivors regroup at once.
+            nodes["node-b"].proc.send_signal(signal.SIGKILL)
+            nodes["node-b"].proc.wait()
+            gen2 = {name: nodes[name].joined(2) for name in ("node-a", "node-c")}
+            save(url, gen2, 2, 30, persist=False)  # v3
+
+            # The node comes back: a newcomer ends generation 2.
+            nodes["node-b"] = Node(url, "node-b", 32001)
+            gen3 = {name: node.joined(3) for name, node in nodes.items()}
+            save(url, gen3, 3, 40, persist=True)  # v4
+            bad = save(url, gen3, 3, 50, persist=False)  # v5
+            operator.quarantine(bad, "loss spiked")
+
+            # The page, opened now and never reloaded, follows what comes next.
+            sign_in(browser, url)
+            browser.get(f"{url}/jobs/tl")
+            WebDriverWait(browser, 10, poll_frequency=0.2).until(
+                lambda d: len(drawing(d)["generations"]) == 3
+            )
+
+            # A notice: the emergency version, then the node leaves and acknowledges.
+            imds.schedule("node-c")
+            nodes["node-c"].expect("notice")
+            save(url, gen3, 3, 60, persist=True)  # v6, durable
+            assert nodes["node-c"].proc.stdin is not None
+            nodes["node-c"].proc.stdin.write("saved\n")
+            nodes["node-c"].proc.stdin.flush()
+            assert nodes["node-c"].proc.wait(30) == 0
+            assert imds.acknowledged
+            gen4 = {name: nodes[name].joined(4) for name in ("node-a", "node-b")}
+            save(url, gen4, 4, 70, persist=False)  # v7: the latest, in memory
+
+            WebDriverWait(browser, 15, poll_frequency=0.2).until(
+                lambda d: len(drawing(d)["checkpoints"]) == 7
+            )
+            marks = drawing(browser)
+            assert [(g["generation"], g["worldSize"]) for g in marks["generations"]] == [
+                ("1", "3"),
+                ("2", "2"),
+                ("3", "3"),
+                ("4", "2"),
+            ]
+            assert marks["generations"][-1]["cls"] == "generation running"
+            assert (
+                "node node-b dropped its heartbeat connection" in (marks["generations"][0]["title"])
+            )
+            assert [(r["generation"], r["cause"]) for r in marks["restarts"]] == [
+                ("1", "lost"),
+                ("2", "joined"),
+                ("3", "preempted"),
+            ]
+            assert "node node-c left: preempted (Preempt)" in marks["restarts"][2]["title"]
+            assert [(c["version"], c["tier"], c["cls"]) for c in marks["checkpoints"]] == [
+                ("1", "durable", "checkpoint durable collected"),
+                ("2", "memory", "checkpoint memory collected"),
+                ("3", "memory", "checkpoint memory collected"),
+                ("4", "durable", "checkpoint durable"),
+                ("5", "memory", "checkpoint memory quarantined"),
+                ("6", "durable", "checkpoint durable"),
+                ("7", "memory", "checkpoint memory"),
+            ]
+            assert [(p["cls"], p["version"]) for p in marks["pointers"]] == [
+                ("pointer latest", "7"),
+                ("pointer durable", "6"),
+            ]
+
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            browser.set_window_size(1100, 1000)
+            browser.find_element(By.ID, "timeline").screenshot(
+                str(ARTIFACTS / "status-page-timeline.png")
+            )
+            browser.save_screenshot(str(ARTIFACTS / "status-page.png"))
+            loaded = browser.execute_script(
+                "return performance.getEntriesByType('resource').map(e => e.name)"
+            )
+            assert all(str(name).startswith(url) for name in loaded), loaded
+
+            # The same history for terminals, and as JSON.
+            flags = ["--url", url, "--token", TOKEN]
+            shown = cli("jobs", "show", "tl", "--timeline", *flags)
+            assert shown.returncode == 0, shown.stderr
+            lines = shown.stdout.splitlines()
+            assert lines[0] == "job tl: generation 4 sealed, world size 2 (nodes 2:3)"
+            assert lines[1] == (
+                "latest checkpoint: v7 (step 70, generation 4, in memory); "
+                "newest durable: v6 (step 60, generation 3)"
+            )
+            events = [line.split(None, 2)[2] for line in lines[lines.index("") + 3 :]]
+            ended = [e for e in events if " ended " in e]
+            assert ended[0].startswith("generation 1 ended [lost]: node node-b ")
+            assert ended[1:] == [
+                "generation 2 ended [joined]: node node-b joined",
+                "generation 3 ended [preempted]: node node-c left: preempted (Preempt)",
+            ]
+            assert "checkpoint v5 step 50 (generation 3) committed: memory, quarantined" in events
+            assert "checkpoint v1 step 10 (generation 1) committed: durable, collected" in events
+            assert "checkpoint v7 step 70 (generation 4) committed: memory, latest" in events
+            as_json = cli("jobs", "show", "tl", "--timeline", "--json", *flags)
+            parsed = Timeline.model_validate_json(as_json.stdout)
+            assert [g.cause for g in parsed.generations] == ["lost", "joined", "preempted", None]
+        finally:
+            for node in nodes.values():
+                node.proc.kill()
+                node.proc.wait()
+
+
+def test_a_reader_token_sees_its_own_jobs_timeline_only(coordinator: Coordinator) -> None:
+    url = coordinator.url
+    for job in ("mine", "theirs"):
+        ElasticClient(url, job, "n", TOKEN).join(
+            "127.0.0.1", 1, spec=JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
+        )
+    reader = ElasticClient(url, "mine", "op", TOKEN).create_token("reader").token
+    auth = {"Authorization": f"Bearer {reader}"}
+
+    own = httpx.get(f"{url}/v1/jobs/mine/timeline", headers=auth)
+    assert own.status_code == 200
+    assert [g.generation for g in Timeline.model_validate_json(own.content).generations] == [1]
+    drawn = httpx.get(f"{url}/jobs/mine/timeline.svg", headers=auth)
+    assert drawn.status_code == 200 and drawn.headers["content-type"] == "image/svg+xml"
+    assert drawn.text.startswith("<svg xmlns=") and 'data-generation="1"' in drawn.text
+    assert drawn.headers["content-security-policy"] == "default-src 'none'"
+
+    for path in ("/v1/jobs/theirs/timeline", "/jobs/theirs/timeline.svg"):
+        refused = httpx.get(url + path, headers=auth)
+        assert refused.status_code == 403, path
+        assert refused.json()["code"] == "forbidden", path
+    page = httpx.get(f"{url}/jobs/theirs", headers=auth)
+    assert page.status_code == 403 and "timeline-svg" not in page.text
+    anonymous = httpx.get(f"{url}/jobs/mine/timeline.svg")
+    assert anonymous.status_code == 401 and anonymous.json()["code"] == "unauthorized"
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    missing = httpx.get(f"{url}/jobs/nojob/timeline.svg", headers=admin)
+    assert missing.status_code == 404 and missing.json()["code"] == "unknown_job"
+    bad = httpx.get(f"{url}/jobs/bad$id/timeline.svg", headers=admin)
+    assert bad.status_code == 400 and bad.json()["code"] == "invalid_id"
+
+    # The pages allow only their own inline style and script, and requests back here.
+    policy = httpx.get(f"{url}/jobs/mine", headers=auth).headers["content-security-policy"]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy
+    assert "script-src 'nonce-" in policy and "unsafe-inline" not in policy
