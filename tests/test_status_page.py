@@ -323,8 +323,9 @@ def test_the_timeline_follows_a_kill_a_rejoin_and_a_notice(
 ) -> None:
     url = coordinator.url
     operator = ElasticClient(url, "tl", "operator", TOKEN)
+    # A round with all 3 seals at once; last_call only bounds how late the third may be.
     operator.create_job(
-        2, 3, last_call=timedelta(seconds=2), heartbeat_timeout=timedelta(seconds=30)
+        2, 3, last_call=timedelta(seconds=5), heartbeat_timeout=timedelta(seconds=30)
     )
     nodes: dict[str, Node] = {}
     with FakeImds() as imds:
