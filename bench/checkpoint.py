@@ -40,8 +40,13 @@ coordinator), DCP's ``FileSystemWriter`` with its
 default ``torch.save`` per item, and with ``SerializationFormat.SAFETENSORS`` (the
 format of its Hugging Face storage layer); MiB/s to fsynced files and peak RSS.
 
+The training loop (``--mode loop``, local only; see ``bench/_loop.py``): what saving
+every 5 steps costs an MLP's training loop with Adam, ``--mib`` MiB of state, beside no
+saves and ``dcp.async_save``: time waited per save against a plain copy, and steps/s.
+
 Usage: python bench/checkpoint.py [--mib 1024] [--tensors 64] [--repeat 3]
-       [--only local|azurite] [--mode single|sharded|both|formats] [--device cpu|cuda]
+       [--only local|azurite] [--mode single|sharded|both|formats|loop] [--device cpu|cuda]
+       [--steps 30]
 """
 
 from __future__ import annotations
@@ -513,7 +518,10 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--only", choices=["local", "azurite"])
-    parser.add_argument("--mode", choices=["single", "sharded", "both", "formats"], default="both")
+    parser.add_argument(
+        "--mode", choices=["single", "sharded", "both", "formats", "loop"], default="both"
+    )
+    parser.add_argument("--steps", type=int, default=30, help="loop mode: steps per round")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="where the state lives"
     )
@@ -521,9 +529,9 @@ def main() -> None:
     if args.device != "cpu" and args.mode != "single":
         parser.error("--device cuda runs the single-process mode only: add --mode single")
     single, shard = args.mode in ("single", "both"), args.mode in ("sharded", "both")
-    if args.mode == "formats":
+    if args.mode in ("formats", "loop"):
         args.only = "local"
-    state = make_state(args.mib, args.tensors, args.device)
+    state = make_state(args.mib, args.tensors, args.device) if args.mode != "loop" else {}
     print(
         f"torch {torch.__version__}, {os.cpu_count()} CPUs, median of {args.repeat} after a warm-up"
     )
@@ -543,6 +551,10 @@ def main() -> None:
                     sharded("local", coordinator.url, work, args, None)
                 if args.mode == "formats":
                     formats(coordinator.url, work, args)
+                if args.mode == "loop":
+                    from bench._loop import run as loop
+
+                    loop(coordinator.url, work, args.mib, args.steps, args.repeat)
             finally:
                 coordinator.stop()
         # A fresh Azurite for each run: its in-memory storage does not give back the
