@@ -34,6 +34,7 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -101,7 +102,13 @@ _ALIGN = 64
 #: Items closer than this in a file are fetched from Azure in one ranged read: a request
 #: costs about what 64 KiB of transfer does, so merging across more wastes bandwidth.
 _MERGE_GAP = 64 << 10
+#: ... but a span stops growing at this size (an item larger is a span alone): the
+#: spans of a file, and the files of a restore, are read in parallel.
+_SPAN = 32 << 20
+#: Spans or files read at once by one process.
+_READERS = 4
 T = TypeVar("T")
+A = TypeVar("A")
 
 
 @dataclass(frozen=True)
@@ -616,6 +623,7 @@ class RallypointReader(StorageReader):
         #: Bytes read, by source: ``"memory"`` (this node's), ``"peer"`` (another
         #: node's memory) and ``"storage"`` (the manifest's and metadata's too).
         self.bytes_from = {"memory": 0, "peer": 0, "storage": 0}
+        self._counting = threading.Lock()  # spans and files are read in parallel
         #: What the version is: from its manifest, or from this node's memory.
         self.summary: Summary | None = None
         self._info: CheckpointInfo | None = None
@@ -717,8 +725,12 @@ class RallypointReader(StorageReader):
             raw = retry(lambda: download(url), f"reading {self.label} {name}", self.attempts)
         except TransferNotFound:
             raise CheckpointCorrupt(f"{self.label}: {name} is missing from storage") from None
-        self.bytes_from["storage"] += len(raw)
+        self._count("storage", len(raw))
         return raw
+
+    def _count(self, source: str, n: int) -> None:
+        with self._counting:
+            self.bytes_from[source] += n
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -749,8 +761,11 @@ class RallypointReader(StorageReader):
             if not isinstance(stored, StoredItem):
                 raise CheckpointCorrupt(f"{self.label}: {req.storage_index.fqn} has no place")
             per_file.setdefault(stored.path, []).append((req, stored))
-        for path, reqs in per_file.items():
-            fetched = self._checked(path, [s for _, s in reqs])
+        files = _parallel(
+            lambda entry: self._checked(entry[0], [s for _, s in entry[1]]),
+            list(per_file.items()),
+        )
+        for reqs, fetched in zip(per_file.values(), files, strict=True):
             for req, stored in reqs:
                 raw = fetched(stored)
                 if req.type == LoadItemType.BYTE_IO:
@@ -789,7 +804,7 @@ class RallypointReader(StorageReader):
                     raise CheckpointCorrupt(
                         f"{what} holds {whole.numel()} bytes; items end at {end}"
                     )
-                self.bytes_from["storage"] += sum(n for _, n in wanted)
+                self._count("storage", sum(n for _, n in wanted))
                 return lambda s: whole[s.offset : s.offset + s.length]
             spans = _merged(items)
             total = sum(stop - start for start, stop in spans)
@@ -797,7 +812,7 @@ class RallypointReader(StorageReader):
 
             def ranged(start: int, length: int) -> torch.Tensor:
                 data = read_range(url, start, length, progress)
-                self.bytes_from["storage"] += data.numel()
+                self._count("storage", data.numel())
                 return data
 
             fetched = self._spans(spans, ranged, what)
@@ -831,8 +846,11 @@ class RallypointReader(StorageReader):
         for fqn, stored in wanted.items():
             per_file.setdefault(stored.path, []).append((fqn, stored))
         out: dict[str, torch.Tensor] = {}
-        for path, items in per_file.items():
-            fetched = self._checked(path, [s for _, s in items])
+        files = _parallel(
+            lambda entry: self._checked(entry[0], [s for _, s in entry[1]]),
+            list(per_file.items()),
+        )
+        for items, fetched in zip(per_file.values(), files, strict=True):
             for fqn, stored in items:
                 raw = fetched(stored)
                 assert stored.dtype is not None and stored.shape is not None
@@ -865,7 +883,7 @@ class RallypointReader(StorageReader):
             except CheckpointCorrupt as exc:
                 log.warning("%s; reading another copy", exc)
             else:
-                self.bytes_from["memory"] += size
+                self._count("memory", size)
                 return mapped
         info = self._checkpoint()
         for node in self._holders(info, path):
@@ -881,7 +899,7 @@ class RallypointReader(StorageReader):
             except (TransferError, CheckpointCorrupt) as exc:
                 log.warning("%s; reading another copy", exc)
                 continue
-            self.bytes_from["peer"] += size
+            self._count("peer", size)
             return fetched
         fetched = self._fetch(path, unique)
         self._verify(unique, fetched, f"{self.label}: {path}")
@@ -904,12 +922,15 @@ class RallypointReader(StorageReader):
     ) -> Callable[[StoredItem], torch.Tensor]:
         """Reads each ``(start, stop)`` of :func:`_merged` through ``read(start, length)``;
         the result gives an item's bytes from the span that holds it."""
-        fetched: list[tuple[int, torch.Tensor]] = []
-        for start, stop in spans:
-            data = retry(lambda: read(start, stop - start), f"reading {what}", self.attempts)  # noqa: B023
+
+        def fetch(span: tuple[int, int]) -> tuple[int, torch.Tensor]:
+            start, stop = span
+            data = retry(lambda: read(start, stop - start), f"reading {what}", self.attempts)
             if data.numel() != stop - start:
                 raise CheckpointCorrupt(f"{what} is shorter than its items")
-            fetched.append((start, data))
+            return start, data
+
+        fetched = _parallel(fetch, list(spans))
 
         def item(s: StoredItem) -> torch.Tensor:
             for start, data in fetched:
@@ -939,11 +960,24 @@ def _merged(items: Sequence[StoredItem]) -> list[tuple[int, int]]:
     ranged request costs about what 64 KiB of transfer does)."""
     spans: list[list[int]] = []
     for offset, length in sorted({(s.offset, s.length) for s in items}):
-        if spans and offset - spans[-1][1] <= _MERGE_GAP:
+        if (
+            spans
+            and offset - spans[-1][1] <= _MERGE_GAP
+            and offset + length - spans[-1][0] <= _SPAN
+        ):
             spans[-1][1] = max(spans[-1][1], offset + length)
         else:
             spans.append([offset, offset + length])
     return [(start, stop) for start, stop in spans]
+
+
+def _parallel(action: Callable[[A], T], work: list[A]) -> list[T]:
+    """``action`` over ``work``, up to :data:`_READERS` at once, results in order; the
+    first error raised is raised."""
+    if len(work) <= 1:
+        return [action(w) for w in work]
+    with ThreadPoolExecutor(min(_READERS, len(work)), thread_name_prefix="rallypoint-read") as pool:
+        return list(pool.map(action, work))
 
 
 def check_metadata(metadata: dict[str, Any] | None) -> None:

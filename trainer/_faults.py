@@ -11,7 +11,8 @@ goes on.
 The points, in the order a save passes them (docs/ARCHITECTURE.md, "Fault points"):
 
 ==========  ==========================================================================
-staged      the rank's tensors are copied into staging buffers; ``save()`` returns next
+staged      the copy of the rank's tensors is scheduled (done, with ``overlap=False``);
+            ``save()`` returns next
 memory      its data file is written into this node's memory tier
 indexed     the version's index (``version.json``) is written beside it: the node's copy
             is readable
