@@ -74,6 +74,7 @@ from rallypoint.client.models import (
 
 from ._packed import MAX_PACKED, pack, unpack
 from ._rendezvous import Generation, Job, Member, Rendezvous
+from ._timeline import as_entry
 from .errors import (
     AccessDenied,
     AlreadyExists,
@@ -1044,23 +1045,8 @@ class Checkpoints:
         they were when collected: oldest first, for the job's timeline."""
         logged = []
         for e in self.table.query(job_id, [Cond("kind", "eq", "cklog")]):
-            v = _version(job_id, e)
-            logged.append(
-                TimelineVersion(
-                    version=v.version,
-                    step=v.step,
-                    generation=v.generation,
-                    created_at=v.created_at,
-                    committed_at=v.committed_at,
-                    durability=v.durability,
-                    quarantined=v.quarantined,
-                    quarantined_at=v.quarantined_at,
-                    unrecoverable=v.unrecoverable,
-                    unrecoverable_at=v.unrecoverable_at,
-                    collected=True,
-                    collected_at=float(str(e.data["collected_at"])),
-                )
-            )
+            collected_at = float(str(e.data["collected_at"]))
+            logged.append(as_entry(_version(job_id, e), collected_at))
         return sorted(logged, key=lambda v: v.version)
 
     def durabilities(self, job_id: str) -> dict[str, int]:

@@ -24,6 +24,7 @@ import re
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from html import escape
+from typing import Literal, Protocol
 
 from rallypoint.client.models import (
     TIMELINE_GENERATIONS,
@@ -37,7 +38,7 @@ from rallypoint.client.models import (
     TimelineVersion,
 )
 
-__all__ = ["CAUSE_COLOURS", "HEIGHT", "WIDTH", "cause", "svg", "timeline"]
+__all__ = ["CAUSE_COLOURS", "HEIGHT", "WIDTH", "Recorded", "as_entry", "cause", "svg", "timeline"]
 
 # The reasons' first words, as the coordinator writes them (node ids have no spaces).
 _CAUSES: tuple[tuple[re.Pattern[str], TimelineCause], ...] = (
@@ -106,6 +107,49 @@ def cause(reason: str | None) -> TimelineCause | None:
     return "other"
 
 
+class Recorded(Protocol):
+    """What the timeline shows of a version: a kept one's record, or a collected one's."""
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def created_at(self) -> float: ...
+    @property
+    def committed_at(self) -> float | None: ...
+    @property
+    def durability(self) -> Literal["pending", "memory", "durable"]: ...
+    @property
+    def quarantined(self) -> bool: ...
+    @property
+    def quarantined_at(self) -> float | None: ...
+    @property
+    def unrecoverable(self) -> bool: ...
+    @property
+    def unrecoverable_at(self) -> float | None: ...
+
+
+def as_entry(v: Recorded, collected_at: float | None = None) -> TimelineVersion:
+    """A version as the timeline shows it; collected at ``collected_at`` if given."""
+    return TimelineVersion(
+        version=v.version,
+        step=v.step,
+        generation=v.generation,
+        created_at=v.created_at,
+        committed_at=v.committed_at,
+        durability=v.durability,
+        quarantined=v.quarantined,
+        quarantined_at=v.quarantined_at,
+        unrecoverable=v.unrecoverable,
+        unrecoverable_at=v.unrecoverable_at,
+        collected=collected_at is not None,
+        collected_at=collected_at,
+    )
+
+
 def timeline(
     job: JobSummary,
     generations: Iterable[GenerationInfo],
@@ -127,18 +171,7 @@ def timeline(
     gens = sorted(generations, key=lambda g: g.generation)[-TIMELINE_GENERATIONS:]
     versions: dict[int, TimelineVersion] = {v.version: v for v in collected}
     for v in kept:
-        versions[v.version] = TimelineVersion(
-            version=v.version,
-            step=v.step,
-            generation=v.generation,
-            created_at=v.created_at,
-            committed_at=v.committed_at,
-            durability=v.durability,
-            quarantined=v.quarantined,
-            quarantined_at=v.quarantined_at,
-            unrecoverable=v.unrecoverable,
-            unrecoverable_at=v.unrecoverable_at,
-        )
+        versions[v.version] = as_entry(v)
     # The pointers as ``job`` has them, which ``kept`` may have read a moment apart from.
     latest = job.checkpoint.version if job.checkpoint else None
     durable = job.durable.version if job.durable else None

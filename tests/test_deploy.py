@@ -41,6 +41,17 @@ KNOWN_ENV = (
     | {"AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT"}
 )
 
+#: The keys the plugin reads from --rdzv-conf (README, "Elastic training with torchrun").
+RDZV_CONF = {
+    "token",
+    "node_id",
+    "heartbeat_timeout",
+    "heartbeat_interval",
+    "last_call",
+    "join_timeout",
+    "store_timeout",
+}
+
 
 def stage(name: str) -> str:
     """The instructions of one build stage."""
@@ -181,15 +192,7 @@ def test_the_kubernetes_manifests_fit_the_coordinator_and_each_other() -> None:
     assert trainer["command"][:2] == ["rallypoint", "run"]
     assert _env_names(trainer) <= KNOWN_ENV
     conf = {c["key"] for c in elastic["rdzvConf"]}
-    assert conf <= {
-        "token",
-        "node_id",
-        "heartbeat_timeout",
-        "heartbeat_interval",
-        "last_call",
-        "join_timeout",
-        "store_timeout",
-    }
+    assert conf <= RDZV_CONF
 
 
 AZUREML = ROOT / "deploy" / "azureml"

@@ -24,7 +24,7 @@ import yaml
 from rallypoint.cli.processes import Coordinator
 from rallypoint.trainer import torchrun_argv
 
-from .test_deploy import KNOWN_ENV, _documents, _env_names
+from .test_deploy import KNOWN_ENV, RDZV_CONF, _documents, _env_names
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBEFLOW = ROOT / "deploy" / "kubeflow"
@@ -41,16 +41,6 @@ RESERVED = {
     "PET_NODE_RANK",
     "PET_MASTER_ADDR",
     "PET_MASTER_PORT",
-}
-#: The keys the plugin reads from --rdzv-conf (README, "Elastic training with torchrun").
-RDZV_CONF = {
-    "token",
-    "node_id",
-    "heartbeat_timeout",
-    "heartbeat_interval",
-    "last_call",
-    "join_timeout",
-    "store_timeout",
 }
 
 
