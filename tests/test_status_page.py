@@ -383,9 +383,10 @@ def test_the_timeline_follows_a_kill_a_rejoin_and_a_notice(
                 ("4", "2"),
             ]
             assert marks["generations"][-1]["cls"] == "generation running"
-            assert (
-                "node node-b dropped its heartbeat connection" in (marks["generations"][0]["title"])
-            )
+            # The kill is noticed by the dropped watch connection or, on a loaded
+            # machine, by the heartbeat timeout: either is a lost node, as recorded.
+            title = marks["generations"][0]["title"]
+            assert "(node lost): node node-b " in title, title
             assert [(r["generation"], r["cause"]) for r in marks["restarts"]] == [
                 ("1", "lost"),
                 ("2", "joined"),
