@@ -70,7 +70,7 @@ from ._bytes import as_memoryview, checksum, tensor_bytes
 from ._memory import NodeMemory, map_file
 from ._peers import push, read_peer
 from ._progress import Progress
-from ._staging import StagedFile, StagedPlanner
+from ._staging import ALIGN, StagedFile, StagedPlanner
 from ._transfer import download, read_object, read_range, upload_parts
 from .errors import (
     CheckpointCorrupt,
@@ -98,7 +98,6 @@ DATA = "data.distcp"
 METADATA = "dcp.metadata"
 MANIFEST = "manifest.json"
 FORMAT = "rallypoint.checkpoint/2"
-_ALIGN = 64
 #: Items closer than this in a file are fetched from Azure in one ranged read: a request
 #: costs about what 64 KiB of transfer does, so merging across more wastes bandwidth.
 _MERGE_GAP = 64 << 10
@@ -374,7 +373,7 @@ class RallypointWriter(StorageWriter):
         offset = 0
         for item in plan.items:
             raw, dtype, shape = _item_bytes(item, planner)
-            pad = -offset % _ALIGN
+            pad = -offset % ALIGN
             if pad:
                 parts.append(memoryview(bytes(pad)))
                 offset += pad
@@ -414,7 +413,7 @@ class RallypointWriter(StorageWriter):
         end = 0
         for start, item, nbytes, kind, dims in sorted(in_file, key=lambda t: t[0]):
             if start not in moved:  # a tensor saved under two names lies there once
-                end += -end % _ALIGN
+                end += -end % ALIGN
                 if end != start:  # down over a gap: memmove handles the overlap
                     ctypes.memmove(base + end, base + start, nbytes)
                 moved[start] = end
@@ -427,7 +426,7 @@ class RallypointWriter(StorageWriter):
         offset = end
         with open(staged.path, "r+b") as f:
             for item, raw, dtype, shape in others:
-                pad = -offset % _ALIGN
+                pad = -offset % ALIGN
                 if pad:
                     parts.append(memoryview(bytes(pad)))
                     offset += pad
