@@ -76,7 +76,8 @@ def test_sigkill_of_rank_0_then_a_late_node_scales_back_up(
         verdict, history = finish(cluster, coordinator, 150)
     finally:
         cluster.stop()
-    assert [g["world_size"] for g in history] == [3, 2, 3]
+    reasons = [(g["world_size"], g.get("ended_reason")) for g in history]
+    assert [g["world_size"] for g in history] == [3, 2, 3], reasons
     assert "joined" in history[1]["ended_reason"]
     # Survivors kept their order: the old rank 1 is rank 0 now.
     assert rank0 not in {m["node_id"] for m in status(coordinator, "kill0")["members"]}

@@ -19,6 +19,11 @@ version (:meth:`adopt`): one copy from the training state to the tier, and the p
 and the upload read from there. The data files of the versions the tier drops are kept
 in ``recycle/rank-RRRRR/`` for the next save of the same rank: their pages are already
 allocated, and a fresh file costs a page fault per 4 KiB the first time it is written.
+A file a process has mapped (:func:`map_file`: a state restored without a template is
+made of views of it) is never reused, only unlinked: it holds a shared ``flock`` for as
+long as the mapping lives, and a file is reused only under an exclusive one. Writing
+over it would change tensors under the process; cutting it shorter makes Linux take
+back even the pages the process copied on write (a SIGBUS at the next read).
 
 The agent owns the folder: it creates it, tells its workers where it is
 (``RALLYPOINT_MEMORY_DIR``; ``none`` turns the tier off), removes it when it exits, and
@@ -31,6 +36,7 @@ skipped with a warning: the tier never fails a save.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import json
 import logging
@@ -90,9 +96,46 @@ def default_root() -> Path | None:
 
 
 def map_file(path: Path) -> torch.Tensor:
-    """A file's bytes as a copy-on-write mapping (a uint8 tensor; nothing is copied)."""
+    """A file's bytes as a copy-on-write mapping (a uint8 tensor; nothing is copied).
+
+    The file is pinned for as long as the mapping lives (a shared ``flock``, which the
+    mapping's reference to the open file keeps): the tier never reuses it.
+
+    Raises:
+        FileNotFoundError: The file is gone, or was taken for reuse before the pin.
+    """
     with open(path, "rb") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        # Taken for reuse between the open and the pin: the name is another file now,
+        # or none, and the pages are about to be written over.
+        if os.stat(path).st_ino != os.fstat(f.fileno()).st_ino:
+            raise FileNotFoundError(2, "reused while being opened", str(path))
         return map_private(f.fileno())
+
+
+def _unmapped(fd: int) -> bool:
+    """Whether no process maps the open file (see :func:`map_file`): an exclusive
+    ``flock``, which the caller keeps until it closes ``fd``."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _reusable(path: Path) -> bool:
+    """Whether a file just taken from the recycle pool may be written over: a process
+    that opened it under its old name before it was recycled may have mapped it since
+    (:func:`map_file` then fails its name check, but the pages are its). Such a file is
+    unlinked, and the save starts a new one."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        if _unmapped(fd):
+            return True
+    finally:
+        os.close(fd)
+    path.unlink()
+    return False
 
 
 class NodeMemory:
@@ -151,7 +194,7 @@ class NodeMemory:
             for old in sorted((self.folder / _RECYCLE / f"rank-{rank:05d}").glob("*")):
                 with contextlib.suppress(OSError):  # another process took it first
                     os.rename(old, target)
-                    taken = True
+                    taken = _reusable(target)
                     break
             have = target.stat().st_size if taken else 0
             free = shutil.disk_usage(staging).free
@@ -191,10 +234,18 @@ class NodeMemory:
         self._recycle(staged, rank)
 
     def _recycle(self, path: Path, rank: str) -> None:
+        """Keeps a data file for the rank's next save, or unlinks it if a process maps it."""
         pool = self.folder / _RECYCLE / rank
         with contextlib.suppress(OSError):  # gone already: another process recycled it
-            pool.mkdir(parents=True, exist_ok=True)
-            os.rename(path, pool / f"{os.getpid()}.{next(_SEQUENCE)}")
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                if not _unmapped(fd):
+                    path.unlink()  # its pages must stay as the mapping's holder read them
+                    return
+                pool.mkdir(parents=True, exist_ok=True)
+                os.rename(path, pool / f"{os.getpid()}.{next(_SEQUENCE)}")
+            finally:
+                os.close(fd)  # the lock goes with it
             held = sorted(pool.iterdir(), key=lambda p: p.stat().st_mtime)
             for extra in held[:-_RECYCLED_PER_RANK]:
                 extra.unlink(missing_ok=True)
