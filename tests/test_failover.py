@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rallypoint.cli.processes import Cluster, example_script, judge
-from rallypoint.client import Assignment, ElasticClient, JobSpec
+from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, JobSpec
 
 from ._azurite import Azurite
 from ._balancer import Balancer
@@ -163,11 +163,11 @@ def test_a_replica_killed_mid_training_costs_no_restart(topology: Topology, tmp_
     assert len(history) == 1, history  # one generation: nobody restarted
 
 
-def committed(topology: Topology, job: str) -> list[dict[str, Any]]:
-    reply = httpx.get(f"{topology.url}/v1/jobs/{job}/checkpoints", timeout=10)
-    reply.raise_for_status()
-    versions: list[dict[str, Any]] = reply.json()
-    return versions
+def committed(topology: Topology, job: str) -> list[CheckpointInfo]:
+    # Through the client, as a user would: a replica whose storage breaker has not yet
+    # seen storage come back answers 503 with Retry-After, and the client waits it out.
+    with ElasticClient(topology.url, job, "observer") as client:
+        return client.checkpoints()
 
 
 def test_storage_frozen_for_30_s_during_training_costs_no_restart(
@@ -195,7 +195,7 @@ def test_storage_frozen_for_30_s_during_training_costs_no_restart(
         c.stop()
     assert len(history) == 1, history
     assert during, "training stalled while storage was frozen"
-    after = [v for v in committed(topology, "freeze") if (v["committed_at"] or 0) > thawed_at]
+    after = [v for v in committed(topology, "freeze") if (v.committed_at or 0) > thawed_at]
     assert after, "no checkpoint committed after storage came back"
 
 
