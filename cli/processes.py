@@ -164,6 +164,7 @@ class Cluster:
         memory: A folder in which each node gets a memory tier of its own
             (``memory/NODE``), as on separate machines; None: the agents' default
             (``/dev/shm``, shared by the agents of this machine).
+        in_place: The example's workers regroup in place (``--in-place``).
     """
 
     def __init__(
@@ -184,6 +185,7 @@ class Cluster:
         rdzv: Sequence[str] | None = None,
         nproc: int = 1,
         memory: Path | None = None,
+        in_place: bool = False,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
         self.nproc = nproc
@@ -207,6 +209,7 @@ class Cluster:
                 str(persist_every),
                 "--events",
                 str(self.events_file),
+                *(["--in-place"] if in_place else []),
             ]
         )
         self.rallypoint = rdzv is None

@@ -241,6 +241,19 @@ class ElasticClient:
         self.credential = credential
         self._http.headers[CREDENTIAL_HEADER] = credential
 
+    def follow(self, assignment: Assignment, credential: str | None = None) -> None:
+        """Moves this client to a generation its agent joined for the node: a worker
+        that stays in its process across generations (see
+        ``rallypoint.trainer.generations``) acts for the node's new registration.
+
+        Args:
+            assignment: The node's assignment in the new generation.
+            credential: The credential of the agent's new join, if it got one.
+        """
+        self.assignment = assignment
+        if credential:
+            self._credential(credential)
+
     # --- plumbing -----------------------------------------------------------------------
 
     def _request(

@@ -146,3 +146,44 @@ def test_a_preemption_notice_and_a_sigterm_lose_no_steps(
     assert [(c["version"], c["durable"]) for c in resumed] == [(v, True) for _, v in saved]
     versions = httpx.get(f"{coordinator.url}/v1/jobs/preempt/checkpoints", timeout=10).json()
     assert "memory" in {v["durability"] for v in versions}  # routine ones stayed in memory
+
+
+def test_in_place_survivors_keep_their_processes_through_a_kill_and_a_join(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    cluster = Cluster(
+        coordinator.url,
+        "inplace",
+        tmp_path,
+        nnodes="2:3",
+        steps=150,
+        in_place=True,
+        persist_every=100,  # memory only, but the first version
+        memory=tmp_path / "shm",
+    )
+    try:
+        for node in ("a", "b", "c"):
+            cluster.add(node)
+        step_at(cluster, 25, world_size=3)
+        rank0 = node_of_rank(coordinator, "inplace", 0)
+        cluster.kill(rank0)  # it hosts the first generation's store
+        step_at(cluster, 0, world_size=2)
+        cluster.add("late")
+        step_at(cluster, 0, world_size=3, generation=3)
+        verdict, history = finish(cluster, coordinator, 150)
+    finally:
+        cluster.stop()
+    reasons = [(g["world_size"], g.get("ended_reason")) for g in history]
+    assert [g["world_size"] for g in history] == [3, 2, 3], reasons
+    resumed = [e for e in cluster.events() if e["event"] == "resumed"]
+    first = {e["pid"] for e in resumed if e["generation"] == 1}
+    by_generation = {g: [e for e in resumed if e["generation"] == g] for g in (1, 2, 3)}
+    # The two survivors went into generations 2 and 3 as the processes they were; only
+    # the late node's worker started anew.
+    assert len(by_generation[2]) == 2 and all(e["in_place"] for e in by_generation[2])
+    assert {e["pid"] for e in by_generation[2]} <= first
+    assert sorted(e["in_place"] for e in by_generation[3]) == [False, True, True]
+    assert {e["pid"] for e in by_generation[3] if e["in_place"]} <= first
+    # In place, a restore reads nothing from storage: this node's memory, then a peer's.
+    assert all(e["bytes_from"]["storage"] == 0 for e in resumed if e["in_place"]), resumed
+    assert all(lost < 20 for lost in verdict.steps_lost.values()), verdict.steps_lost

@@ -21,6 +21,7 @@ from ._dcp import RallypointReader, RallypointWriter
 from ._launch import run, torchrun_argv
 from ._preemption import RESTART_EXIT_CODE, Notice, PreemptionWatcher
 from ._progress import Progress
+from ._regroup import Generation, generations
 from ._rendezvous import BACKEND, RallypointRendezvousHandler, RendezvousSettings
 from ._sampler import ElasticSampler
 from ._store import CoordinatorStore
@@ -28,7 +29,9 @@ from ._transfer import download, upload
 from .errors import (
     CheckpointCorrupt,
     CheckpointError,
+    GenerationEnded,
     RallypointTrainerError,
+    RegroupError,
     StateNotReplicated,
     TransferDenied,
     TransferError,
@@ -43,6 +46,8 @@ __all__ = [
     "CheckpointManager",
     "CoordinatorStore",
     "ElasticSampler",
+    "Generation",
+    "GenerationEnded",
     "Notice",
     "PreemptionWatcher",
     "Progress",
@@ -50,6 +55,7 @@ __all__ = [
     "RallypointRendezvousHandler",
     "RallypointTrainerError",
     "RallypointWriter",
+    "RegroupError",
     "RendezvousSettings",
     "Restored",
     "SaveHandle",
@@ -58,6 +64,7 @@ __all__ = [
     "TransferError",
     "TransferNotFound",
     "download",
+    "generations",
     "run",
     "torchrun_argv",
     "upload",

@@ -28,6 +28,7 @@ import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
@@ -53,8 +54,9 @@ from ._dcp import (
     global_rank,
 )
 from ._memory import NodeMemory
+from ._regroup import Generation, generations
 from ._staging import Staged, StagedPlanner, Staging
-from .errors import CheckpointCorrupt, CheckpointError, StateNotReplicated
+from .errors import CheckpointCorrupt, CheckpointError, RegroupError, StateNotReplicated
 
 __all__ = ["RESERVED", "CheckpointManager", "Restored", "SaveHandle"]
 
@@ -453,6 +455,69 @@ class CheckpointManager:
             self._hooks.append(hook(self._on_load))  # type: ignore[no-untyped-call]
         else:
             raise TypeError(f"fence takes modules and optimizers, not a {type(owner).__name__}")
+
+    # --- regrouping in place ------------------------------------------------------------
+
+    def generations(
+        self,
+        *,
+        backend: str | None = None,
+        timeout: timedelta = timedelta(seconds=60),
+        join_timeout: timedelta = timedelta(minutes=10),
+    ) -> Iterator[Generation]:
+        """The generations this process takes part in, without restarting it: each
+        with its process group built, and this manager moved along (its saves and
+        loads are the generation's). See :func:`rallypoint.trainer.generations`.
+
+        Example::
+
+            for generation in checkpoints.generations():
+                ddp = DistributedDataParallel(model)  # on the generation's group
+                restored = checkpoints.load_latest()  # in place: memory, then peers
+                ...
+                with generation:  # a membership change ends the block quietly
+                    while step < steps:
+                        train_step(ddp)
+                        generation.check()
+                if step >= steps:
+                    break
+
+        Raises:
+            ValueError, RegroupError: As :func:`~rallypoint.trainer.generations` does.
+        """
+        return generations(
+            self.client,
+            backend=backend,
+            timeout=timeout,
+            join_timeout=join_timeout,
+            checkpoints=self,
+        )
+
+    def _follow(self, assignment: Assignment) -> None:
+        """Saves and loads from here on are ``assignment``'s generation's."""
+        self.assignment = assignment
+        self.generation = assignment.generation
+
+    def _leave_generation(self, timeout: float) -> None:
+        """Settles the saves of a generation that ended, before its groups go: the copy
+        must be done (the tensors are about to be loaded over), and the save's thread
+        out of its collectives (the coordinator refuses its report, which is right)."""
+        with contextlib.suppress(Exception):
+            self.wait_staged()
+        if self._inflight is not None:
+            try:
+                self._inflight._future.result(timeout)
+            except FuturesTimeout:
+                raise RegroupError(
+                    f"the save of step {self._inflight.step} did not finish within "
+                    f"{timeout:.0f} s of its generation's end"
+                ) from None
+            except Exception as exc:
+                step = self._inflight.step
+                log.info("the save of step %d ended with its generation: %s", step, exc)
+            self._inflight = None
+        self._group = None  # destroyed with the default group
+        self._control = None
 
     def wait(self) -> CheckpointInfo | None:
         """Waits for the save in flight, if any.

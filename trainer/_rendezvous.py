@@ -15,7 +15,9 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -54,12 +56,20 @@ from rallypoint.client import (
     UnknownNode,
 )
 
+from ._board import REGROUP_ENV, Board, Posted
 from ._launch import WORKER_ENV_FILE
 from ._memory import MEMORY_ENV, OFF, NodeMemory, default_root
 from ._peers import ReplicaServer
 from ._store import CoordinatorStore
 
 __all__ = ["BACKEND", "RallypointRendezvousHandler", "RendezvousSettings", "create_handler"]
+
+# torchrun's worker rank assignment through the store (torch.distributed.elastic.agent.
+# server.api.SimpleElasticAgent._assign_worker_ranks): its keys, and the role torchrun
+# gives workers unless a launcher names another.
+_ROLE_INFO = "torchelastic/role_info/"
+_ASSIGNED_RANKS = "torchelastic/assigned_ranks/"
+_ROLE = "default"
 
 log = logging.getLogger("rallypoint.trainer")
 
@@ -204,6 +214,13 @@ class RallypointRendezvousHandler(RendezvousHandler):
     ``RALLYPOINT_GENERATION``: ``ElasticClient.from_env().join()`` in them returns this
     agent's assignment, checkpoint pointer included.
 
+    If every worker of the node regroups in place (``CheckpointManager.generations``;
+    they say so on the board, :mod:`._board`), the agent does not restart them: it
+    joins the next generation itself, from a thread, and posts the node's new
+    assignment on the board, where they pick it up. torchrun keeps its own view of the
+    first generation; the workers do not use it. A worker that fails anyway is
+    restarted as before (counted in :attr:`fallbacks`), and the node re-joins.
+
     Args:
         settings: See :class:`RendezvousSettings`.
     """
@@ -226,6 +243,16 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._beats: _Beats | None = None
         self._closed = False
         self._left = False
+        self._board = Board(Path(tempfile.mkdtemp(prefix="rallypoint-regroup-")))
+        self._store: CoordinatorStore | None = None
+        #: The world size of the generation torchrun last rendezvoused in.
+        self._agent_world = 0
+        self._regroup: threading.Thread | None = None
+        self._regroup_failed: str | None = None
+        #: Generations this agent's workers went into in place, and the times its
+        #: workers were restarted after regrouping in place had begun (a worker failed).
+        self.regroups = 0
+        self.fallbacks = 0
         # This node's memory tier (the workers' checkpoint copies): the agent owns it,
         # so it outlives a worker, and goes when the agent does.
         root = os.environ.get(MEMORY_ENV)
@@ -270,6 +297,22 @@ class RallypointRendezvousHandler(RendezvousHandler):
         """See base class."""
         if self._closed:
             raise RendezvousClosedError(f"the rendezvous of job {self.settings.job_id} is closed")
+        if self._regroup is not None:
+            self._regroup.join()  # a worker failed while the node regrouped in place
+            self._regroup = None
+        if self._board.registered():
+            # The agent restarts workers that were regrouping in place: one failed (its
+            # own log says why), or the node could not regroup.
+            self.fallbacks += 1
+            log.warning(
+                "rallypoint: restarting the workers of node %s instead of regrouping in "
+                "place (%d time(s) so far): %s",
+                self.settings.node_id,
+                self.fallbacks,
+                self._regroup_failed or "a worker exited",
+            )
+            self._board.forget_workers()
+        self._regroup_failed = None
         self._stop_beats()
         if self._assignment is not None and _left_job(self._client):
             # Only if the agent restarts its workers for another reason (one failed):
@@ -295,6 +338,9 @@ class RallypointRendezvousHandler(RendezvousHandler):
             abort=self._ended,
             release=self._departed,
         )
+        self._store = store
+        self._agent_world = assignment.world_size
+        self._board.post(Posted(assignment.generation, ended=False, assignment=assignment))
         return RendezvousInfo(
             store,
             assignment.rank,
@@ -341,6 +387,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
         if self._client.credential:
             values[CREDENTIAL_ENV] = self._client.credential
         values[MEMORY_ENV] = OFF if self._memory is None else str(self._memory.root)
+        values[REGROUP_ENV] = str(self._board.folder)
         os.environ.update(values)
         # Warm workers fork from a server started before this generation: they read
         # the variables from this file rather than from an environment that is stale.
@@ -354,6 +401,43 @@ class RallypointRendezvousHandler(RendezvousHandler):
             with os.fdopen(fd, "w") as f:
                 json.dump(values, f)
             os.replace(partial, target)
+
+    def _publish_ranks(self, assignment: Assignment, local_world: int) -> None:
+        """Does this agent's part of torchrun's worker rank assignment in a generation
+        it went into in place, for the agents that start workers in it (a node that
+        joined): each agent says how many workers it runs, and the agent of node rank 0
+        hands out the ranges of global ranks. torchrun's agent does this at every
+        rendezvous (``SimpleElasticAgent._assign_worker_ranks``; the keys and the
+        format are its own, copied here), and a newcomer's waits for every agent's
+        part; this one skipped its rendezvous."""
+        store = CoordinatorStore(
+            self._client,
+            assignment.generation,
+            self.settings.store_timeout,
+            abort=self._ended,
+            release=self._departed,
+        )
+        mine = {"role": _ROLE, "rank": assignment.rank, "local_world_size": local_world}
+        try:
+            store.set(f"{_ROLE_INFO}{assignment.rank}", json.dumps(mine).encode())
+            if assignment.rank != 0:
+                return
+            infos = [
+                json.loads(raw)
+                for raw in store.multi_get(
+                    [f"{_ROLE_INFO}{i}" for i in range(assignment.world_size)]
+                )
+            ]
+            total = sum(int(info["local_world_size"]) for info in infos)
+            keys, values, base = [], [], 0
+            for i, info in enumerate(infos):
+                keys.append(f"{_ASSIGNED_RANKS}{i}")
+                values.append(json.dumps([base, total, base, total]))
+                base += int(info["local_world_size"])
+            store.multi_set(keys, values)
+        except Exception as exc:  # the generation ended first: nobody needs them now
+            generation = assignment.generation
+            log.debug("rallypoint: ranks of generation %d not published: %s", generation, exc)
 
     def _departed(self) -> bool:
         beats = self._beats
@@ -378,9 +462,71 @@ class RallypointRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         """See base class: 1 once this generation ended (a node joined, died or left),
-        unless it ended because this node left: its workers are on their way out."""
+        unless it ended because this node left (its workers are on their way out) or
+        its workers regroup in place (the agent joins the next one for them)."""
+        if self._regroup is not None and self._regroup.is_alive():
+            return 0
+        if self._regroup_failed is not None:
+            return 1
         beats = self._beats
-        return 0 if beats is None or beats.ended is None or beats.left else 1
+        if beats is None or beats.ended is None or beats.left:
+            return 0
+        if not self._board.workers_in_place():
+            return 1
+        self._regroup = threading.Thread(
+            target=self._regroup_in_place, args=(beats.ended,), name="rallypoint-regroup"
+        )
+        self._regroup.start()
+        return 0
+
+    def _regroup_in_place(self, reason: str) -> None:
+        """Joins the next generation for workers that stay (see the class docstring)."""
+        old = self._assignment
+        assert old is not None
+        self._board.post(Posted(old.generation, ended=True, reason=reason))
+        self._stop_beats()
+        started = time.monotonic()
+        try:
+            assignment = self._join()
+        except Exception as exc:  # the agent restarts its workers and joins as before
+            self._regroup_failed = f"{type(exc).__name__}: {exc}"
+            log.warning("rallypoint: could not regroup in place: %s", self._regroup_failed)
+            self._board.post(
+                Posted(old.generation, ended=True, reason=reason, failed=self._regroup_failed)
+            )
+            return
+        self._assignment = assignment
+        self._export(assignment)
+        self._beats = _Beats(self._client, self.settings.heartbeat_interval)
+        if self._store is not None:
+            # torchrun's exit barrier runs in the store it was handed, and counts the
+            # agents of the generation it knows.
+            self._store.follow(assignment.generation, self._agent_world - assignment.world_size)
+        self._board.post(
+            Posted(
+                assignment.generation,
+                ended=False,
+                assignment=assignment,
+                credential=self._client.credential,
+            )
+        )
+        threading.Thread(
+            target=self._publish_ranks,
+            args=(assignment, self._board.local_world_size() or 1),
+            name="rallypoint-ranks",
+            daemon=True,
+        ).start()
+        self.regroups += 1
+        log.info(
+            "rallypoint: generation %d in place (%s): node rank %d of %d, checkpoint %s, "
+            "joined in %.3f s",
+            assignment.generation,
+            reason,
+            assignment.rank,
+            assignment.world_size,
+            assignment.checkpoint.version if assignment.checkpoint else None,
+            time.monotonic() - started,
+        )
 
     def get_run_id(self) -> str:
         """See base class."""
@@ -393,6 +539,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
 
     def _leave(self, reason: str) -> None:
         self._stop_beats()
+        shutil.rmtree(self._board.folder, ignore_errors=True)
         if self._replicas is not None:
             self._replicas.stop()
             self._replicas = None

@@ -25,6 +25,9 @@ __all__ = ["CoordinatorStore"]
 _WAIT_SLICE = 1.0
 # How often a refused check-in asks whether this node left (see CoordinatorStore._op).
 _DEPARTED_POLL = 0.05
+# The keys of torchrun's exit barrier (torch.distributed.elastic.agent.server.api's
+# _TERMINAL_STATE_SYNC_ID, a private name: copied, not imported).
+_EXIT_BARRIER = "torchelastic/agent/terminal_state"
 
 
 def _b64(value: str | bytes) -> str:
@@ -65,6 +68,7 @@ class CoordinatorStore(Store):
         super().__init__()
         self._client = client
         self.generation = generation
+        self._barrier_offset = 0
         self._timeout = timeout
         self._abort = abort
         self._release = release
@@ -149,8 +153,20 @@ class CoordinatorStore(Store):
     def check(self, keys: list[str]) -> bool:
         return bool(self._op(StoreRequest(op="check", keys=list(keys))).found)
 
+    def follow(self, generation: int, barrier_offset: int) -> None:
+        """Moves the store to ``generation``, which the node's workers went into in
+        place, its agent unaware (torchrun only knows the generation it started them
+        in). The agent's exit barrier then counts to the number of agents it knows:
+        ``barrier_offset`` (that number less the new generation's) is added to what
+        its check-in counts, so the last agent of the new generation releases it."""
+        self.generation = generation
+        self._barrier_offset = barrier_offset
+
     def add(self, key: str, value: int) -> int:
-        return int(self._op(StoreRequest(op="add", keys=[key], amount=value)).count or 0)
+        count = int(self._op(StoreRequest(op="add", keys=[key], amount=value)).count or 0)
+        if key.startswith(_EXIT_BARRIER) and count:
+            count += self._barrier_offset
+        return count
 
     def compare_set(
         self, key: str, expected_value: str | bytes, desired_value: str | bytes

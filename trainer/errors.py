@@ -16,7 +16,9 @@ from __future__ import annotations
 __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
+    "GenerationEnded",
     "RallypointTrainerError",
+    "RegroupError",
     "StateNotReplicated",
     "TransferDenied",
     "TransferError",
@@ -64,3 +66,19 @@ class StateNotReplicated(CheckpointError):
     Raised by ``verify_replicated=True``, before a byte is uploaded."""
 
     code = "state_not_replicated"
+
+
+class RegroupError(RallypointTrainerError):
+    """A worker could not go into the next generation in place (the next generation did
+    not come, or a save of the ended one did not finish): it exits, and its agent
+    restarts it."""
+
+    code = "regroup_failed"
+
+
+class GenerationEnded(RallypointTrainerError):
+    """Raised by :meth:`Generation.check <rallypoint.trainer.Generation.check>` once the
+    generation ended (a member died or left, or a node joined); the ``with generation:``
+    block swallows it."""
+
+    code = "generation_ended"

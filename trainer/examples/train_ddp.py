@@ -9,6 +9,10 @@ lost. Run it with the rallypoint backend::
     torchrun --rdzv-backend=rallypoint --rdzv-endpoint=http://127.0.0.1:8080 \\
         --rdzv-id=cnn --nnodes=1:4 --max-restarts=100 trainer/examples/train_ddp.py
 
+With ``--in-place`` the workers keep their processes when the membership changes: the
+loop runs once per generation (``CheckpointManager.generations``), and only the workers
+of a node that died or joins start anew.
+
 The data is made here, from a seed (a noisy random pattern per class), so the loss has
 somewhere to go and nothing is downloaded.
 """
@@ -16,6 +20,7 @@ somewhere to go and nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -92,7 +97,15 @@ def main() -> None:
         help="a checkpoint due while the last one still uploads: wait for it, or skip",
     )
     parser.add_argument("--events", help="append JSON lines of what happened to this file")
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="keep this process across membership changes (regroup in place)",
+    )
     args = parser.parse_args()
+    if args.in_place:
+        main_in_place(args)
+        return
 
     client = ElasticClient.from_env()
     assignment = client.join()  # under torchrun: the agent's assignment, no new round
@@ -180,6 +193,147 @@ def main() -> None:
             step += 1
     checkpoints.wait()
     event("finished", step=step, loss=round(loss.item(), 4))
+    checkpoints.close()
+    dist.destroy_process_group()
+
+
+def resources() -> dict[str, int]:
+    """This process's resident memory (KiB), threads and open file descriptors (Linux):
+    a process that regroups in place must not grow them generation after generation."""
+    try:
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return {
+            "rss_kib": rss,
+            "threads": len(os.listdir("/proc/self/task")),
+            "fds": len(os.listdir("/proc/self/fd")),
+        }
+    except (OSError, StopIteration, ValueError):
+        return {}
+
+
+def emit(path: str | None, kind: str, **fields: object) -> None:
+    """Appends one event line to ``path`` (one short append per line: atomic)."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"t": time.time(), "event": kind, **fields}) + "\n")
+
+
+def main_in_place(args: argparse.Namespace) -> None:
+    """The same training, regrouping in place: the model, the optimizer and this process
+    outlive each generation; the process group, DDP and the sampler are the
+    generation's."""
+    client = ElasticClient.from_env()
+    client.join()  # under torchrun: the agent's assignment
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)
+    device = torch.device("cuda" if cuda else "cpu")
+    images, labels = synthetic_cifar(args.samples, args.seed)
+    model = SmallCNN().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    checkpoints = CheckpointManager(
+        client,
+        progress=False,
+        persist_every=args.persist_every,
+        if_busy=args.if_busy,
+        fence=[model, optimizer],
+    )
+    step = 0
+    loss = torch.tensor(float("nan"))
+    for generation in checkpoints.generations():
+        rank, world = generation.rank, generation.world_size
+        if cuda:
+            torch.cuda.set_device(generation.local_rank)
+        event = functools.partial(
+            emit, args.events, generation=generation.number, rank=rank, world_size=world
+        )
+
+        ddp = DistributedDataParallel(model)  # on this generation's process group
+        sampler = ElasticSampler(
+            args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=args.batch_size
+        )
+        step = 0
+        restored = checkpoints.load_latest()
+        if restored is not None:
+            model.load_state_dict(restored.state["model"])
+            optimizer.load_state_dict(restored.state["optimizer"])
+            sampler.load_state_dict(restored.state["sampler"])
+            step = restored.step + 1
+        restored_at = time.time()
+        event(
+            "resumed",
+            version=restored.version if restored else None,
+            step=step,
+            pointer=generation.assignment.checkpoint.version
+            if generation.assignment.checkpoint
+            else None,
+            started=process_started(),
+            pid=os.getpid(),
+            bytes_from=restored.bytes_from if restored else None,
+            in_place=generation.regrouped,
+            regroup={**generation.timings, "restored": restored_at},
+            resources=resources(),
+        )
+        saved = -1
+        with generation, PreemptionWatcher(client) as watcher:
+            batches: Iterator[torch.Tensor] = iter(())
+            while step < args.steps:
+                index = next(batches, None)
+                if index is None:
+                    if sampler.remaining < args.batch_size * world:
+                        sampler.set_epoch(sampler.epoch + 1)
+                    batches = iter(torch.split(torch.tensor(list(sampler)), args.batch_size))
+                    continue
+                x, y = images[index].to(device), labels[index].to(device)
+                loss = nn.functional.cross_entropy(ddp(x), y)
+                optimizer.zero_grad()
+                torch.autograd.backward(loss)
+                optimizer.step()
+                sampler.advance()
+                if args.step_time:
+                    time.sleep(args.step_time)
+                if rank == 0:
+                    event("step", step=step, loss=round(loss.item(), 4))
+                if step % args.checkpoint_every == 0:
+                    checkpoints.save(
+                        {
+                            "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "sampler": sampler.state_dict(),
+                        },
+                        step,
+                    )
+                    saved = step
+                if watcher.should_stop():
+                    if saved != step:
+                        state = {
+                            "model": model.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "sampler": sampler.state_dict(),
+                        }
+                        checkpoints.save(state, step, blocking=True, persist=True)
+                    info = checkpoints.wait()
+                    event("emergency", step=step, version=info.version if info else None)
+                    if watcher.notice is not None:
+                        watcher.finish()  # this node leaves: the others regroup
+                    while True:  # a survivor: the departure ends the generation
+                        generation.check()
+                        time.sleep(0.01)
+                generation.check()
+                step += 1
+        if step >= args.steps:
+            break
+    checkpoints.wait()
+    emit(
+        args.events,
+        "finished",
+        generation=generation.number,
+        rank=generation.rank,
+        world_size=generation.world_size,
+        step=step,
+        loss=round(loss.item(), 4),
+    )
     checkpoints.close()
     dist.destroy_process_group()
 

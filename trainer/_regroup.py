@@ -1,0 +1,402 @@
+"""Regrouping in place: a worker that keeps its process across membership changes.
+
+When a node dies or joins, torchrun restarts every worker of every node: new processes
+import torch, build the model, connect and load the checkpoint again, seconds per
+change. A worker that iterates :func:`generations` (or
+:meth:`CheckpointManager.generations <rallypoint.trainer.CheckpointManager.generations>`)
+instead stays: for each generation it is part of, the iterator builds the process
+group, and the caller builds what depends on it (DDP), restores the named checkpoint
+in place and trains until the generation ends. Then:
+
+1. it learns that the generation ended: from its agent's board (:mod:`._board`), which
+   the agent's heartbeat watch updates the moment the coordinator ends the generation,
+   or, without an agent, from its own heartbeat watch;
+2. it leaves the collectives it is in (the training thread's, the background save's):
+   an NCCL group is aborted. A gloo group cannot be (``abort()`` does nothing in torch
+   2.13, and destroying it closes nothing while DDP still holds it), so the process
+   shuts down the TCP connections its groups accepted from peers (:func:`_shut_gloo`):
+   every pair of processes has one side that accepted, so once each live process has
+   done so no collective of the ended generation waits on anyone, and the wait ends
+   with an error, which the ``with generation:`` block swallows once the generation is
+   known to have ended. A peer that vanished without closing its end (a VM gone) is
+   waited for up to the group's ``timeout``;
+3. it destroys the process group, and waits for the node's assignment in the next
+   generation (the agent joins it, as the same member);
+4. it builds the new process group (a TCP store at the new rank 0) and yields it.
+
+Only the workers of a node that died or joins start as processes. Ranks: node rank
+times the node's workers plus the local rank, as torchrun numbers them (every node
+runs as many workers). A worker that cannot regroup raises: its agent restarts the
+node's workers, as before, and counts it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from rallypoint.client import Assignment, ElasticClient, RallypointError
+
+from ._board import REGROUP_ENV, Board, Posted
+from .errors import GenerationEnded, RegroupError
+
+if TYPE_CHECKING:
+    from ._checkpoint import CheckpointManager
+
+__all__ = ["Generation", "generations"]
+
+log = logging.getLogger("rallypoint.trainer")
+
+#: How often a worker looks at its agent's board (one ``stat``).
+_POLL_S = 0.005
+
+
+class Generation:
+    """One generation this process takes part in, its process group built.
+
+    Use it as a context manager around the training of the generation: an exception
+    raised in the block once the generation has ended (:class:`GenerationEnded`, or a
+    collective that failed because a peer went) ends the block quietly, and the
+    iterator moves on to the next generation. Any other exception propagates.
+
+    Attributes:
+        number: The generation.
+        rank: This process's global rank in it.
+        world_size: Its number of processes.
+        local_rank: This process's rank on its node.
+        assignment: The node's assignment (checkpoint pointer included).
+        regrouped: Whether this process came into the generation in place (False for
+            the first generation of a process).
+        timings: For a generation come into in place, when (``time.time()``) this
+            process saw the last one end (``ended``), had left its process group
+            (``left``), got the node's new assignment (``assigned``) and had built the
+            new group (``grouped``).
+    """
+
+    def __init__(
+        self,
+        assignment: Assignment,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        regrouped: bool,
+        ended: threading.Event,
+        detect: float,
+    ) -> None:
+        self.number = assignment.generation
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.assignment = assignment
+        self.regrouped = regrouped
+        self._ended = ended
+        self._detect = detect
+        self.reason = ""
+        self.timings: dict[str, float] = {}
+        self._ended_at = 0.0
+
+    @property
+    def ended(self) -> bool:
+        """Whether the generation ended (a member died or left, or a node joined)."""
+        return self._ended.is_set()
+
+    def check(self) -> None:
+        """Raises :class:`GenerationEnded` if the generation ended: call it once a step.
+
+        Raises:
+            GenerationEnded: As named.
+        """
+        if self._ended.is_set():
+            raise GenerationEnded(f"generation {self.number} ended: {self.reason}")
+
+    def __enter__(self) -> Generation:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, GenerationEnded):
+            return True
+        if not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, SystemExit: not ours to swallow
+        # A collective fails the moment a peer's connection closes, which may come
+        # before the coordinator has seen the peer go: give detection its time.
+        if self._ended.wait(self._detect):
+            log.info(
+                "rank %d: generation %d ended (%s); left it at: %s: %s",
+                self.rank,
+                self.number,
+                self.reason,
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
+            return True
+        return False
+
+
+class _Membership:
+    """Where a worker learns of generations: its agent's board, or its own client."""
+
+    def __init__(self, client: ElasticClient) -> None:
+        self.client = client
+        folder = os.environ.get(REGROUP_ENV)
+        self.board = Board(Path(folder)) if folder else None
+        self._beats = None if self.board is not None else client.heartbeats()
+
+    def ended(self, generation: int) -> str | None:
+        """Why ``generation`` ended, or None while it runs."""
+        if self.board is not None:
+            posted = self.board.read()
+            if posted is None or posted.generation < generation:
+                return None
+            if posted.generation > generation:
+                return "the node is in a later generation"
+            return posted.reason or "ended" if posted.ended else None
+        beats = self._beats
+        if beats is not None and beats.restart.is_set():
+            return "the coordinator ended it"
+        if beats is not None and beats.error is not None:
+            return f"heartbeats failed: {beats.error}"
+        return None
+
+    def next(self, after: int, timeout: float) -> Assignment:
+        """The node's assignment in the first generation after ``after``; the client
+        follows it (the agent's join got the node a new credential)."""
+        if self.board is None:
+            if self._beats is not None:
+                self._beats.stop()
+            self.client.assignment = None
+            assignment = self.client.join(timeout=timedelta(seconds=timeout))
+            self._beats = self.client.heartbeats()
+            return assignment
+        deadline = time.monotonic() + timeout
+        while True:
+            posted: Posted | None = self.board.read()
+            if posted is not None and posted.failed:
+                raise RegroupError(f"the agent could not regroup in place: {posted.failed}")
+            if (
+                posted is not None
+                and posted.generation > after
+                and not posted.ended
+                and posted.assignment is not None
+            ):
+                self.client.follow(posted.assignment, posted.credential)
+                return posted.assignment
+            if time.monotonic() >= deadline:
+                raise RegroupError(f"no generation after {after} within {timeout:.0f} s")
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        if self._beats is not None:
+            self._beats.stop()
+
+
+def generations(
+    client: ElasticClient,
+    *,
+    backend: str | None = None,
+    timeout: timedelta = timedelta(seconds=60),
+    join_timeout: timedelta = timedelta(minutes=10),
+    checkpoints: CheckpointManager | None = None,
+) -> Iterator[Generation]:
+    """The generations this process takes part in, each with its process group built.
+
+    Under a Rallypoint agent (``rallypoint run``, ``torchrun --rdzv-backend=rallypoint``)
+    the agent keeps the membership: it joins the next generation for the node and
+    tells its workers. Without one, this process is the node: the client heartbeats
+    and joins again itself.
+
+    Args:
+        client: The node's client, joined.
+        backend: ``nccl`` with CUDA, else ``gloo`` (the default picks).
+        timeout: The process group's timeout: how long a collective waits for a peer
+            that vanished without closing its connections.
+        join_timeout: How long to wait for the next generation to seal.
+        checkpoints: A manager to move along (its saves of an ended generation are
+            waited for and its process groups dropped).
+
+    Yields:
+        Each :class:`Generation`; the caller breaks out of the loop when training is
+        done.
+
+    Raises:
+        ValueError: The client has not joined, or torch.distributed is initialized
+            already (the generations build their own process groups).
+        RegroupError: The next generation did not come (its agent gave up, or it did
+            not seal within ``join_timeout``): the process should exit, and its agent
+            restarts it.
+    """
+    assignment = client.assignment
+    if assignment is None:
+        raise ValueError("join() the job first")
+    if dist.is_initialized():
+        raise ValueError(
+            "generations() builds the process group of each generation: do not call "
+            "torch.distributed.init_process_group yourself"
+        )
+    if backend is None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    membership = _Membership(client)
+    if membership.board is not None:
+        membership.board.register(local_rank, local_world)
+    detect = _detect_s(client)
+    regrouped = False
+    timings: dict[str, float] = {}
+    try:
+        while True:
+            ended = threading.Event()
+            generation = Generation(
+                assignment,
+                assignment.rank * local_world + local_rank,
+                assignment.world_size * local_world,
+                local_rank,
+                regrouped,
+                ended,
+                detect=detect,
+            )
+            _init_group(generation, backend, timeout)
+            if regrouped:
+                generation.timings = {**timings, "grouped": time.time()}
+            if checkpoints is not None:
+                checkpoints._follow(assignment)
+            watcher = threading.Thread(
+                target=_watch,
+                args=(membership, generation, ended),
+                name="rallypoint-generation",
+                daemon=True,
+            )
+            watcher.start()
+            try:
+                yield generation
+            finally:
+                done = ended.is_set()
+                ended.set()  # stops the watcher, if the caller broke out
+                watcher.join()
+            if not done:
+                raise RuntimeError(
+                    f"the loop asked for the generation after {generation.number} while "
+                    "it still runs: break out of the loop when training is done"
+                )
+            timings = {"ended": generation._ended_at or time.time()}
+            if checkpoints is not None:
+                checkpoints._leave_generation(timeout.total_seconds())
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+            timings["left"] = time.time()
+            assignment = membership.next(assignment.generation, join_timeout.total_seconds())
+            timings["assigned"] = time.time()
+            regrouped = True
+            log.info(
+                "rank %d: into generation %d in place, %.3f s after the end of %d",
+                generation.rank,
+                assignment.generation,
+                timings["assigned"] - timings["ended"],
+                generation.number,
+            )
+    finally:
+        membership.close()
+
+
+def _watch(membership: _Membership, generation: Generation, ended: threading.Event) -> None:
+    """Sets ``ended`` when the generation ends (and aborts an NCCL group, which a
+    dead peer can otherwise leave hanging)."""
+    while not ended.is_set():
+        reason = membership.ended(generation.number)
+        if reason is not None:
+            generation.reason = reason
+            generation._ended_at = time.time()
+            ended.set()
+            if not dist.is_initialized():
+                return
+            if dist.get_backend() == "nccl":
+                with contextlib.suppress(Exception):
+                    dist.group.WORLD.abort()  # type: ignore[union-attr]  # untested here
+            else:
+                closed = _shut_gloo({generation.assignment.master_port})
+                log.debug("rank %d: shut %d gloo connections", generation.rank, closed)
+            return
+        ended.wait(_POLL_S)
+
+
+_LISTEN, _ESTABLISHED = "0A", "01"
+
+
+def _shut_gloo(keep_ports: set[int]) -> int:
+    """Shuts down the TCP connections this process accepted on its listening ports
+    (gloo's, less ``keep_ports``: the store's), from /proc; returns how many.
+
+    ``shutdown`` acts on the connection, not on a descriptor: gloo's own descriptor
+    stays open (gloo closes it with its group), and its wait ends with an error, here
+    and at the peer.
+    """
+    sockets: dict[int, int] = {}  # inode -> fd
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError, ValueError):
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith("socket:["):
+                sockets[int(target[8:-1])] = int(name)
+    rows: list[tuple[int, str, int]] = []  # (local port, state, inode)
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                with contextlib.suppress(ValueError, IndexError):
+                    port = int(fields[1].rsplit(":", 1)[1], 16)
+                    rows.append((port, fields[3], int(fields[9])))
+    listening = {port for port, state, inode in rows if state == _LISTEN and inode in sockets}
+    listening -= keep_ports
+    closed = 0
+    for port, state, inode in rows:
+        if state == _ESTABLISHED and port in listening and inode in sockets:
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=os.dup(sockets[inode]))
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    closed += 1
+                finally:
+                    sock.close()  # the duplicate only
+    return closed
+
+
+def _detect_s(client: ElasticClient) -> float:
+    """How long a failed collective waits to hear that the generation ended: the job's
+    heartbeat timeout (a peer's loss is detected within it)."""
+    with contextlib.suppress(RallypointError):
+        return client.membership().spec.heartbeat_timeout.total_seconds()
+    return 10.0
+
+
+def _init_group(generation: Generation, backend: str, timeout: timedelta) -> None:
+    """The generation's process group: a TCP store at its rank 0's master address."""
+    a = generation.assignment
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(generation.local_rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{a.master_addr}:{a.master_port}",
+        rank=generation.rank,
+        world_size=generation.world_size,
+        timeout=timeout,
+    )
