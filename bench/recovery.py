@@ -1,25 +1,43 @@
-"""Recovery after a lost node and after a preemption notice: rallypoint vs stock torchrun.
+"""Recovery after a lost node, a preemption notice and a new node: rallypoint vs stock
+torchrun.
 
 Four torchrun agents, one CPU worker each (gloo), train the example CNN
 (``trainer/examples/train_ddp.py``; 50 ms of extra work per step). Mid-training one node
 goes, and the clock runs until rank 0 completes a training step at world size 3:
 
 - ``worker``: SIGKILL of rank 2's worker process alone (its agent lives on and
-  restarts it; the others restart theirs).
+  restarts it; the others restart theirs, or, in place, regroup around it).
 - ``kill``: SIGKILL of a whole node (agent and worker, as when a VM vanishes), rank 2.
 - ``preempt``: for rallypoint an Azure Scheduled Events ``Preempt`` notice (a stand-in
   for IMDS on loopback); stock torchrun has no notice to act on, so it gets what the
   platform sends next, SIGTERM to the agent.
+- ``join``: three agents train to step 30, then a fourth is started; the clock runs from
+  its start to rank 0's first step at world size 4.
 
-For the SIGKILLs Rallypoint runs twice, each node with a memory tier of its own (as on
+Rallypoint runs in up to three setups, each node with a memory tier of its own (as on
 separate machines):
 
 - ``rallypoint``: checkpoints every 10 steps to memory (the node's and its peer's), every
-  10th of them to blob storage too (every 100 steps);
+  10th of them to blob storage too (every 100 steps); the agents restart their workers
+  (warm, under ``rallypoint run``) for each new generation;
+- ``rallypoint-in-place``: the same checkpoints, but the workers regroup in place
+  (``train_ddp.py --in-place``): survivors keep their processes, build the new process
+  group and restore from their node's memory (``worker``, ``kill`` and ``join``; for
+  ``join`` also with ``last_call=0``, as ``rallypoint-in-place-lc0``: the 2 s last call is a
+  deliberate wait for more newcomers);
 - ``rallypoint-blob``: ``RALLYPOINT_MEMORY_DIR=none``, a checkpoint every 100 steps to
-  blob storage, the most its bandwidth allows for a large model.
+  blob storage, the most its bandwidth allows for a large model (``worker``, ``kill``).
 
-Bytes the new workers read from storage and steps lost are printed for each.
+Bytes the new workers read from storage and steps lost are printed for each; for in
+place, the regroup's phases too (seconds from the event to the survivors' end of the old
+generation, leaving its group, the node's next assignment, the new group, the restore and
+the first step).
+
+``--kind chaos`` (in place only): four nodes, ten rounds of a seeded random node other than
+n0 SIGKILLed (to a step at world 3) and a new node started (to a step at world 4); every
+generation is checked consistent, fallbacks (a worker restarted instead of regrouping)
+are counted, and n0's worker, which never dies, reports its RSS, threads and open files
+at each regroup: the leak check.
 
 Both sides use ``--nnodes=3:4`` and ``--max-restarts=100``. rallypoint runs with
 ``heartbeat_timeout=3`` and a 2 s last call; stock c10d keeps its defaults. The anchor's
@@ -28,8 +46,9 @@ authoritative checkpoint to resume from); "steps lost" is rallypoint's only.
 
 Usage::
 
-    python bench/recovery.py [--limit 100] [--only rallypoint|c10d]
-        [--kind worker|kill|preempt] [--repeat 1]
+    python bench/recovery.py [--limit 100] [--only rallypoint|rallypoint-in-place|c10d]
+        [--kind worker|kill|preempt|join] [--repeat 1]
+    python bench/recovery.py --kind chaos [--rounds 10] [--seed 0]
 """
 
 from __future__ import annotations
@@ -37,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -45,6 +65,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from _regroup_chaos import chaos, format_chaos, format_regroup, regroup
 
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, descendants, free_port, judge
@@ -94,7 +116,14 @@ def restarted(
     return lambda e: step_with(world, after)(e) and where(e)
 
 
-def rallypoint(kind: str, workdir: Path, limit: float, memory: bool = True) -> dict[str, Any]:
+def rallypoint(
+    kind: str,
+    workdir: Path,
+    limit: float,
+    memory: bool = True,
+    in_place: bool = False,
+    last_call: int = 2,
+) -> dict[str, Any]:
     storage = ["--storage", f"local:{workdir / 'storage'}"]
     coordinator = Coordinator(storage, log=workdir / "coordinator.log")
     with FakeImds() as imds:
@@ -107,29 +136,37 @@ def rallypoint(kind: str, workdir: Path, limit: float, memory: bool = True) -> d
             steps=10**6,
             step_time=STEP_TIME,
             heartbeat_timeout=3,
-            last_call=2,
+            last_call=last_call,
             imds_url=imds.url,
             checkpoint_every=10 if memory else 100,
             persist_every=10 if memory else 1,
             memory=workdir / "shm" if memory else None,
+            in_place=in_place,
         )
+        first: dict[str, Any] | None = None
         try:
-            for node in AGENTS:
+            # A join starts with three nodes (``3:4``: the job runs without the fourth).
+            for node in AGENTS[:3] if kind == "join" else AGENTS:
                 cluster.add(node)
             cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
-            victim = _member_of_rank(coordinator.url, cluster.job, 2)
-            world = 4 if kind == "worker" else 3
+            world = 3 if kind in ("kill", "preempt") else 4
             generation = max(e["generation"] for e in cluster.events())
-            started = time.time()
-            if kind == "worker":
-                os.kill(_worker_of_rank(cluster, 2), signal.SIGKILL)
-            elif kind == "kill":
-                cluster.kill(victim)
+            if kind == "join":
+                started = time.time()
+                cluster.add(AGENTS[3])
             else:
-                imds.schedule(victim)
+                victim = _member_of_rank(coordinator.url, cluster.job, 2)
+                started = time.time()
+                if kind == "worker":
+                    os.kill(_worker_of_rank(cluster, 2), signal.SIGKILL)
+                elif kind == "kill":
+                    cluster.kill(victim)
+                else:
+                    imds.schedule(victim)
             later = restarted(world, started, lambda e: e["generation"] > generation)
             try:
-                recovered = cluster.wait_for(later, timeout=limit)["t"] - started
+                first = cluster.wait_for(later, timeout=limit)
+                recovered: float | None = first["t"] - started
             except TimeoutError:
                 recovered = None
             history = _history(coordinator.url, cluster.job)
@@ -142,7 +179,10 @@ def rallypoint(kind: str, workdir: Path, limit: float, memory: bool = True) -> d
     # When the new workers' processes started: the rest of the time is their start-up
     # (importing torch, three at once on this machine's CPUs) and the first step.
     resumed = [e for e in events if e["event"] == "resumed" and e["t"] > started]
-    spawned = [e["started"] - started for e in resumed if e.get("started")]
+    # (In place only the newcomers' count: a survivor's process started long before.)
+    spawned = [
+        e["started"] - started for e in resumed if e.get("started") and not e.get("in_place")
+    ]
     storage = [(e.get("bytes_from") or {}).get("storage", 0) for e in resumed]
     peer = [(e.get("bytes_from") or {}).get("peer", 0) for e in resumed]
     return {
@@ -152,6 +192,9 @@ def rallypoint(kind: str, workdir: Path, limit: float, memory: bool = True) -> d
         "consistent": verdict.consistent,
         "storage_bytes": sum(storage) if resumed else None,
         "peer_bytes": sum(peer) if resumed else None,
+        "pause": _pause(events, first),
+        # In place: who regrouped and who restarted, the phases, the bytes of each.
+        "regroup": regroup(events, history, started, first) if in_place and first else None,
     }
 
 
@@ -173,15 +216,21 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
         ],
     )
     cluster.events_file = events
+    first: dict[str, Any] | None = None
     try:
-        for node in AGENTS:
+        for node in AGENTS[:3] if kind == "join" else AGENTS:
             cluster.add(node)
-        cluster.wait_for(step_with(4), timeout=120)
+        # c10d's first round waits out its last call (30 s) for the fourth node of 3:4.
+        cluster.wait_for(step_with(3 if kind == "join" else 4), timeout=120)
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
         victim = AGENTS[-1]  # not the store's host: that one takes the job down with it
         at_kill = max(e["step"] for e in cluster.events() if e["event"] == "step")
         started = time.time()
-        if kind == "worker":
+        if kind == "join":
+            # The running agents see it waiting (their monitor polls c10d's count of
+            # waiting nodes) and restart their workers into a round with it.
+            cluster.add(victim)
+        elif kind == "worker":
             # The anchor's workers log no pid: the agent's child that runs the script.
             for pid in descendants(cluster.agents[victim].proc.pid):
                 with contextlib.suppress(OSError):
@@ -191,16 +240,33 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
             cluster.kill(victim)
         else:
             cluster.terminate(victim)
-        world = 4 if kind == "worker" else 3
+        world = 3 if kind in ("kill", "preempt") else 4
         try:
             # The anchor keeps no checkpoint: restarted workers count their steps from 0.
             later = restarted(world, started, lambda e: e["step"] < at_kill)
-            recovered = cluster.wait_for(later, timeout=limit)["t"] - started
+            first = cluster.wait_for(later, timeout=limit)
+            recovered: float | None = first["t"] - started
         except TimeoutError:
             recovered = None
     finally:
         cluster.stop()
-    return {"seconds": recovered, "workers_started": None, "steps_lost": None, "consistent": None}
+    return {
+        "seconds": recovered,
+        "workers_started": None,
+        "steps_lost": None,
+        "consistent": None,
+        "pause": _pause(cluster.events(), first),
+    }
+
+
+def _pause(events: list[dict[str, Any]], first: dict[str, Any] | None) -> float | None:
+    """Rank 0's pause in steps: from its last step before ``first`` (the first at the
+    new world size) to ``first``. For a join it is what the running nodes lose to the
+    newcomer; after a kill it includes the detection."""
+    if first is None:
+        return None
+    before = [e["t"] for e in events if e["event"] == "step" and e["t"] < first["t"]]
+    return first["t"] - max(before) if before else None
 
 
 def _worker_of_rank(cluster: Cluster, rank: int) -> int:
@@ -228,59 +294,157 @@ def _runs(results: list[dict[str, Any]], limit: float) -> str:
         return "-"
     return (
         ", ".join(
-            f"> {limit:.0f}" if r["seconds"] is None else f"{r['seconds']:.1f}" for r in results
+            f"> {limit:.0f}" if r["seconds"] is None else f"{r['seconds']:.2f}" for r in results
         )
         + " s"
     )
+
+
+# Which setups each family of ``--only`` runs, and the events each setup takes part in.
+FAMILIES = {
+    "rallypoint": ("rallypoint", "rallypoint-blob"),
+    "rallypoint-in-place": ("rallypoint-in-place", "rallypoint-in-place-lc0"),
+    "c10d": ("c10d",),
+}
+KINDS = {
+    "rallypoint": ("worker", "kill", "preempt", "join"),
+    # A notice persists the emergency version either way; a newcomer reads the memory
+    # tier of a peer, which blob storage only has no stand-in for.
+    "rallypoint-blob": ("worker", "kill"),
+    "rallypoint-in-place": ("worker", "kill", "join"),
+    # last_call=0 seals the newcomer's generation at once: what the 2 s wait for more
+    # newcomers costs a join.
+    "rallypoint-in-place-lc0": ("join",),
+    "c10d": ("worker", "kill", "preempt", "join"),
+}
+LABELS = {
+    "worker": "SIGKILL of a worker (rank 2)",
+    "kill": "SIGKILL of a node (rank 2)",
+    "preempt": "preemption notice / SIGTERM",
+    "join": "a node joins (3 -> 4)",
+}
+
+
+def _keep(tmp: Path, label: str) -> Path:
+    """Copies a run's logs and events (not its checkpoints) to /tmp/bench-evidence: the
+    temporary directory goes when the run ends."""
+    out = Path("/tmp/bench-evidence") / f"{label}-{time.strftime('%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    for path in tmp.iterdir():
+        if path.is_file() and path.suffix in (".log", ".jsonl"):
+            shutil.copy(path, out / path.name)
+    return out
+
+
+def _failed(result: dict[str, Any]) -> bool:
+    """A run worth keeping the logs of: no recovery, an inconsistent restore, or, in
+    place, a survivor that came back as a new process."""
+    report = result.get("regroup")
+    return (
+        result["seconds"] is None
+        or result["consistent"] is False
+        or (report is not None and not report["same_pids"])
+    )
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    os.environ[MEMORY_ENV] = ""
+    with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
+        result = chaos(
+            Path(tmp), args.limit, rounds=args.rounds, seed=args.seed, step_time=STEP_TIME
+        )
+        kept = _keep(Path(tmp), "chaos")  # ten rounds of logs: kept whatever the outcome
+    print(f"\nchaos, in place: {args.rounds} rounds, seed {args.seed} (logs kept in {kept})")
+    for line in format_chaos(result):
+        print(line)
+    return 0 if result["failure"] is None else 1
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--limit", type=float, default=100, help="give up after this many s")
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--only", choices=["rallypoint", "c10d"])
-    parser.add_argument("--kind", choices=["worker", "kill", "preempt"], help="one event only")
+    parser.add_argument("--only", choices=list(FAMILIES))
+    parser.add_argument(
+        "--kind", choices=[*LABELS, "chaos"], help="one event only (chaos: in place only)"
+    )
+    parser.add_argument("--rounds", type=int, default=10, help="chaos: kills and joins")
+    parser.add_argument("--seed", type=int, default=0, help="chaos: which nodes die")
     args = parser.parse_args()
     # CPU workers, as above, on a machine with a GPU too: there the example would train on
     # it with NCCL, which refuses four ranks on one device.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if args.kind == "chaos":
+        return _chaos(args)
     runners: dict[str, Callable[[str, Path, float], dict[str, Any]]] = {
+        "rallypoint-in-place": lambda k, w, limit: rallypoint(k, w, limit, in_place=True),
+        "rallypoint-in-place-lc0": lambda k, w, limit: rallypoint(
+            k, w, limit, in_place=True, last_call=0
+        ),
         "rallypoint": rallypoint,
         "rallypoint-blob": lambda k, w, limit: rallypoint(k, w, limit, memory=False),
         "c10d": c10d,
     }
     if args.only:
-        runners = {k: v for k, v in runners.items() if k.split("-")[0] == args.only}
+        runners = {k: v for k, v in runners.items() if k in FAMILIES[args.only]}
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.repeat):
-        for kind in [args.kind] if args.kind else ["worker", "kill", "preempt"]:
+        for kind in [args.kind] if args.kind else list(LABELS):
             for name, run in runners.items():
-                if name == "rallypoint-blob" and kind == "preempt":
-                    continue  # a notice persists the emergency version either way
+                if kind not in KINDS[name]:
+                    continue
                 # Blob storage only: the agents give their workers no memory tier.
                 os.environ[MEMORY_ENV] = "none" if name == "rallypoint-blob" else ""
                 with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
                     result = run(kind, Path(tmp), args.limit)
+                    if _failed(result):
+                        result["evidence"] = str(_keep(Path(tmp), f"{name}-{kind}"))
                 results.setdefault((kind, name), []).append(result)
                 print(f"{kind:8} {name:10} {result}", file=sys.stderr, flush=True)
 
-    print(f"\n{'event':34} {'rallypoint':>16} {'stock c10d':>18} {'steps lost':>11}")
-    labels = {
-        "worker": "SIGKILL of a worker (rank 2)",
-        "kill": "SIGKILL of a node (rank 2)",
-        "preempt": "preemption notice / SIGTERM",
-    }
-    for kind, label in labels.items():
+    print(
+        f"\n{'event':30} {'in place':>18} {'rallypoint':>18} {'stock c10d':>18} {'steps lost':>11}"
+    )
+    for kind, label in LABELS.items():
+        inplace = results.get((kind, "rallypoint-in-place"), [])
         ours = results.get((kind, "rallypoint"), [])
         theirs = results.get((kind, "c10d"), [])
         blob = results.get((kind, "rallypoint-blob"), [])
-        lost = [r["steps_lost"] for r in ours if r["steps_lost"] is not None]
+        if not (inplace or ours or theirs or blob):
+            continue
+        lost = [r["steps_lost"] for r in inplace + ours if r["steps_lost"] is not None]
         spawned = [r["workers_started"] for r in ours if r["workers_started"] is not None]
         # Every run, not a median: a run of the anchor may not recover at all.
         print(
-            f"{label:34} {_runs(ours, args.limit):>16} {_runs(theirs, args.limit):>18} "
-            f"{max(lost) if lost else '-':>11}"
+            f"{label:30} {_runs(inplace, args.limit):>18} {_runs(ours, args.limit):>18} "
+            f"{_runs(theirs, args.limit):>18} {max(lost) if lost else '-':>11}"
         )
+        for r in inplace:
+            report = r.get("regroup")
+            lines = format_regroup(report) if report else ["no step at the new world size"]
+            print(f"  in place, steps lost {r['steps_lost']}:")
+            for line in lines:
+                print(f"    {line}")
+        if kind == "join":
+            fast = results.get((kind, "rallypoint-in-place-lc0"), [])
+            if fast:
+                print(f"  in place with last_call=0: {_runs(fast, args.limit)}")
+                for r in fast:
+                    if r.get("regroup"):
+                        print(f"    {format_regroup(r['regroup'])[0]}")
+            for name, rs in (("in place", inplace), ("in place, last_call=0", fast)):
+                pauses = [f"{r['pause']:.2f}" for r in rs if r.get("pause") is not None]
+                if pauses:
+                    print(f"  {name}: rank 0's pause in steps {', '.join(pauses)} s")
+            for name, rs in (("rallypoint", ours), ("c10d", theirs)):
+                pauses = [f"{r['pause']:.2f}" for r in rs if r.get("pause") is not None]
+                if pauses:
+                    print(f"  {name}: rank 0's pause in steps {', '.join(pauses)} s")
+            if theirs and all(r["seconds"] is None for r in theirs):
+                print(
+                    "  c10d: no step at world 4 within the limit: the running agents did "
+                    "not take the new node in (see the evidence kept)"
+                )
         if spawned:
             print(f"  rallypoint: new worker processes started after {min(spawned):.2f} s")
         read = [r["storage_bytes"] for r in ours if r.get("storage_bytes") is not None]
@@ -298,8 +462,12 @@ def main() -> int:
                 f"{max(blob_read) if blob_read else '-'} bytes from storage, "
                 f"{max(blob_lost) if blob_lost else '-'} steps lost"
             )
-        if ours and not all(r["consistent"] for r in ours):
-            print(f"  rallypoint ranks resumed from different checkpoints after {kind}!")
+        for name, rs in (("rallypoint", ours), ("in place", inplace)):
+            if rs and not all(r["consistent"] for r in rs):
+                print(f"  {name}: ranks resumed from different checkpoints after {kind}!")
+        kept = [r["evidence"] for r in inplace + ours + theirs + blob if r.get("evidence")]
+        if kept:
+            print(f"  logs of failed runs: {', '.join(kept)}")
     return 0
 
 
