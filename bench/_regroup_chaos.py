@@ -117,6 +117,20 @@ def _step(world: int, after: float, generation: int = -1) -> Callable[[Event], b
     )
 
 
+def log_lines(logs: Sequence[Path], needle: str) -> list[str]:
+    """The lines of ``logs`` that contain ``needle``, each with its file's name."""
+    out: list[str] = []
+    for path in logs:
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        out.extend(
+            f"{path.name}: {line.strip()[:240]}" for line in text.splitlines() if needle in line
+        )
+    return out
+
+
 def _worker_pid(cluster: Cluster, node: str) -> int | None:
     """The pid of ``node``'s worker: the agent's descendant that logged a ``resumed``."""
     below = set(descendants(cluster.agents[node].proc.pid))
@@ -201,6 +215,11 @@ def chaos(
     finally:
         cluster.stop()
         coordinator.stop()
+    # The plugin says so when it restarts a node's workers instead of regrouping: a
+    # worker that died of its collective before it saw the generation end leaves no
+    # re-join in the coordinator's record when the generation had already ended.
+    logs = [a.log for a in cluster.agents.values()]
+    fallbacks = log_lines(logs, "instead of regrouping in place")
     events = cluster.events()
     for r in done:
         r["kill"] = regroup(events, generations, r["killed"], r["at3"])
@@ -212,6 +231,7 @@ def chaos(
         "events": events,
         "history": generations,
         "keeper": keeper,
+        "fallbacks": fallbacks,
         "workdir": str(workdir),
     }
 
@@ -270,27 +290,46 @@ def format_chaos(result: dict[str, Any]) -> list[str]:
             extra.append(f"generation {number}: {len(new)} new processes, world +{grew}")
     lines.append(f"new worker processes beyond the newcomers: {len(extra)} generations")
     lines.extend(f"  {x}" for x in extra)
+    lines.append(f"fallbacks the agents logged: {len(result['fallbacks'])}")
+    lines.extend(f"  {x}" for x in result["fallbacks"])
 
     first_pid, last_pid = result["keeper"]
-    mine = [e for e in resumed if e["pid"] == first_pid and e.get("resources")]
     same = "the same process" if first_pid == last_pid else f"RESTARTED as {last_pid}"
-    lines.append(f"n0's worker (pid {first_pid}, at the end {same}): {len(mine)} resumed events")
-    if mine:
-        keys = ("rss_kib", "threads", "fds")
-        for label, e in (("first", mine[0]), ("last", mine[-1])):
-            values = ", ".join(f"{k} {e['resources'].get(k)}" for k in keys)
-            lines.append(f"  {label:5} (generation {e['generation']}): {values}")
-        for k in keys:
-            series = [e["resources"].get(k) for e in mine]
-            lines.append(
-                f"  {k:8} min {min(series)} max {max(series)} across all: "
-                + " ".join(str(v) for v in series)
-            )
-        if len(mine) > 3:
-            # The first regroups warm caches up (gloo's, the allocator's); growth after
-            # them is what would leak generation after generation.
-            grew = mine[-1]["resources"]["rss_kib"] - mine[2]["resources"]["rss_kib"]
-            lines.append(
-                f"  RSS growth after the second regroup: {grew} KiB over {len(mine) - 3} regroups"
-            )
+    lines.append(f"n0's worker (pid {first_pid}, at the end {same}):")
+    lines.extend(_resources([e for e in resumed if e["pid"] == first_pid]))
+    # If n0's worker fell back to a restart, the process that regrouped most often is
+    # the leak check's longest series.
+    counts: dict[int, int] = {}
+    for e in resumed:
+        counts[e["pid"]] = counts.get(e["pid"], 0) + 1
+    longest = max(counts, key=lambda pid: counts[pid], default=None)
+    if longest is not None and longest != first_pid:
+        lines.append(f"the worker that regrouped most (pid {longest}):")
+        lines.extend(_resources([e for e in resumed if e["pid"] == longest]))
+    return lines
+
+
+def _resources(mine: Sequence[Event]) -> list[str]:
+    """One process's RSS, threads and open files at each of its ``resumed`` events."""
+    mine = [e for e in mine if e.get("resources")]
+    lines = [f"  {len(mine)} resumed events, generations {[e['generation'] for e in mine]}"]
+    if not mine:
+        return lines
+    keys = ("rss_kib", "threads", "fds")
+    for label, e in (("first", mine[0]), ("last", mine[-1])):
+        values = ", ".join(f"{k} {e['resources'].get(k)}" for k in keys)
+        lines.append(f"  {label:5} (generation {e['generation']}): {values}")
+    for k in keys:
+        series = [e["resources"].get(k) for e in mine]
+        lines.append(
+            f"  {k:8} min {min(series)} max {max(series)} across all: "
+            + " ".join(str(v) for v in series)
+        )
+    if len(mine) > 3:
+        # The first regroups warm caches up (gloo's, the allocator's); growth after
+        # them is what would leak generation after generation.
+        grew = mine[-1]["resources"]["rss_kib"] - mine[2]["resources"]["rss_kib"]
+        lines.append(
+            f"  RSS growth after its second regroup: {grew} KiB over {len(mine) - 3} regroups"
+        )
     return lines

@@ -66,7 +66,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _regroup_chaos import chaos, format_chaos, format_regroup, regroup
+from _regroup_chaos import chaos, format_chaos, format_regroup, log_lines, regroup
 
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, descendants, free_port, judge
@@ -256,7 +256,17 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
         "steps_lost": None,
         "consistent": None,
         "pause": _pause(cluster.events(), first),
+        # Why no step came: each agent's last error line (torchrun logs its own).
+        "why": None if first else _last_errors([a.log for a in cluster.agents.values()]),
     }
+
+
+def _last_errors(logs: list[Path]) -> list[str]:
+    out = []
+    for line in [log_lines([log], "Error") for log in logs]:
+        if line:
+            out.append(line[-1])
+    return out
 
 
 def _pause(events: list[dict[str, Any]], first: dict[str, Any] | None) -> float | None:
@@ -440,11 +450,6 @@ def main() -> int:
                 pauses = [f"{r['pause']:.2f}" for r in rs if r.get("pause") is not None]
                 if pauses:
                     print(f"  {name}: rank 0's pause in steps {', '.join(pauses)} s")
-            if theirs and all(r["seconds"] is None for r in theirs):
-                print(
-                    "  c10d: no step at world 4 within the limit: the running agents did "
-                    "not take the new node in (see the evidence kept)"
-                )
         if spawned:
             print(f"  rallypoint: new worker processes started after {min(spawned):.2f} s")
         read = [r["storage_bytes"] for r in ours if r.get("storage_bytes") is not None]
@@ -465,6 +470,14 @@ def main() -> int:
         for name, rs in (("rallypoint", ours), ("in place", inplace)):
             if rs and not all(r["consistent"] for r in rs):
                 print(f"  {name}: ranks resumed from different checkpoints after {kind}!")
+        for r in theirs:
+            if r.get("why"):
+                print(
+                    f"  c10d: no step at world {3 if kind in ('kill', 'preempt') else 4}, "
+                    "each agent's last error:"
+                )
+                for line in r["why"]:
+                    print(f"    {line}")
         kept = [r["evidence"] for r in inplace + ours + theirs + blob if r.get("evidence")]
         if kept:
             print(f"  logs of failed runs: {', '.join(kept)}")
