@@ -157,7 +157,13 @@ class _Membership:
         self.client = client
         folder = os.environ.get(REGROUP_ENV)
         self.board = Board(Path(folder)) if folder else None
-        self._beats = None if self.board is not None else client.heartbeats()
+        self._beats = None
+        self._addr: str | None = None
+        if self.board is None:
+            self._beats = client.heartbeats()
+            # Joins again as it joined: at the address the others reached it at.
+            me = [m for m in client.members() if m.node_id == client.node_id]
+            self._addr = me[0].addr if me else None
 
     def ended(self, generation: int) -> str | None:
         """Why ``generation`` ended, or None while it runs."""
@@ -182,7 +188,7 @@ class _Membership:
             if self._beats is not None:
                 self._beats.stop()
             self.client.assignment = None
-            assignment = self.client.join(timeout=timedelta(seconds=timeout))
+            assignment = self.client.join(self._addr, timeout=timedelta(seconds=timeout))
             self._beats = self.client.heartbeats()
             return assignment
         deadline = time.monotonic() + timeout
@@ -379,11 +385,14 @@ def _shut_gloo(keep_ports: set[int]) -> int:
 
 
 def _detect_s(client: ElasticClient) -> float:
-    """How long a failed collective waits to hear that the generation ended: the job's
-    heartbeat timeout (a peer's loss is detected within it)."""
+    """How long a failed collective waits to hear that the generation ended: twice the
+    job's heartbeat timeout, and a second. A peer's loss is usually known within a
+    second (its dropped heartbeat watch), but a node killed before its first heartbeat
+    of a generation has no watch to drop, and is found at the timeout (a bench run's
+    worker gave up at one timeout, 0.4 s before the end came, and was restarted)."""
     with contextlib.suppress(RallypointError):
-        return client.membership().spec.heartbeat_timeout.total_seconds()
-    return 10.0
+        return 2 * client.membership().spec.heartbeat_timeout.total_seconds() + 1.0
+    return 21.0
 
 
 def _init_group(generation: Generation, backend: str, timeout: timedelta) -> None:
