@@ -60,7 +60,9 @@ def create_app(
             backend.blobs(name)
         app.state.storage = backend
         app.state.rdzv = Rendezvous(backend.table("jobs"), on_miss=metrics.generation_missed)
-        app.state.driver = Driver(app.state.rdzv, grace=settings.storage_grace)
+        app.state.driver = Driver(
+            app.state.rdzv, reconnect=settings.heartbeat_reconnect, grace=settings.storage_grace
+        )
         app.state.kv = KeyValue(backend.table("jobs"))
         app.state.tokens = Tokens(backend.table("jobs"), settings.token)
         app.state.checkpoints = Checkpoints(
