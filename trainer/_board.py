@@ -25,6 +25,8 @@ from pathlib import Path
 
 from rallypoint.client import Assignment
 
+from ._pids import alive
+
 __all__ = ["REGROUP_ENV", "Board", "Posted"]
 
 #: The folder the agent's plugin and its workers share (set by the plugin).
@@ -105,7 +107,7 @@ class Board:
                 of.add(int(body["of"]))
         if len(of) != 1 or set(pids) != set(range(of.pop())):
             return False
-        return all(_alive(pid) for pid in pids.values())
+        return all(alive(pid) for pid in pids.values())
 
     def local_world_size(self) -> int | None:
         """The node's number of workers, as its registered workers said (None: none did)."""
@@ -154,22 +156,3 @@ class Board:
         )
         self._stamp = stamp
         return self._last
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs: a worker that died but that torchrun has not reaped yet is a
-    zombie, and the agent is about to restart it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # "pid (comm) S ...": the state follows the last ')' (comm may hold any).
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel whether the pid exists at all
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True

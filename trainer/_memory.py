@@ -51,6 +51,7 @@ import torch
 from rallypoint.client import check_id
 
 from ._bytes import map_private
+from ._pids import alive
 
 __all__ = ["KEEP", "KEEP_ENV", "MEMORY_ENV", "OFF", "NodeMemory", "default_root", "map_file"]
 
@@ -219,7 +220,7 @@ class NodeMemory:
         """Removes staging files of processes that died mid-save (the name holds the pid)."""
         for left in staging.glob("rank-*"):
             with contextlib.suppress(ValueError, OSError):
-                if not _alive(int(left.name.split(".")[1])):
+                if not alive(int(left.name.split(".")[1])):
                     left.unlink()
 
     def adopt(self, version: int, name: str, staged: Path) -> None:
@@ -335,7 +336,7 @@ class NodeMemory:
         owners on this machine that are gone."""
         for owner in self.root.glob(f"*/*/{_OWNER}"):
             with contextlib.suppress(OSError, ValueError):
-                if not _alive(int(owner.read_text())):
+                if not alive(int(owner.read_text())):
                     shutil.rmtree(owner.parent, ignore_errors=True)
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / _OWNER).write_text(str(os.getpid()))
@@ -345,13 +346,3 @@ class NodeMemory:
         shutil.rmtree(self.folder, ignore_errors=True)
         with contextlib.suppress(OSError):
             self.folder.parent.rmdir()  # the job's folder, if no other node's is left
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
