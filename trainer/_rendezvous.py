@@ -331,13 +331,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
             assignment.world_size,
             assignment.checkpoint.version if assignment.checkpoint else None,
         )
-        store = CoordinatorStore(
-            self._client,
-            assignment.generation,
-            self.settings.store_timeout,
-            abort=self._ended,
-            release=self._departed,
-        )
+        store = self._store_of(assignment.generation)
         self._store = store
         self._agent_world = assignment.world_size
         self._board.post(Posted(assignment.generation, ended=False, assignment=assignment))
@@ -410,13 +404,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
         rendezvous (``SimpleElasticAgent._assign_worker_ranks``; the keys and the
         format are its own, copied here), and a newcomer's waits for every agent's
         part; this one skipped its rendezvous."""
-        store = CoordinatorStore(
-            self._client,
-            assignment.generation,
-            self.settings.store_timeout,
-            abort=self._ended,
-            release=self._departed,
-        )
+        store = self._store_of(assignment.generation)
         mine = {"role": _ROLE, "rank": assignment.rank, "local_world_size": local_world}
         try:
             store.set(f"{_ROLE_INFO}{assignment.rank}", json.dumps(mine).encode())
@@ -438,6 +426,16 @@ class RallypointRendezvousHandler(RendezvousHandler):
         except Exception as exc:  # the generation ended first: nobody needs them now
             generation = assignment.generation
             log.debug("rallypoint: ranks of generation %d not published: %s", generation, exc)
+
+    def _store_of(self, generation: int) -> CoordinatorStore:
+        """The coordinator's store of ``generation``, whose waits end when it does."""
+        return CoordinatorStore(
+            self._client,
+            generation,
+            self.settings.store_timeout,
+            abort=self._ended,
+            release=self._departed,
+        )
 
     def _departed(self) -> bool:
         beats = self._beats

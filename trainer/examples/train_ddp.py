@@ -154,31 +154,16 @@ def main() -> None:
     )
 
     def state() -> dict[str, object]:
-        return {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "sampler": sampler.state_dict(),
-        }
+        return snapshot(model, optimizer, sampler)
 
     saved = -1
     loss = torch.tensor(float("nan"))
     with PreemptionWatcher(client) as watcher:
-        batches: Iterator[torch.Tensor] = iter(())
-        while step < args.steps:
-            index = next(batches, None)
-            if index is None:  # a new epoch (or the rest of this one)
-                if sampler.remaining < args.batch_size * world:
-                    sampler.set_epoch(sampler.epoch + 1)
-                batches = iter(torch.split(torch.tensor(list(sampler)), args.batch_size))
-                continue
+        for index in batches(sampler, args.batch_size, world):
+            if step >= args.steps:
+                break
             x, y = images[index].to(device), labels[index].to(device)
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            optimizer.zero_grad()
-            torch.autograd.backward(loss)
-            optimizer.step()
-            sampler.advance()
-            if args.step_time:
-                time.sleep(args.step_time)
+            loss = train_step(ddp, optimizer, sampler, x, y, args.step_time)
             if rank == 0:
                 event("step", step=step, loss=round(loss.item(), 4))
             if step % args.checkpoint_every == 0:
@@ -195,6 +180,44 @@ def main() -> None:
     event("finished", step=step, loss=round(loss.item(), 4))
     checkpoints.close()
     dist.destroy_process_group()
+
+
+def batches(sampler: ElasticSampler, batch_size: int, world: int) -> Iterator[torch.Tensor]:
+    """This rank's index batches without end: the rest of this epoch, then the next."""
+    while True:
+        if sampler.remaining < batch_size * world:
+            sampler.set_epoch(sampler.epoch + 1)
+        yield from torch.split(torch.tensor(list(sampler)), batch_size)
+
+
+def train_step(
+    ddp: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: ElasticSampler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    step_time: float,
+) -> torch.Tensor:
+    """One step; its loss."""
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    optimizer.zero_grad()
+    torch.autograd.backward(loss)
+    optimizer.step()
+    sampler.advance()
+    if step_time:
+        time.sleep(step_time)
+    return loss
+
+
+def snapshot(
+    model: nn.Module, optimizer: torch.optim.Optimizer, sampler: ElasticSampler
+) -> dict[str, object]:
+    """What a checkpoint holds."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "sampler": sampler.state_dict(),
+    }
 
 
 def resources() -> dict[str, int]:
@@ -277,41 +300,19 @@ def main_in_place(args: argparse.Namespace) -> None:
         )
         saved = -1
         with generation, PreemptionWatcher(client) as watcher:
-            batches: Iterator[torch.Tensor] = iter(())
-            while step < args.steps:
-                index = next(batches, None)
-                if index is None:
-                    if sampler.remaining < args.batch_size * world:
-                        sampler.set_epoch(sampler.epoch + 1)
-                    batches = iter(torch.split(torch.tensor(list(sampler)), args.batch_size))
-                    continue
+            for index in batches(sampler, args.batch_size, world):
+                if step >= args.steps:
+                    break
                 x, y = images[index].to(device), labels[index].to(device)
-                loss = nn.functional.cross_entropy(ddp(x), y)
-                optimizer.zero_grad()
-                torch.autograd.backward(loss)
-                optimizer.step()
-                sampler.advance()
-                if args.step_time:
-                    time.sleep(args.step_time)
+                loss = train_step(ddp, optimizer, sampler, x, y, args.step_time)
                 if rank == 0:
                     event("step", step=step, loss=round(loss.item(), 4))
                 if step % args.checkpoint_every == 0:
-                    checkpoints.save(
-                        {
-                            "model": model.state_dict(),
-                            "optimizer": optimizer.state_dict(),
-                            "sampler": sampler.state_dict(),
-                        },
-                        step,
-                    )
+                    checkpoints.save(snapshot(model, optimizer, sampler), step)
                     saved = step
                 if watcher.should_stop():
                     if saved != step:
-                        state = {
-                            "model": model.state_dict(),
-                            "optimizer": optimizer.state_dict(),
-                            "sampler": sampler.state_dict(),
-                        }
+                        state = snapshot(model, optimizer, sampler)
                         checkpoints.save(state, step, blocking=True, persist=True)
                     info = checkpoints.wait()
                     event("emergency", step=step, version=info.version if info else None)
