@@ -60,22 +60,32 @@ def finish(cluster: Cluster, coordinator: Coordinator, steps: int) -> tuple[Any,
     return verdict, history
 
 
-def test_sigkill_of_rank_0_then_a_late_node_scales_back_up(
-    coordinator: Coordinator, tmp_path: Path
-) -> None:
-    cluster = Cluster(coordinator.url, "kill0", tmp_path, nnodes="2:3", steps=150)
+def kill_rank_0_then_add_a_node(
+    cluster: Cluster, coordinator: Coordinator
+) -> tuple[str, Any, list[Any]]:
+    """Three nodes train; rank 0's node is SIGKILLed (the first generation's store and
+    rank 0 live on it); a late node joins; the job runs to its end. The killed node, the
+    verdict and the generation history."""
     try:
         for node in ("a", "b", "c"):
             cluster.add(node)
         step_at(cluster, 25, world_size=3)
-        rank0 = node_of_rank(coordinator, "kill0", 0)
-        cluster.kill(rank0)  # the node the workers' TCPStore and rank 0 live on
+        rank0 = node_of_rank(coordinator, cluster.job, 0)
+        cluster.kill(rank0)
         step_at(cluster, 0, world_size=2)
         cluster.add("late")
         step_at(cluster, 0, world_size=3, generation=3)
         verdict, history = finish(cluster, coordinator, 150)
     finally:
         cluster.stop()
+    return rank0, verdict, history
+
+
+def test_sigkill_of_rank_0_then_a_late_node_scales_back_up(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    cluster = Cluster(coordinator.url, "kill0", tmp_path, nnodes="2:3", steps=150)
+    rank0, verdict, history = kill_rank_0_then_add_a_node(cluster, coordinator)
     reasons = [(g["world_size"], g.get("ended_reason")) for g in history]
     assert [g["world_size"] for g in history] == [3, 2, 3], reasons
     assert "joined" in history[1]["ended_reason"]
@@ -161,18 +171,7 @@ def test_in_place_survivors_keep_their_processes_through_a_kill_and_a_join(
         persist_every=100,  # memory only, but the first version
         memory=tmp_path / "shm",
     )
-    try:
-        for node in ("a", "b", "c"):
-            cluster.add(node)
-        step_at(cluster, 25, world_size=3)
-        rank0 = node_of_rank(coordinator, "inplace", 0)
-        cluster.kill(rank0)  # it hosts the first generation's store
-        step_at(cluster, 0, world_size=2)
-        cluster.add("late")
-        step_at(cluster, 0, world_size=3, generation=3)
-        verdict, history = finish(cluster, coordinator, 150)
-    finally:
-        cluster.stop()
+    _, verdict, history = kill_rank_0_then_add_a_node(cluster, coordinator)
     reasons = [(g["world_size"], g.get("ended_reason")) for g in history]
     assert [g["world_size"] for g in history] == [3, 2, 3], reasons
     resumed = [e for e in cluster.events() if e["event"] == "resumed"]
