@@ -68,6 +68,7 @@ node_modules/.installed: package.json package-lock.json
 lint: dev
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/check-links
 
 typecheck: dev
 	PATH=$(abspath $(BIN)):$$PATH scripts/typecheck
