@@ -16,6 +16,7 @@ __all__ = [
     "checksum",
     "map_private",
     "map_shared",
+    "own_storage",
     "tensor_bytes",
 ]
 
@@ -28,6 +29,26 @@ def as_memoryview(buffer: torch.Tensor) -> memoryview:
     if n == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * n).from_address(buffer.data_ptr())).cast("B")
+
+
+def own_storage(raw: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous CPU uint8 tensor as a tensor whose storage is exactly
+    them, sharing their memory (nothing is copied).
+
+    A view of a larger buffer (a mapped file, a downloaded span) is not an ordinary
+    tensor: ``torch.save`` writes the whole buffer for it, and cannot load it back when
+    the buffer's length is not a multiple of the view's element size; two views of one
+    buffer as different dtypes cannot be saved together at all. The storage made here
+    keeps the buffer alive through numpy's reference to it, so the buffer outlives
+    every tensor made of it and no longer.
+    """
+    n = raw.numel()
+    storage = raw.untyped_storage()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if raw.storage_offset() == 0 and storage.nbytes() == n:
+        return raw
+    return torch.frombuffer(raw.numpy(), dtype=torch.uint8)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

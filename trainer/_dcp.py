@@ -66,7 +66,7 @@ from rallypoint.client import (
 )
 
 from . import _faults as faults
-from ._bytes import as_memoryview, checksum, tensor_bytes
+from ._bytes import as_memoryview, checksum, own_storage, tensor_bytes
 from ._memory import NodeMemory, map_file
 from ._peers import push, read_peer
 from ._progress import Progress
@@ -822,9 +822,11 @@ class RallypointReader(StorageReader):
 
     def read_whole(self, fqns: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tensors of ``fqns`` that were saved whole (one chunk: replicated state),
-        as views of what was read: for local files, of a copy-on-write mapping, so
-        nothing is copied; writing to them never reaches the file. Each is checked
-        against its checksum. Others are left to DCP's planner.
+        each with a storage of its own over what was read: for local files, a
+        copy-on-write mapping, so nothing is copied and writing to them never reaches
+        the file. They are ordinary tensors (``torch.save`` and safetensors write each
+        as itself). Each is checked against its checksum. Others are left to DCP's
+        planner.
 
         Raises:
             CheckpointCorrupt: As for :meth:`read_data`.
@@ -853,7 +855,9 @@ class RallypointReader(StorageReader):
             for fqn, stored in items:
                 raw = fetched(stored)
                 assert stored.dtype is not None and stored.shape is not None
-                out[fqn] = raw.view(_dtype(stored.dtype)).view(stored.shape)
+                # Each tensor its own storage over the same memory: an ordinary tensor
+                # that torch.save and safetensors write as itself (see own_storage).
+                out[fqn] = own_storage(raw).view(_dtype(stored.dtype)).view(stored.shape)
         return out
 
     def _checked(
