@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 DS_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 WORKER = r'''
-import argparse, json, os, time
+import argparse, io, json, os, time
 import torch, torch.distributed as dist
 import xxhash
 import deepspeed
@@ -63,6 +63,13 @@ def tensors(value, out):
         for v in value:
             tensors(v, out)
 
+def saves_back(engine):
+    # A user's own torch.save of the resumed state loads back equal (issue 36).
+    state = {"model": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
+    buf = io.BytesIO(); torch.save(state, buf); buf.seek(0)
+    old, new = [], []; tensors(state, old); tensors(torch.load(buf, weights_only=False), new)
+    return len(old) == len(new) and all(torch.equal(x, y) for x, y in zip(old, new))
+
 def digests(engine):
     """This rank's model (its ZeRO-3 partition) and optimizer partition, gathered."""
     mine = []
@@ -91,7 +98,8 @@ restored = checkpoints.restored
 event("resumed", version=restored.version if restored else None,
       step=engine.global_steps + 1,
       digests=digests(engine) if restored else None,
-      bytes_from=restored.bytes_from if restored else None)
+      bytes_from=restored.bytes_from if restored else None,
+      saves_back=saves_back(engine) if restored else None)
 
 with PreemptionWatcher(client) as watcher:
     while engine.global_steps < args.steps:
@@ -187,4 +195,5 @@ def test_zero3_resumes_every_rank_from_the_named_version_after_a_node_is_killed(
         # Model partition and optimizer partition of every rank, as saved at that step.
         assert e["digests"] == saved[e["step"] - 1]
         assert sum(e["bytes_from"].values()) > 0
+        assert e["saves_back"]
     assert (stale / "latest").read_text() == "global_step999"  # there all along

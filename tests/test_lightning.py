@@ -102,6 +102,7 @@ def kill_a_node_mid_run(coordinator: Coordinator, tmp_path: Path, strategy: str)
         assert (e["version"], e["step"], e["saved_by"]) == (pointer["version"], pointer["step"], 4)
         assert e["digest"] == saved[pointer["step"]]  # model and optimizer, gathered
         assert sum(e["bytes_from"].values()) > 0
+        assert e["saves_back"]  # a torch.save of the resumed state loads back equal
     assert 4 <= pointer["step"] < STEPS  # resumed mid-run, not from the stale 10,000
 
 

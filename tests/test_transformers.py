@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 WORKER = r"""
-import argparse, json, os, time
+import argparse, io, json, os, time
 import torch, torch.distributed as dist
 import xxhash
 from transformers import TrainingArguments, TrainerCallback
@@ -84,12 +84,20 @@ def tensors(value, out):
         for v in value:
             tensors(v, out)
 
-def digests():
+def state():
     # Model (replicated) and this rank's optimizer state (with ZeRO, its partition).
     optimizer = trainer.model_wrapped.optimizer if a.zero else trainer.optimizer
+    return {"model": trainer.model.state_dict(), "optimizer": optimizer.state_dict()}
+
+def saves_back():
+    # A user's own torch.save of the resumed state loads back equal (issue 36).
+    buf = io.BytesIO(); torch.save(state(), buf); buf.seek(0)
+    old, new = [], []; tensors(state(), old); tensors(torch.load(buf, weights_only=False), new)
+    return len(old) == len(new) and all(torch.equal(x, y) for x, y in zip(old, new))
+
+def digests():
     mine = []
-    tensors(trainer.model.state_dict(), mine)
-    tensors(optimizer.state_dict(), mine)
+    tensors(state(), mine)
     h = xxhash.xxh3_64()
     for t in mine:
         h.update(t.detach().float().contiguous().numpy().tobytes())
@@ -102,7 +110,7 @@ class Log(TrainerCallback):
         with open(a.events, "a") as fh: fh.write(json.dumps(line) + "\n")
     def on_train_begin(self, args, state, control, **kw):
         r = trainer.restored
-        self.ev("resumed", version=r.version if r else None, step=state.global_step + 1, digests=digests() if r else None, bytes_from=r.bytes_from if r else None)
+        self.ev("resumed", version=r.version if r else None, step=state.global_step + 1, digests=digests() if r else None, bytes_from=r.bytes_from if r else None, saves_back=saves_back() if r else None)
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs: self.loss = round(float(logs["loss"]), 5)
     def on_step_end(self, args, state, control, **kw):
@@ -164,6 +172,7 @@ def check_resumes(log: list[Event], history: list[dict[str, Any]], steps: int) -
     assert pointer is not None and 0 < pointer["step"] < steps
     saved = {e["step"]: e["digests"] for e in log if e["event"] == "saving"}
     resumed = [e for e in log if e["event"] == "resumed" and e["generation"] == last["generation"]]
+    assert all(e["saves_back"] for e in resumed), resumed
     for e in resumed:
         assert (e["version"], e["step"]) == (pointer["version"], pointer["step"] + 1)
         assert sum(e["bytes_from"].values()) > 0
