@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from rallypoint.client import ElasticClient, JobSpec
 from rallypoint.trainer import CheckpointManager, SaveHandle
-from rallypoint.trainer._memory import MEMORY_ENV
+from rallypoint.trainer.memory import MEMORY_ENV
 
 SAVE_EVERY = 5
 MiB = 1 << 20

@@ -69,7 +69,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 import rallypoint.trainer.deepspeed as rp_deepspeed  # noqa: E402
 from rallypoint.client import CheckpointPointer, ElasticClient, JobSpec  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
-from rallypoint.trainer._deepspeed_pack import unpack  # noqa: E402
+from rallypoint.trainer._pack import unpack  # noqa: E402
 from rallypoint.trainer.transformers import RallypointTrainer  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
 

@@ -37,7 +37,7 @@ from _loadgen import Beats, Loadgen  # noqa: E402
 
 from rallypoint.cli.processes import Coordinator  # noqa: E402
 from rallypoint.client import ElasticClient, JobSpec, ShardFile  # noqa: E402
-from rallypoint.trainer._transfer import upload  # noqa: E402
+from rallypoint.trainer import upload  # noqa: E402
 from tests._azurite import Azurite  # noqa: E402
 from tests._balancer import Balancer  # noqa: E402
 

@@ -70,7 +70,7 @@ from _regroup_chaos import chaos, format_chaos, format_regroup, log_lines, regro
 
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, descendants, free_port, judge
-from rallypoint.trainer._memory import MEMORY_ENV
+from rallypoint.trainer.memory import MEMORY_ENV
 
 STEP_TIME = 0.05
 AGENTS = ("n0", "n1", "n2", "n3")

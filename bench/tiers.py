@@ -38,8 +38,8 @@ import torch  # noqa: E402
 from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
 from rallypoint.trainer._bytes import as_memoryview, checksum  # noqa: E402
-from rallypoint.trainer._memory import MEMORY_ENV  # noqa: E402
-from rallypoint.trainer._peers import push  # noqa: E402
+from rallypoint.trainer.memory import MEMORY_ENV  # noqa: E402
+from rallypoint.trainer.memory import push  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
 
 MiB = 1 << 20
@@ -102,8 +102,8 @@ SERVER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from rallypoint.client import ElasticClient, JobSpec
-    from rallypoint.trainer._memory import NodeMemory
-    from rallypoint.trainer._peers import ReplicaServer
+    from rallypoint.trainer.memory import NodeMemory
+    from rallypoint.trainer.memory import ReplicaServer
     url, shm = sys.argv[1], Path(sys.argv[2])
     client = ElasticClient(url, "peers", "b")
     box = {}

@@ -27,8 +27,8 @@ spec = JobSpec(min_nodes=1, max_nodes=64, last_call=timedelta(seconds=3))
 server, box = None, {}
 if os.environ.get("RANKS_MEMORY"):  # a memory tier and replica server, as an agent runs
     from pathlib import Path
-    from rallypoint.trainer._memory import MEMORY_ENV, NodeMemory
-    from rallypoint.trainer._peers import ReplicaServer
+    from rallypoint.trainer.memory import MEMORY_ENV, NodeMemory
+    from rallypoint.trainer.memory import ReplicaServer
     root = Path(os.environ["RANKS_MEMORY"]) / node
     os.environ[MEMORY_ENV] = str(root)
     server = ReplicaServer(NodeMemory(root, job, node), client, "127.0.0.1",

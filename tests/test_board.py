@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rallypoint.client import Assignment
-from rallypoint.trainer._board import Board, Posted
+from rallypoint.trainer.agent import Board, Posted
 
 
 def assignment(generation: int) -> Assignment:

@@ -27,7 +27,7 @@ from rallypoint.client import (
     URL_ENV,
 )
 from rallypoint.service.settings import Settings
-from rallypoint.trainer._launch import RUN_ENV
+from rallypoint.trainer.agent import RUN_ENV
 
 from ._coordinator import Coordinator
 

@@ -30,7 +30,7 @@ from rallypoint.client import (
     StoreRequest,
 )
 from rallypoint.trainer import upload
-from rallypoint.trainer._rendezvous import _Beats
+from rallypoint.trainer.agent._rendezvous import _Beats
 
 from .conftest import Start
 

@@ -6,7 +6,7 @@ The FSDP2 example under real torchrun agents: node sizes 2, 1 and 1 (4 processes
 node holds two ranks), checkpoints every 5 steps, only the first in blob storage (the
 rest in the nodes' memory tiers and their ring successors'), except where the point is
 the upload. At step 10's save, the process named by ``RALLYPOINT_TEST_HALT`` halts at the
-point (``trainer/_faults.py``) and the test SIGKILLs a whole node: the one holding rank
+point (``trainer/checkpoint/_faults.py``) and the test SIGKILLs a whole node: the one holding rank
 0, or the one holding the last rank.
 """
 
@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
-from rallypoint.trainer._faults import HALT_ENV, HALT_FILE_ENV, POINTS
+from rallypoint.trainer.checkpoint._faults import HALT_ENV, HALT_FILE_ENV, POINTS
 
 from . import test_torchrun
 from .test_torchrun import status

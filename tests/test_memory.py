@@ -15,7 +15,7 @@ import torch
 
 from rallypoint.cli.processes import Coordinator
 from rallypoint.trainer import RallypointReader
-from rallypoint.trainer._memory import MEMORY_ENV, NodeMemory
+from rallypoint.trainer.memory import MEMORY_ENV, NodeMemory
 
 from . import test_torchrun
 from .conftest import Start

@@ -23,7 +23,7 @@ import xxhash
 from rallypoint.client import ElasticClient, JobSpec
 from rallypoint.trainer import CheckpointManager
 from rallypoint.trainer._bytes import tensor_bytes
-from rallypoint.trainer._memory import MEMORY_ENV
+from rallypoint.trainer.memory import MEMORY_ENV
 
 from ._ranks import run_ranks
 from .test_checkpoint_manager import Start

@@ -19,10 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rallypoint.cli.processes import Cluster, Coordinator
 from rallypoint.client import ElasticClient, JobSpec, ShardFile
 from rallypoint.trainer._bytes import as_memoryview, checksum
-from rallypoint.trainer._memory import NodeMemory
-from rallypoint.trainer._peers import ITEMS_HEADER, ReplicaServer, push, read_peer
-from rallypoint.trainer._transfer import upload_parts
+from rallypoint.trainer.checkpoint._transfer import upload_parts
 from rallypoint.trainer.errors import TransferDenied, TransferError, TransferNotFound
+from rallypoint.trainer.memory import ITEMS_HEADER, NodeMemory, ReplicaServer, push, read_peer
 
 from . import test_torchrun
 from ._inprocess import InProcessCoordinator

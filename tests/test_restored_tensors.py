@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from rallypoint.trainer._memory import MEMORY_ENV
+from rallypoint.trainer.memory import MEMORY_ENV
 
 from ._ranks import run_ranks
 from .conftest import Start
@@ -161,7 +161,7 @@ import torch
 from pathlib import Path
 import torch.distributed as dist
 from rallypoint.trainer import CheckpointManager
-from rallypoint.trainer._memory import MEMORY_ENV
+from rallypoint.trainer.memory import MEMORY_ENV
 
 def run(client, a):
     m = CheckpointManager(client, progress=False, persist_every=100)

@@ -1,11 +1,15 @@
-"""The package's structure: what one subpackage may import from another.
+"""The package's structure: what one package may import from another.
 
 Each subpackage (``rallypoint.client``, ``.service``, ``.trainer``, ``.localfs``,
 ``.cli``, and ``rallypoint``'s own top-level modules as one more) keeps its
 implementation in private modules (``_name``) and shares what others need through public
-ones. A private module imported from another subpackage is a coupling nobody sees from
-the outside: it breaks when its owner reorganizes, so it fails here, read from the source
-with ``ast``.
+ones. So does each package nested in one (``rallypoint.trainer.checkpoint``,
+``.trainer.memory``, ``.trainer.agent``, ``.service.storage``, ...): its privates are
+visible inside it and the packages nested in it, never to its parent or its siblings.
+A private module imported from outside its package is a coupling nobody sees from the
+outside: it breaks when its owner reorganizes, so it fails here, read from the source
+with ``ast``. The trainer's modules import one another without a cycle (its layers:
+the checkpoint path over the memory tier, regrouping over the agent's board).
 """
 
 from __future__ import annotations
@@ -83,23 +87,75 @@ def _private_part(name: str, owner: str) -> str | None:
     return None
 
 
+def _visible(private: str, package: str) -> bool:
+    """Whether a module of ``package`` may import ``private`` (a private module or name):
+    from inside the package that holds it, or a package nested in it. ``rallypoint``'s
+    own top-level privates are its top-level modules' alone."""
+    holder = private.rpartition(".")[0]
+    if holder == "rallypoint":
+        return package == "rallypoint"
+    return package == holder or package.startswith(holder + ".")
+
+
 def cross_package_private_imports() -> list[str]:
     """``path:line: importer imports name`` for each private module (or name) of another
-    subpackage that a module of the package imports, once per import statement."""
+    package that a module of the package imports, once per import statement."""
     settings = _setuptools()
     subpackages = {p for p in settings["packages"] if p.count(".") == 1}
     found: dict[str, None] = {}
     for module, is_package, path in _modules():
-        owner = _owner(module, subpackages)
+        package = module if is_package else module.rpartition(".")[0]
         tree = ast.parse(path.read_text(), filename=str(path))
         for line, name in _imported(tree, module, is_package):
             if not (name == "rallypoint" or name.startswith("rallypoint.")):
                 continue
-            other = _owner(name, subpackages)
-            private = _private_part(name, other)
-            if other != owner and private is not None:
+            private = _private_part(name, _owner(name, subpackages))
+            if private is None:
+                private = _private_part(name, "rallypoint")  # in a nested package's part
+            if private is not None and not _visible(private, package):
                 found[f"{path.relative_to(ROOT)}:{line}: {module} imports {private}"] = None
     return list(found)
+
+
+def import_cycles(root: str) -> list[list[str]]:
+    """The cycles among the modules under ``root`` (a package's dotted name): module A
+    imports B when any of its imports, at the top or inside a function or a
+    ``TYPE_CHECKING`` block, names B or something in B. Each cycle once, from its
+    smallest module."""
+    modules = {name: (is_package, path) for name, is_package, path in _modules()}
+    inside = {m for m in modules if m == root or m.startswith(root + ".")}
+    graph: dict[str, set[str]] = {}
+    for module in inside:
+        is_package, path = modules[module]
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges = graph.setdefault(module, set())
+        for _, name in _imported(tree, module, is_package):
+            # The longest module the name lies in: "a.b.C" is module a.b's C.
+            parts = name.split(".")
+            target = next(
+                (
+                    ".".join(parts[:i])
+                    for i in range(len(parts), 0, -1)
+                    if ".".join(parts[:i]) in inside
+                ),
+                None,
+            )
+            if target is not None and target != module:
+                edges.add(target)
+    cycles: dict[tuple[str, ...], None] = {}
+
+    def walk(node: str, trail: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in trail:
+                cycle = trail[trail.index(nxt) :]
+                start = cycle.index(min(cycle))
+                cycles[tuple(cycle[start:] + cycle[:start])] = None
+            elif len(trail) < 12:
+                walk(nxt, [*trail, nxt])
+
+    for module in sorted(inside):
+        walk(module, [module])
+    return [list(c) for c in cycles]
 
 
 def test_no_module_imports_another_subpackages_private_module() -> None:
@@ -108,6 +164,50 @@ def test_no_module_imports_another_subpackages_private_module() -> None:
         f"{len(found)} imports reach into another subpackage's private modules; import "
         "its public API instead (export what is needed in its __init__ or a public "
         "module):\n" + "\n".join(found)
+    )
+
+
+def test_the_trainers_modules_import_one_another_without_a_cycle() -> None:
+    """A package's ``__init__`` imports its parts, so a part importing its own package
+    (or a module importing one that imports it back) is a cycle too; ``examples`` are
+    scripts, outside the package's graph."""
+    cycles = [
+        c for c in import_cycles("rallypoint.trainer") if not any(".examples" in m for m in c)
+    ]
+    assert not cycles, "import cycles among the trainer's modules:\n" + "\n".join(
+        " -> ".join([*c, c[0]]) for c in cycles
+    )
+
+
+def test_the_trainer_is_laid_out_by_role() -> None:
+    """The families of parts that run in different processes live in their own packages:
+    the worker's checkpoint path, the memory tier, the agent's side; each framework
+    adapter is one public module over one private one."""
+    trainer = ROOT / "trainer"
+    for package, parts in {
+        "checkpoint": {"_manager.py", "_dcp.py", "_staging.py", "_transfer.py"},
+        "memory": {"_tier.py", "_peers.py"},
+        "agent": {"_plugin.py", "_rendezvous.py", "_store.py", "_launch.py", "_board.py"},
+    }.items():
+        assert parts <= {p.name for p in (trainer / package).glob("*.py")}, package
+    for framework in ("lightning", "transformers", "deepspeed"):
+        assert (trainer / f"_{framework}.py").is_file(), framework
+        public = ast.parse((trainer / f"{framework}.py").read_text())
+        defined = [n for n in public.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))]
+        assert not defined, (
+            f"{framework}.py defines {[n.name for n in defined]}: put them in _{framework}.py"
+        )
+
+
+def test_the_checks_see_nested_privates_and_cycles() -> None:
+    """The checkers themselves, on names they must refuse and allow."""
+    assert _visible("rallypoint.trainer._bytes", "rallypoint.trainer.checkpoint")
+    assert _visible("rallypoint.trainer.memory._tier", "rallypoint.trainer.memory")
+    assert not _visible("rallypoint.trainer.memory._tier", "rallypoint.trainer")
+    assert not _visible("rallypoint.trainer.memory._tier", "rallypoint.trainer.checkpoint")
+    assert not _visible("rallypoint._version", "rallypoint.trainer")
+    assert _private_part("rallypoint.trainer.memory._tier.NodeMemory", "rallypoint") == (
+        "rallypoint.trainer.memory._tier"
     )
 
 

@@ -33,7 +33,7 @@ from rallypoint.service.errors import (
 )
 from rallypoint.service.storage import BlobStore
 from rallypoint.trainer import CheckpointCorrupt, CheckpointError, upload
-from rallypoint.trainer._faults import HALT_ENV, HALT_FILE_ENV
+from rallypoint.trainer.checkpoint._faults import HALT_ENV, HALT_FILE_ENV
 
 from . import test_torchrun
 from .conftest import Start

@@ -16,16 +16,27 @@ Example::
     checkpoints.save({"model": model.state_dict(), "sampler": sampler.state_dict()}, step)
 """
 
-from ._checkpoint import CheckpointManager, Restored, SaveHandle
-from ._dcp import RallypointReader, RallypointWriter
-from ._launch import run, torchrun_argv
 from ._preemption import RESTART_EXIT_CODE, Notice, PreemptionWatcher
 from ._progress import Progress
-from ._regroup import Generation, generations
-from ._rendezvous import BACKEND, RallypointRendezvousHandler, RendezvousSettings
+from ._regroup import Follower, Generation, generations
 from ._sampler import ElasticSampler
-from ._store import CoordinatorStore
-from ._transfer import download, upload
+from .agent import (
+    BACKEND,
+    CoordinatorStore,
+    RallypointRendezvousHandler,
+    RendezvousSettings,
+    run,
+    torchrun_argv,
+)
+from .checkpoint import (
+    CheckpointManager,
+    RallypointReader,
+    RallypointWriter,
+    Restored,
+    SaveHandle,
+    download,
+    upload,
+)
 from .errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -46,6 +57,7 @@ __all__ = [
     "CheckpointManager",
     "CoordinatorStore",
     "ElasticSampler",
+    "Follower",
     "Generation",
     "GenerationEnded",
     "Notice",

@@ -31,8 +31,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from rallypoint.client import ElasticClient
 
-from ._checkpoint import CheckpointManager, Restored, SaveHandle
-from ._deepspeed_pack import file_key, name_of, pack, split, unpack
+from ._pack import file_key, name_of, pack, split, unpack
+from .checkpoint import CheckpointManager, Restored, SaveHandle
 from .errors import CheckpointError
 
 __all__ = ["ENGINE_NAME", "RallypointCheckpointEngine", "install", "installed", "load_checkpoint"]

@@ -1,76 +1,59 @@
-"""The parts of the Lightning integration that know Rallypoint, not Lightning's classes.
+"""The Lightning integration: a ``CheckpointIO`` that saves and loads the coordinator's
+versions, the strategies that carry it on every rank, the launcher that resumes from the
+coordinator, and the preemption callback. :mod:`rallypoint.trainer.lightning` exports
+them; ``import rallypoint.trainer`` never imports this module or Lightning.
 
-A Lightning checkpoint is one dict: tensors (``state_dict``, each optimizer's ``state``)
-and the trainer's bookkeeping (loops, callbacks, hyperparameters, schedulers, optimizer
-``param_groups``). The tensors go through DCP as they are (DTensors sharded, DDP's
-replicated ones written once); the bookkeeping, which may hold any picklable object, goes
-as one string item that DCP writes once. Every rank calls :meth:`Session.save` and
-:meth:`Session.load` alike.
+:class:`Session` is the part that knows Rallypoint, not Lightning's classes: one
+training process's link to the coordinator, which every rank's ``save``/``load`` goes
+through alike (a Lightning checkpoint dict packed by :func:`._pack.pack_checkpoint`).
 """
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
+import inspect
 import logging
+import os
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
 
 from rallypoint.client import ElasticClient
 
-from ._checkpoint import CheckpointManager, Restored
+from ._pack import BOOKKEEPING, pack_checkpoint, unpack_checkpoint
+from ._preemption import PreemptionWatcher
+from .checkpoint import CheckpointManager, Restored
 
-__all__ = ["RESUME_SCHEME", "Session", "is_resume_path", "pack", "unpack"]
+__all__ = [
+    "RESUME_SCHEME",
+    "RallypointCheckpointIO",
+    "RallypointDDPStrategy",
+    "RallypointModelParallelStrategy",
+    "RallypointPreemption",
+    "Session",
+    "is_resume_path",
+]
 
 log = logging.getLogger("rallypoint.trainer")
+
 
 #: The "path" Lightning is given to resume from: ``rallypoint://JOB/vVERSION``. Nothing
 #: is read from it; it names the coordinator's version in Lightning's own log lines.
 RESUME_SCHEME = "rallypoint://"
-_TENSORS = ("state_dict", "optimizer_states")
-_BOOKKEEPING = "lightning"
 
 
 def is_resume_path(path: object) -> bool:
     return str(path).startswith(RESUME_SCHEME)
-
-
-def pack(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The state CheckpointManager saves for a Lightning checkpoint dict."""
-    rest = {k: v for k, v in checkpoint.items() if k not in _TENSORS}
-    optimizers = checkpoint.get("optimizer_states", [])
-    # param_groups hold whatever an optimizer keeps (tuples, None, its own objects):
-    # they go pickled with the bookkeeping; only the tensors go through DCP.
-    rest["__param_groups__"] = [o.get("param_groups") for o in optimizers]
-    buffer = io.BytesIO()
-    torch.save(rest, buffer)
-    return {
-        "state_dict": checkpoint.get("state_dict", {}),
-        "optimizer_states": [{"state": o.get("state", {})} for o in optimizers],
-        _BOOKKEEPING: base64.b64encode(buffer.getvalue()).decode("ascii"),
-    }
-
-
-def unpack(state: dict[str, Any], weights_only: bool | None = None) -> dict[str, Any]:
-    """The Lightning checkpoint dict from what :func:`pack` saved."""
-    raw = base64.b64decode(state[_BOOKKEEPING])
-    # The bookkeeping is Lightning's own dict (loops, callbacks, hyperparameters), checked
-    # against its checksum on read: trusted as a .ckpt file Lightning wrote would be.
-    rest: dict[str, Any] = torch.load(
-        io.BytesIO(raw), weights_only=bool(weights_only), map_location="cpu"
-    )
-    groups = rest.pop("__param_groups__", [])
-    checkpoint = dict(rest)
-    checkpoint["state_dict"] = state["state_dict"]
-    checkpoint["optimizer_states"] = [
-        {"state": o["state"], "param_groups": g}
-        for o, g in zip(state["optimizer_states"], groups, strict=True)
-    ]
-    return checkpoint
 
 
 class Session:
@@ -134,7 +117,7 @@ class Session:
             return
         metadata = {"epoch": int(checkpoint.get("epoch", 0)), "path": str(path)}
         self.manager.save(
-            pack(checkpoint),
+            pack_checkpoint(checkpoint),
             step,
             rank_state={"torch_rng": torch.get_rng_state()},
             metadata=metadata,
@@ -169,7 +152,7 @@ class Session:
         if str(path) != expected:
             log.warning("loading %s, the coordinator's version, not %s", expected, path)
         if template is not None:
-            template = {**template, _BOOKKEEPING: ""}
+            template = {**template, BOOKKEEPING: ""}
         restored = self.manager.load_latest(template)
         assert restored is not None
         state: dict[str, Any] = restored.state
@@ -177,7 +160,7 @@ class Session:
             apply(state)
         if isinstance(restored.rank_state, dict) and "torch_rng" in restored.rank_state:
             torch.set_rng_state(restored.rank_state["torch_rng"])
-        checkpoint = unpack(state, weights_only)
+        checkpoint = unpack_checkpoint(state, weights_only)
         checkpoint["rallypoint"] = {
             "version": restored.version,
             "step": restored.step,
@@ -193,3 +176,347 @@ class Session:
     def wait(self) -> None:
         if self._manager is not None:
             self._manager.wait()
+
+
+class RallypointCheckpointIO(CheckpointIO):
+    """Lightning's checkpoint file I/O, replaced by the coordinator's versions.
+
+    :class:`RallypointDDPStrategy` carries one and calls it on every rank (Lightning's own
+    strategies call ``CheckpointIO`` on rank 0 only, and a DCP save is a collective).
+
+    Args:
+        client: The node's client; defaults to ``ElasticClient.from_env()``, joined.
+        persist_every: Every Nth version also goes to blob storage (the rest stay in
+            nodes' memory and their peers'); see :class:`CheckpointManager`.
+        persist_after: ... and the first version this long after the last persisted one.
+        if_busy: ``"wait"`` for the previous save or ``"skip"`` this one.
+    """
+
+    def __init__(
+        self,
+        client: ElasticClient | None = None,
+        *,
+        persist_every: int = 1,
+        persist_after: float | timedelta | None = None,
+        if_busy: Literal["wait", "skip"] = "wait",
+    ) -> None:
+        self.session = Session(
+            client, persist_every=persist_every, persist_after=persist_after, if_busy=if_busy
+        )
+        self._files = TorchCheckpointIO()
+
+    @property
+    def restored(self) -> Restored | None:
+        """What this process restored (``state`` dropped); ``bytes_from`` by source."""
+        return self.session.restored
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Saves ``checkpoint`` as the version of its ``global_step`` (``path`` is only
+        recorded). ``storage_options={"persist": True}`` sends it to blob storage
+        whatever ``persist_every`` says."""
+        persist = bool(isinstance(storage_options, dict) and storage_options.get("persist"))
+        self.session.save(checkpoint, path, persist=persist)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Loads the coordinator's version; a file path only while the job has none
+        (initial weights), through Lightning's own file I/O."""
+        if not is_resume_path(path) and self.session.resume_path() is None:
+            return self._files.load_checkpoint(path, map_location, weights_only)
+        return self.session.load(path, weights_only=weights_only)
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        # Versions are the coordinator's to collect (its retention), not ModelCheckpoint's
+        # top-k: one still named for a restart must not go.
+        log.debug("not removing %s: the coordinator keeps versions", path)
+
+    @override
+    def teardown(self) -> None:
+        self.session.wait()
+
+
+class RallypointPreemption(pl.Callback):
+    """Stops every rank at one step on a preemption notice, with an emergency version.
+
+    The strategies below add it in front of the trainer's callbacks (before
+    ``ModelCheckpoint``, so the step's one version is the emergency one). While training
+    runs it owns SIGTERM: Lightning's own handler broadcasts from rank 0 inside the
+    signal handler, which only works if every rank got the signal.
+    """
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.watcher: PreemptionWatcher | None = None
+        #: The version the emergency save committed as, once it did.
+        self.emergency: int | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watcher = PreemptionWatcher(self.session.client).start()
+
+    @override
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self.watcher is None or not self.watcher.should_stop():  # a collective
+            return
+        step = trainer.global_step
+        path = os.path.join(trainer.default_root_dir, f"rallypoint-emergency-step={step}")
+        trainer.save_checkpoint(path, storage_options={"persist": True})
+        info = self.session.manager.wait()
+        self.emergency = info.version if info is not None else None
+        log.warning("rallypoint: emergency checkpoint of step %d saved; stopping", step)
+        # Lightning's own way out of a SIGTERM: on_exception hooks, then the strategy's,
+        # where the watcher leaves the job (see _Rallypoint.on_exception).
+        raise SIGTERMException
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.session.wait()
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.watcher = None
+
+
+class _ResumeLauncher(_Launcher):
+    """Gives ``fit`` the coordinator's version as its ``ckpt_path``.
+
+    Lightning picks its checkpoint before any strategy or callback hook runs; the
+    strategy's launcher is the one part of a strategy that sees ``fit``'s arguments.
+    """
+
+    def __init__(self, session: Session, inner: _Launcher | None) -> None:
+        self.session = session
+        self.inner = inner
+
+    @property
+    @override
+    def is_interactive_compatible(self) -> bool:
+        return self.inner.is_interactive_compatible if self.inner is not None else True
+
+    @override
+    def launch(
+        self,
+        function: Callable[..., Any],
+        *args: Any,
+        trainer: pl.Trainer | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            bound = inspect.signature(function).bind(*args, **kwargs)
+            given = bound.arguments.get("ckpt_path")
+            resume = self.session.resume_path()
+            if resume is not None or given in ("last", "hpc", "best"):
+                # Never a directory's "latest": the coordinator's version, or none yet.
+                if given is not None and given != resume:
+                    log.warning(
+                        "fit(ckpt_path=%r) ignored: %s",
+                        given,
+                        f"resuming from {resume}" if resume else "the job has no checkpoint yet",
+                    )
+                bound.arguments["ckpt_path"] = resume
+                args, kwargs = bound.args, bound.kwargs
+        if self.inner is not None:
+            return self.inner.launch(function, *args, trainer=trainer, **kwargs)
+        return function(*args, **kwargs)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        if self.inner is not None:
+            self.inner.kill(signum)
+
+
+# The mixin's methods call the strategy's own through super(): typed as the strategies'
+# common base for mypy, a plain object at run time (the MRO puts the real base after it).
+if TYPE_CHECKING:
+    _StrategyBase = ParallelStrategy
+else:
+    _StrategyBase = object
+
+
+class _Rallypoint(_StrategyBase):
+    """What both strategies add to their Lightning base class (listed first among the
+    bases, so these overrides wrap the base's)."""
+
+    session: Session
+    preemption: RallypointPreemption
+
+    @property
+    def restored(self) -> Restored | None:
+        """What this process restored (``state`` dropped); ``bytes_from`` by source."""
+        return self.session.restored
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        assert self.cluster_environment is not None
+        # Under torchrun there is nothing to launch: Lightning's launcher would only check
+        # devices x num_nodes == WORLD_SIZE, which nodes with different process counts fail.
+        external = self.cluster_environment.creates_processes_externally
+        self._launcher = _ResumeLauncher(self.session, None if external else self._launcher)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        # Set by Lightning's callback connector, so not declared on Trainer for mypy.
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, RallypointPreemption) for c in callbacks):
+            # First: Lightning keeps checkpoint callbacks last, and the emergency save must
+            # come before ModelCheckpoint's save of the same step.
+            callbacks.insert(0, self.preemption)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        watcher = self.preemption.watcher
+        if isinstance(exception, SIGTERMException) and watcher is not None and watcher.stopping:
+            for logger in trainer.loggers if trainer is not None else []:
+                logger.finalize("finished")  # as Lightning's SLURM requeue does
+            watcher.finish()  # leaves (the notified node) or awaits the restart; exits
+
+
+class RallypointDDPStrategy(_Rallypoint, DDPStrategy):
+    """Lightning's ``DDPStrategy``, saving and resuming through the coordinator.
+
+    Args:
+        client: The node's client; defaults to ``ElasticClient.from_env()``, joined.
+        persist_every, persist_after, if_busy: See :class:`RallypointCheckpointIO`.
+        **kwargs: ``DDPStrategy``'s.
+    """
+
+    def __init__(
+        self,
+        client: ElasticClient | None = None,
+        *,
+        persist_every: int = 1,
+        persist_after: float | timedelta | None = None,
+        if_busy: Literal["wait", "skip"] = "wait",
+        **kwargs: Any,
+    ) -> None:
+        io = RallypointCheckpointIO(
+            client, persist_every=persist_every, persist_after=persist_after, if_busy=if_busy
+        )
+        super().__init__(checkpoint_io=io, **kwargs)
+        self.session = io.session
+        self.preemption = RallypointPreemption(self.session)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # The job's processes, not devices x num_nodes: nodes may run different numbers.
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        # Every rank: DCP plans the save together (and writes replicated tensors once).
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+
+class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel), whose sharded saves
+    and loads go through Rallypoint's DCP writer and reader: one file per rank, each rank
+    loading its own shards (resharded to today's mesh).
+
+    Lightning's ``ModelParallelStrategy`` writes DCP folders itself and never calls a
+    ``CheckpointIO``; this subclass replaces its ``save_checkpoint`` and
+    ``load_checkpoint``.
+
+    Args:
+        data_parallel_size: ``"auto"``: the job's processes over ``tensor_parallel_size``
+            (the world changes from one generation to the next).
+        tensor_parallel_size: 1 unless the model is tensor-parallel.
+        client, persist_every, persist_after, if_busy: See :class:`RallypointCheckpointIO`.
+        **kwargs: ``ModelParallelStrategy``'s.
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: int = 1,
+        client: ElasticClient | None = None,
+        *,
+        persist_every: int = 1,
+        persist_after: float | timedelta | None = None,
+        if_busy: Literal["wait", "skip"] = "wait",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(data_parallel_size, tensor_parallel_size, **kwargs)
+        self.session = Session(
+            client, persist_every=persist_every, persist_after=persist_after, if_busy=if_busy
+        )
+        self.preemption = RallypointPreemption(self.session)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            assert isinstance(self._tensor_parallel_size, int)
+            self._data_parallel_size = self.world_size // self._tensor_parallel_size
+        super().setup_environment()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        persist = bool(isinstance(storage_options, dict) and storage_options.get("persist"))
+        self.session.save(checkpoint, filepath, persist=persist)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if not is_resume_path(checkpoint_path) and self.session.resume_path() is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.model is not None and self.lightning_module is not None
+        model = self.model
+        optimizers = list(self.optimizers)
+        # This run's shards to load into, in place; Adam's state initialized (an empty
+        # template would load none of it).
+        template = {
+            "state_dict": get_model_state_dict(model),
+            "optimizer_states": [
+                {"state": get_optimizer_state_dict(model, o)["state"]} for o in optimizers
+            ],
+        }
+        strict = self.lightning_module.strict_loading
+
+        def apply(state: dict[str, Any]) -> None:
+            model.load_state_dict(state["state_dict"], strict=strict)
+
+        checkpoint = self.session.load(
+            checkpoint_path, template, weights_only=weights_only, apply=apply
+        )
+        options = StateDictOptions(cpu_offload=True)
+        for optimizer, saved in zip(optimizers, checkpoint["optimizer_states"], strict=True):
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=saved, options=options)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        # Versions are the coordinator's to collect, not ModelCheckpoint's top-k.
+        log.debug("not removing %s: the coordinator keeps versions", filepath)
+
+    @override
+    def teardown(self) -> None:
+        self.session.wait()
+        super().teardown()

@@ -42,24 +42,38 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.distributed as dist
 
 from rallypoint.client import Assignment, ElasticClient, RallypointError
 
-from ._board import REGROUP_ENV, Board, Posted
+from .agent import REGROUP_ENV, Board, Posted
 from .errors import GenerationEnded, RegroupError
 
-if TYPE_CHECKING:
-    from ._checkpoint import CheckpointManager
-
-__all__ = ["Generation", "generations"]
+__all__ = ["Follower", "Generation", "generations"]
 
 log = logging.getLogger("rallypoint.trainer")
 
 #: How often a worker looks at its agent's board (one ``stat``).
 _POLL_S = 0.005
+
+
+class Follower(Protocol):
+    """What :func:`generations` moves along from one generation to the next;
+    :class:`~rallypoint.trainer.CheckpointManager` is one. Defined here, below the
+    manager, so that this module needs nothing of it."""
+
+    def follow(self, assignment: Assignment) -> None:
+        """From here on, act for ``assignment``'s generation."""
+
+    def leave_generation(self, timeout: float) -> None:
+        """Settle what the ended generation left in flight, within ``timeout`` seconds,
+        before its process groups go.
+
+        Raises:
+            RegroupError: It could not be settled in time.
+        """
 
 
 class Generation:
@@ -219,7 +233,7 @@ def generations(
     backend: str | None = None,
     timeout: timedelta = timedelta(seconds=60),
     join_timeout: timedelta = timedelta(minutes=10),
-    checkpoints: CheckpointManager | None = None,
+    checkpoints: Follower | None = None,
 ) -> Iterator[Generation]:
     """The generations this process takes part in, each with its process group built.
 
@@ -284,7 +298,7 @@ def generations(
             if regrouped:
                 generation.timings = {**timings, "grouped": time.time()}
             if checkpoints is not None:
-                checkpoints._follow(assignment)
+                checkpoints.follow(assignment)
             watcher = threading.Thread(
                 target=_watch,
                 args=(membership, generation, ended),
@@ -305,7 +319,7 @@ def generations(
                 )
             timings = {"ended": generation._ended_at or time.time()}
             if checkpoints is not None:
-                checkpoints._leave_generation(timeout.total_seconds())
+                checkpoints.leave_generation(timeout.total_seconds())
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
             timings["left"] = time.time()

@@ -33,9 +33,9 @@ from transformers.trainer_callback import ExportableState
 
 from rallypoint.client import ElasticClient
 
-from ._checkpoint import CheckpointManager, Restored, SaveHandle
-from ._deepspeed_pack import pack, unpack
+from ._pack import pack, unpack
 from ._preemption import PreemptionWatcher
+from .checkpoint import CheckpointManager, Restored, SaveHandle
 
 __all__ = ["PreemptionCallback", "RallypointTrainer"]
 
@@ -234,7 +234,7 @@ class RallypointTrainer(Trainer):
         assert self.restored is not None
         state, own = self.restored.state, self.restored.rank_state or {}
         if self.is_deepspeed_enabled:
-            from ._deepspeed_pack import file_key
+            from ._pack import file_key
 
             return {
                 TRAINER_STATE: unpack(state[file_key(TRAINER_STATE)]),

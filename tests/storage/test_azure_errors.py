@@ -28,7 +28,7 @@ from rallypoint.service.errors import (
     StorageUnavailable,
 )
 from rallypoint.service.storage._azure_errors import storage_errors
-from rallypoint.trainer._transfer import _azure
+from rallypoint.trainer.checkpoint._transfer import _azure
 from rallypoint.trainer.errors import TransferDenied, TransferError, TransferNotFound
 
 

@@ -16,7 +16,7 @@ import pytest
 from rallypoint.service.errors import AlreadyExists, BadRequest, InvalidName, NotFound
 from rallypoint.service.storage import BlobStore, Storage
 from rallypoint.trainer import TransferDenied, TransferNotFound, download, upload
-from rallypoint.trainer._transfer import upload_parts
+from rallypoint.trainer.checkpoint._transfer import upload_parts
 
 MiB = 1 << 20
 MINUTE = timedelta(minutes=1)

@@ -12,7 +12,7 @@ import torch
 from rallypoint.localfs import RECYCLE_DIR
 from rallypoint.service.storage import BlobStore, LocalStorage
 from rallypoint.trainer._bytes import as_memoryview
-from rallypoint.trainer._transfer import read_object
+from rallypoint.trainer.checkpoint._transfer import read_object
 
 MiB = 1 << 20
 

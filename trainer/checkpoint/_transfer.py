@@ -28,9 +28,9 @@ from rallypoint.azure_errors import Failure, translated
 from rallypoint.client.errors import SignedUrlError
 from rallypoint.localfs import SourceError, pin, verify_file_url, write_atomically
 
-from ._bytes import as_memoryview, map_private
-from ._progress import Progress
-from .errors import TransferDenied, TransferError, TransferNotFound
+from .._bytes import as_memoryview, map_private
+from .._progress import Progress
+from ..errors import TransferDenied, TransferError, TransferNotFound
 
 if TYPE_CHECKING:
     from azure.storage.blob import BlobClient

@@ -39,9 +39,9 @@ import xxhash
 
 from rallypoint.client import ElasticClient, GrantClaims, PeerGrant, SignedUrlError, verify_grant
 
-from ._bytes import CHECKSUM, as_memoryview
-from ._memory import NodeMemory
-from .errors import TransferDenied, TransferError, TransferNotFound
+from .._bytes import CHECKSUM, as_memoryview
+from ..errors import TransferDenied, TransferError, TransferNotFound
+from ._tier import NodeMemory
 
 __all__ = ["ITEMS_HEADER", "ReplicaServer", "push", "read_peer"]
 

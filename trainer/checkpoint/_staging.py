@@ -48,8 +48,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from ._bytes import map_shared
-from ._memory import NodeMemory
+from .._bytes import map_shared
+from ..memory import NodeMemory
 
 __all__ = ["ALIGN", "EAGER_BYTES", "Staged", "StagedFile", "StagedPlanner", "Staging"]
 

@@ -65,20 +65,19 @@ from rallypoint.client import (
     UnknownCheckpoint,
 )
 
-from . import _faults as faults
-from ._bytes import as_memoryview, checksum, own_storage, tensor_bytes
-from ._memory import NodeMemory, map_file
-from ._peers import push, read_peer
-from ._progress import Progress
-from ._staging import ALIGN, StagedFile, StagedPlanner
-from ._transfer import download, read_object, read_range, upload_parts
-from .errors import (
+from .._bytes import as_memoryview, checksum, own_storage, tensor_bytes
+from .._progress import Progress
+from ..errors import (
     CheckpointCorrupt,
     CheckpointError,
     TransferDenied,
     TransferError,
     TransferNotFound,
 )
+from ..memory import NodeMemory, map_file, push, read_peer
+from . import _faults as faults
+from ._staging import ALIGN, StagedFile, StagedPlanner
+from ._transfer import download, read_object, read_range, upload_parts
 
 __all__ = [
     "DATA",

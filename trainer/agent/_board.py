@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rallypoint.client import Assignment
 
-from ._pids import alive
+from .._pids import alive
 
 __all__ = ["REGROUP_ENV", "Board", "Posted"]
 

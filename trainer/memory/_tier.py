@@ -50,8 +50,8 @@ import torch
 
 from rallypoint.client import check_id
 
-from ._bytes import map_private
-from ._pids import alive
+from .._bytes import map_private
+from .._pids import alive
 
 __all__ = ["KEEP", "KEEP_ENV", "MEMORY_ENV", "OFF", "NodeMemory", "default_root", "map_file"]
 

@@ -56,10 +56,9 @@ from rallypoint.client import (
     UnknownNode,
 )
 
+from ..memory import MEMORY_ENV, OFF, NodeMemory, ReplicaServer, default_root
 from ._board import REGROUP_ENV, Board, Posted
 from ._launch import WORKER_ENV_FILE
-from ._memory import MEMORY_ENV, OFF, NodeMemory, default_root
-from ._peers import ReplicaServer
 from ._store import CoordinatorStore
 
 __all__ = ["BACKEND", "RallypointRendezvousHandler", "RendezvousSettings", "create_handler"]

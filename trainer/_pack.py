@@ -1,4 +1,6 @@
-"""Framework files as CheckpointManager state: a file's tensors stay tensors (staged and
+"""What the framework adapters hand CheckpointManager: the one packer they share.
+
+Framework files as CheckpointManager state: a file's tensors stay tensors (staged and
 uploaded as DCP items, nothing serialized on the training thread), the rest of it
 (config objects, enums, ``torch.Size``, int-keyed dicts) is one small pickle.
 
@@ -9,11 +11,15 @@ tensors: ``skeleton`` (the pickled object with every tensor replaced by its inde
 uint8 tensor) and ``t0``, ``t1``, ... Never empty and never int-keyed, so nothing of it
 depends on DCP's per-rank flattening fix-ups.
 
-Neither framework is imported here.
+A Lightning checkpoint is one dict of the same two kinds: :func:`pack_checkpoint` keeps
+its tensors as DCP keys (DTensors stay sharded) and its bookkeeping as one item.
+
+No framework is imported here.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import pickle
@@ -22,11 +28,26 @@ from typing import Any
 
 import torch
 
-__all__ = ["FILES", "blob", "file_key", "from_blob", "name_of", "pack", "split", "unpack"]
+__all__ = [
+    "BOOKKEEPING",
+    "FILES",
+    "blob",
+    "file_key",
+    "from_blob",
+    "name_of",
+    "pack",
+    "pack_checkpoint",
+    "split",
+    "unpack",
+    "unpack_checkpoint",
+]
 
 #: The state key under which the packed files live, by file key.
 FILES = "files"
 _SKELETON = "skeleton"
+#: The key of a Lightning checkpoint's bookkeeping in :func:`pack_checkpoint`'s state.
+BOOKKEEPING = "lightning"
+_TENSORS = ("state_dict", "optimizer_states")
 
 
 class _Ref:
@@ -113,3 +134,41 @@ def split(path: str) -> str:
     """The part of a framework's file path that names the file in a version: its base
     name (the directory and tag are the caller's choice of the day, not the file's)."""
     return os.path.basename(path)
+
+
+def pack_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The state CheckpointManager saves for a Lightning checkpoint dict: the tensors
+    (``state_dict``, each optimizer's ``state``) go through DCP as they are (DTensors
+    sharded, DDP's replicated ones written once); the bookkeeping (loops, callbacks,
+    hyperparameters, schedulers, optimizer ``param_groups``), which may hold any
+    picklable object, as one string item that DCP writes once."""
+    rest = {k: v for k, v in checkpoint.items() if k not in _TENSORS}
+    optimizers = checkpoint.get("optimizer_states", [])
+    # param_groups hold whatever an optimizer keeps (tuples, None, its own objects):
+    # they go pickled with the bookkeeping; only the tensors go through DCP.
+    rest["__param_groups__"] = [o.get("param_groups") for o in optimizers]
+    buffer = io.BytesIO()
+    torch.save(rest, buffer)
+    return {
+        "state_dict": checkpoint.get("state_dict", {}),
+        "optimizer_states": [{"state": o.get("state", {})} for o in optimizers],
+        BOOKKEEPING: base64.b64encode(buffer.getvalue()).decode("ascii"),
+    }
+
+
+def unpack_checkpoint(state: dict[str, Any], weights_only: bool | None = None) -> dict[str, Any]:
+    """The Lightning checkpoint dict from what :func:`pack_checkpoint` saved."""
+    raw = base64.b64decode(state[BOOKKEEPING])
+    # The bookkeeping is Lightning's own dict (loops, callbacks, hyperparameters), checked
+    # against its checksum on read: trusted as a .ckpt file Lightning wrote would be.
+    rest: dict[str, Any] = torch.load(
+        io.BytesIO(raw), weights_only=bool(weights_only), map_location="cpu"
+    )
+    groups = rest.pop("__param_groups__", [])
+    checkpoint = dict(rest)
+    checkpoint["state_dict"] = state["state_dict"]
+    checkpoint["optimizer_states"] = [
+        {"state": o["state"], "param_groups": g}
+        for o, g in zip(state["optimizer_states"], groups, strict=True)
+    ]
+    return checkpoint

@@ -44,8 +44,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, RallypointError
 
+from .._bytes import tensor_bytes
+from .._regroup import Generation, generations
+from ..errors import CheckpointCorrupt, CheckpointError, RegroupError, StateNotReplicated
+from ..memory import NodeMemory
 from . import _faults as faults
-from ._bytes import tensor_bytes
 from ._dcp import (
     METADATA,
     RallypointReader,
@@ -53,10 +56,7 @@ from ._dcp import (
     check_metadata,
     global_rank,
 )
-from ._memory import NodeMemory
-from ._regroup import Generation, generations
 from ._staging import Staged, StagedPlanner, Staging
-from .errors import CheckpointCorrupt, CheckpointError, RegroupError, StateNotReplicated
 
 __all__ = ["RESERVED", "CheckpointManager", "Restored", "SaveHandle"]
 
@@ -493,15 +493,21 @@ class CheckpointManager:
             checkpoints=self,
         )
 
-    def _follow(self, assignment: Assignment) -> None:
-        """Saves and loads from here on are ``assignment``'s generation's."""
+    def follow(self, assignment: Assignment) -> None:
+        """Saves and loads from here on are ``assignment``'s generation's (what
+        :meth:`generations` does at each new generation; see
+        :class:`~rallypoint.trainer.Follower`)."""
         self.assignment = assignment
         self.generation = assignment.generation
 
-    def _leave_generation(self, timeout: float) -> None:
+    def leave_generation(self, timeout: float) -> None:
         """Settles the saves of a generation that ended, before its groups go: the copy
         must be done (the tensors are about to be loaded over), and the save's thread
-        out of its collectives (the coordinator refuses its report, which is right)."""
+        out of its collectives (the coordinator refuses its report, which is right).
+
+        Raises:
+            RegroupError: The save in flight did not finish within ``timeout`` seconds.
+        """
         with contextlib.suppress(Exception):
             self.wait_staged()
         if self._inflight is not None:

@@ -1,0 +1,25 @@
+"""The agent's side: what runs in torchrun's agent process (or ``rallypoint run``), not
+in the workers. The rendezvous handler torchrun's ``--rdzv-backend=rallypoint`` loads
+(through the ``torchrun.handlers`` entry point, ``_plugin``), the store torchrun's agents
+share through the coordinator, the launcher, and the board on which the agent posts a
+generation's assignment for the workers that regroup in place (they read it through
+:mod:`rallypoint.trainer`'s ``generations``).
+"""
+
+from ._board import REGROUP_ENV, Board, Posted
+from ._launch import RUN_ENV, run, torchrun_argv
+from ._rendezvous import BACKEND, RallypointRendezvousHandler, RendezvousSettings
+from ._store import CoordinatorStore
+
+__all__ = [
+    "BACKEND",
+    "REGROUP_ENV",
+    "RUN_ENV",
+    "Board",
+    "CoordinatorStore",
+    "Posted",
+    "RallypointRendezvousHandler",
+    "RendezvousSettings",
+    "run",
+    "torchrun_argv",
+]
