@@ -1,6 +1,23 @@
-"""Kubeflow Trainer v2 (deploy/kubeflow/): the manifests against the Trainer's own CRD
-schemas, against each other and the coordinator's Service, and ``rallypoint run`` under
-the ``PET_*`` variables the Trainer's torch plugin injects (no cluster here)."""
+"""Kubeflow Trainer v2 (deploy/kubeflow/): the manifests against the Trainer's API,
+against each other and the coordinator's Service, and ``rallypoint run`` under the
+``PET_*`` variables the Trainer's torch plugin injects (no cluster here).
+
+The schema tests run once per lane, the lane a parameter of each:
+
+- ``models``, always: the Trainer's API models as PyPI ships them
+  (``kubeflow-trainer-api``, generated from the Trainer's OpenAPI document, JobSet and
+  the Kubernetes types it embeds included). A document must parse with the models' own
+  ``from_dict`` (types, required fields, enum values) and validate against a JSON schema
+  generated from the same models with unknown fields refused (``from_dict`` drops them).
+- ``crds``, only where ``RALLYPOINT_KUBEFLOW_CRDS`` names a folder with the Trainer's
+  CRDs (kubeflow/trainer, manifests/base/crds/; ``.ci/run`` sets it where a copy lies
+  beside the checkout): their structural schemas as the API server applies them with
+  strict field validation. Without the variable this lane's tests are not collected: the
+  CRDs are a second opinion, not something a clone needs.
+
+Both lanes refuse the seven broken variants below; the models lane also refuses an
+unknown ``restartPolicy``, an enum the CRDs do not carry.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +35,10 @@ from typing import Any
 
 import httpx
 import jsonschema_rs
+import pydantic
 import pytest
 import yaml
+from kubeflow_trainer_api import models
 
 from rallypoint.cli.processes import Coordinator
 from rallypoint.trainer import torchrun_argv
@@ -28,11 +47,15 @@ from .test_deploy import KNOWN_ENV, RDZV_CONF, _documents, _env_names
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBEFLOW = ROOT / "deploy" / "kubeflow"
-#: The Trainer's CRDs (kubeflow/trainer, manifests/base/crds/), kept beside the
-#: repository in shared/ and read from there; the variable points elsewhere.
+#: A folder with the Trainer's CRDs (trainer.kubeflow.org_*.yaml): the ``crds`` lane.
 CRDS_ENV = "RALLYPOINT_KUBEFLOW_CRDS"
-CRDS = Path(os.environ.get(CRDS_ENV) or ROOT.parent / "shared/reference/kubeflow-trainer")
+LANES = ["models", *(["crds"] if os.environ.get(CRDS_ENV) else [])]
 GROUP_VERSION = "trainer.kubeflow.org/v1alpha1"
+KINDS = {
+    "TrainJob": models.TrainerV1alpha1TrainJob,
+    "TrainingRuntime": models.TrainerV1alpha1TrainingRuntime,
+    "ClusterTrainingRuntime": models.TrainerV1alpha1ClusterTrainingRuntime,
+}
 #: What the torch plugin sets itself and refuses in a TrainJob's env
 #: (pkg/constants: TorchRunReservedEnvNames).
 RESERVED = {
@@ -43,16 +66,25 @@ RESERVED = {
     "PET_MASTER_PORT",
 }
 
+#: Why the API server would refuse a document of one kind.
+Check = Callable[[dict[str, Any]], list[str]]
 
-def _strict(schema: Any) -> Any:
+
+def _messages(validator: Any, doc: dict[str, Any]) -> list[str]:
+    return [
+        "/".join(map(str, e.instance_path)) + ": " + e.message for e in validator.iter_errors(doc)
+    ]
+
+
+def _strict_crd(schema: Any) -> Any:
     """A CRD's structural schema as the API server applies it with strict field
     validation (``kubectl apply --validate=strict``): a field the schema does not name
     is an error, not silently pruned. Also OpenAPI's ``nullable`` in JSON Schema."""
     if isinstance(schema, list):
-        return [_strict(s) for s in schema]
+        return [_strict_crd(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _strict(v) for k, v in schema.items()}
+    out = {k: _strict_crd(v) for k, v in schema.items()}
     if (
         "properties" in out
         and "additionalProperties" not in out
@@ -64,32 +96,78 @@ def _strict(schema: Any) -> Any:
     return out
 
 
-@functools.cache
-def _validators() -> dict[str, jsonschema_rs.Draft4Validator]:
-    """One validator per kind the CRDs define (served versions of our group/version)."""
-    if not CRDS.is_dir():
+def _crd_checks() -> dict[str, Check]:
+    """One check per kind the CRDs define (served versions of our group/version)."""
+    folder = Path(os.environ[CRDS_ENV])
+    if not folder.is_dir():
         pytest.fail(
-            f"no Kubeflow Trainer CRDs at {CRDS}: set {CRDS_ENV} to a folder with "
-            "trainer.kubeflow.org_*.yaml from kubeflow/trainer's manifests/base/crds/"
+            f"{CRDS_ENV}={folder} is no folder: it should hold trainer.kubeflow.org_*.yaml "
+            "from kubeflow/trainer's manifests/base/crds/"
         )
-    validators = {}
-    for path in sorted(CRDS.glob("trainer.kubeflow.org_*.yaml")):
+    checks: dict[str, Check] = {}
+    for path in sorted(folder.glob("trainer.kubeflow.org_*.yaml")):
         crd = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)
         for version in crd["spec"]["versions"]:
             if f"{crd['spec']['group']}/{version['name']}" == GROUP_VERSION:
-                schema = _strict(version["schema"]["openAPIV3Schema"])
-                validators[crd["spec"]["names"]["kind"]] = jsonschema_rs.Draft4Validator(schema)
-    return validators
+                schema = _strict_crd(version["schema"]["openAPIV3Schema"])
+                validator = jsonschema_rs.Draft4Validator(schema)
+                checks[crd["spec"]["names"]["kind"]] = functools.partial(_messages, validator)
+    return checks
 
 
-def errors(doc: dict[str, Any]) -> list[str]:
-    """Why the API server would refuse ``doc``, as far as the CRD's schema says."""
-    if doc.get("apiVersion") != GROUP_VERSION or doc.get("kind") not in _validators():
+_NULL = {"type": "null"}
+
+
+def _strict_model(schema: Any) -> Any:
+    """A JSON schema pydantic generated from the API models, as strict as the API
+    server: unknown fields refused (the models ignore them); an optional field absent,
+    not null; and a oneOf wrapper of the OpenAPI generator (``IntOrString``,
+    ``Quantity``: a model with an ``actual_instance``) the value it wraps."""
+    if isinstance(schema, list):
+        return [_strict_model(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict_model(v) for k, v in schema.items()}
+    wrapped = out.get("properties", {}).get("actual_instance")
+    if wrapped is not None:
+        return {"anyOf": [s for s in wrapped["anyOf"] if s != _NULL]}
+    if _NULL in out.get("anyOf", []):
+        # Optional[X] without the null, so that an error names the field, not the anyOf.
+        rest = [s for s in out.pop("anyOf") if s != _NULL]
+        out |= rest[0] if len(rest) == 1 else {"anyOf": rest}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _model_check(model: type[pydantic.BaseModel], validator: Any, doc: dict[str, Any]) -> list[str]:
+    found = _messages(validator, doc)
+    try:
+        model.from_dict(doc)  # type: ignore[attr-defined]
+    except pydantic.ValidationError as exc:
+        found += [".".join(map(str, e["loc"])) + ": " + e["msg"] for e in exc.errors()]
+    return found
+
+
+@functools.cache
+def checks(lane: str) -> dict[str, Check]:
+    if lane == "crds":
+        return _crd_checks()
+    return {
+        kind: functools.partial(
+            _model_check,
+            model,
+            jsonschema_rs.Draft202012Validator(_strict_model(model.model_json_schema())),
+        )
+        for kind, model in KINDS.items()
+    }
+
+
+def errors(doc: dict[str, Any], lane: str) -> list[str]:
+    """Why the API server would refuse ``doc``, as far as ``lane``'s schemas say."""
+    if doc.get("apiVersion") != GROUP_VERSION or doc.get("kind") not in checks(lane):
         return [f"{doc.get('apiVersion')} {doc.get('kind')} is no Kubeflow Trainer kind"]
-    validator = _validators()[doc["kind"]]
-    return [
-        "/".join(map(str, e.instance_path)) + ": " + e.message for e in validator.iter_errors(doc)
-    ]
+    return checks(lane)[doc["kind"]](doc)
 
 
 def manifests() -> dict[str, dict[str, Any]]:
@@ -105,17 +183,19 @@ def manifests() -> dict[str, dict[str, Any]]:
     return by_kind
 
 
-def test_the_crds_are_the_trainers_own() -> None:
-    assert set(_validators()) == {"TrainJob", "TrainingRuntime", "ClusterTrainingRuntime"}
+@pytest.mark.parametrize("lane", LANES)
+def test_the_schemas_are_the_trainers_kinds(lane: str) -> None:
+    assert set(checks(lane)) == {"TrainJob", "TrainingRuntime", "ClusterTrainingRuntime"}
 
 
-def test_every_manifest_validates_against_the_trainers_crd_schemas() -> None:
+@pytest.mark.parametrize("lane", LANES)
+def test_every_manifest_validates_against_the_trainers_schemas(lane: str) -> None:
     docs = manifests()
     # Only the Trainer's kinds here: the coordinator's core objects are in
     # deploy/kubernetes/, and a core object added here would need a check of its own.
     assert set(docs) == {"ClusterTrainingRuntime", "TrainJob"}
     for doc in docs.values():
-        assert errors(doc) == [], doc["kind"]
+        assert errors(doc, lane) == [], doc["kind"]
     # Two of the schema's CEL rules, which JSON Schema cannot run: the TrainJob's name
     # is a DNS label (it names the JobSet, its pods and our job).
     name = docs["TrainJob"]["metadata"]["name"]
@@ -137,6 +217,7 @@ def _node_pod(runtime: dict[str, Any]) -> dict[str, Any]:
     return _node_job(runtime)["template"]["spec"]["template"]["spec"]  # type: ignore[no-any-return]
 
 
+@pytest.mark.parametrize("lane", LANES)
 @pytest.mark.parametrize(
     ("kind", "change", "complaint"),
     [
@@ -180,10 +261,16 @@ def _node_pod(runtime: dict[str, Any]) -> dict[str, Any]:
     ],
 )
 def test_a_broken_manifest_is_refused(
-    kind: str, change: Callable[[dict[str, Any]], None], complaint: str
+    kind: str, change: Callable[[dict[str, Any]], None], complaint: str, lane: str
 ) -> None:
-    found = errors(_broken(kind, change))
+    found = errors(_broken(kind, change), lane)
     assert found and any(complaint in e for e in found), found
+
+
+def test_the_models_refuse_a_value_outside_an_enum() -> None:
+    # Rules on exit codes or conditions need restartPolicy Never; the CRDs take any string.
+    doc = _broken("ClusterTrainingRuntime", lambda d: _node_pod(d).update(restartPolicy="Nevr"))
+    assert any("restartPolicy" in e and "Never" in e for e in errors(doc, "models"))
 
 
 def _resolve(
