@@ -46,17 +46,22 @@ def serve_settings(args: Sequence[str]) -> Settings:
     return _settings(_parser().parse_args(["serve", *args]))
 
 
+def _missing(command: str, what: str, extra: str, exc: ImportError) -> int:
+    """Says which extra ``rallypoint COMMAND`` needs; returns the exit status (2)."""
+    print(
+        f"rallypoint {command} needs {what}: pip install 'rallypoint[{extra}]' ({exc})",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn  # noqa: F401
 
         from rallypoint.service.app import serve
     except ImportError as exc:
-        print(
-            f"rallypoint serve needs the service extra: pip install 'rallypoint[service]' ({exc})",
-            file=sys.stderr,
-        )
-        return 2
+        return _missing("serve", "the service extra", "service", exc)
     from pydantic import ValidationError
 
     try:
@@ -73,11 +78,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         from rallypoint.trainer import run
     except ImportError as exc:
-        print(
-            f"rallypoint run needs the trainer extra: pip install 'rallypoint[trainer]' ({exc})",
-            file=sys.stderr,
-        )
-        return 2
+        return _missing("run", "the trainer extra", "trainer", exc)
     return run(args.torchrun_args)
 
 
@@ -86,11 +87,7 @@ def _demo(args: argparse.Namespace) -> int:
         import torch  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:
-        print(
-            f"rallypoint demo needs everything: pip install 'rallypoint[all]' ({exc})",
-            file=sys.stderr,
-        )
-        return 2
+        return _missing("demo", "everything", "all", exc)
     from ._demo import main as demo
 
     return demo(args.demo_args)
