@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 
-from rallypoint.client import RallypointError, TokenInfo
+from rallypoint.client import TokenInfo
 
-from ._inspect import _table, _when, client_for, connection_options
+from ._inspect import _table, _when, ask, connection_options
 
 __all__ = ["add_commands", "parse_duration"]
 
@@ -51,12 +51,14 @@ def _print(tokens: Sequence[TokenInfo]) -> None:
 
 
 def _create(args: argparse.Namespace) -> int:
-    with client_for(args, args.job) as client:
-        try:
-            made = client.create_token(args.role, expires_in=args.expires, name=args.name)
-        except RallypointError as exc:
-            print(f"rallypoint token create: {exc}", file=sys.stderr)
-            return 1
+    made = ask(
+        args,
+        args.job,
+        "token create",
+        lambda c: c.create_token(args.role, expires_in=args.expires, name=args.name),
+    )
+    if made is None:
+        return 1
     if args.json:
         sys.stdout.write(made.model_dump_json() + "\n")
     else:
@@ -72,12 +74,9 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with client_for(args, args.job or "-") as client:
-        try:
-            tokens = client.tokens(all_jobs=not args.job)
-        except RallypointError as exc:
-            print(f"rallypoint token list: {exc}", file=sys.stderr)
-            return 1
+    tokens = ask(args, args.job or "-", "token list", lambda c: c.tokens(all_jobs=not args.job))
+    if tokens is None:
+        return 1
     if args.json:
         print(json.dumps([t.model_dump(mode="json") for t in tokens]))
     else:
@@ -86,12 +85,9 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _revoke(args: argparse.Namespace) -> int:
-    with client_for(args) as client:
-        try:
-            info = client.revoke_token(args.token_id)
-        except RallypointError as exc:
-            print(f"rallypoint token revoke: {exc}", file=sys.stderr)
-            return 1
+    info = ask(args, "-", "token revoke", lambda c: c.revoke_token(args.token_id))
+    if info is None:
+        return 1
     if args.json:
         sys.stdout.write(info.model_dump_json() + "\n")
     else:

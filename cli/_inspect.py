@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from pydantic import BaseModel
 
@@ -33,7 +33,9 @@ from rallypoint.client import (
     Timeline,
 )
 
-__all__ = ["add_commands", "client_for", "connection_options"]
+__all__ = ["add_commands", "ask", "client_for", "connection_options"]
+
+_T = TypeVar("_T")
 
 # A person is waiting: fail within seconds when the coordinator is down.
 _RETRY = RetryPolicy(deadline=timedelta(seconds=5))
@@ -79,6 +81,23 @@ def client_for(args: argparse.Namespace, job: str = "-") -> ElasticClient:
         transport=args.transport,
         endpoint_key=args.endpoint_key,
     )
+
+
+def ask(
+    args: argparse.Namespace, job: str, command: str, call: Callable[[ElasticClient], _T]
+) -> _T | None:
+    """Makes a one-shot command's call with a client for ``job``.
+
+    Returns:
+        What ``call`` returned, or None where the client raised: then it printed
+        ``rallypoint COMMAND: why`` on stderr, and the command exits 1.
+    """
+    with client_for(args, job) as client:
+        try:
+            return call(client)
+        except RallypointError as exc:
+            print(f"rallypoint {command}: {exc}", file=sys.stderr)
+            return None
 
 
 def print_jobs(jobs: Sequence[JobSummary], out: TextIO) -> None:
@@ -330,16 +349,18 @@ def _checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 def _quarantine(args: argparse.Namespace, action: str, job: str, version: int) -> int:
     """Quarantines or unquarantines ``version`` and says where the latest pointer is."""
-    with client_for(args, job) as client:
-        try:
-            if action == "quarantine":
-                info = client.quarantine(version, args.reason or "", restart=args.restart)
-            else:
-                info = client.unquarantine(version)
-            latest = client.membership().checkpoint
-        except RallypointError as exc:
-            print(f"rallypoint checkpoints {action}: {exc}", file=sys.stderr)
-            return 1
+
+    def act(client: ElasticClient) -> tuple[CheckpointInfo, CheckpointPointer | None]:
+        if action == "quarantine":
+            info = client.quarantine(version, args.reason or "", restart=args.restart)
+        else:
+            info = client.unquarantine(version)
+        return info, client.membership().checkpoint
+
+    done = ask(args, job, f"checkpoints {action}", act)
+    if done is None:
+        return 1
+    info, latest = done
     if args.json:
         sys.stdout.write(info.model_dump_json() + "\n")
         return 0
