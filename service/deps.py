@@ -6,8 +6,8 @@ its thread pool, and six thread hops per heartbeat saturated a core at 1,000 bea
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Annotated
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Annotated, Any
 
 from fastapi import Depends, Header, Path, Request
 
@@ -39,28 +39,18 @@ __all__ = [
 ]
 
 
-@raises(StorageUnavailable)
-async def _rdzv(request: Request) -> Rendezvous:
-    rdzv: Rendezvous = request.app.state.rdzv
-    return rdzv
+def _app_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    """A dependency that answers the app's ``state.NAME``, a part the app factory made.
 
+    Every route that takes such a part reads storage through it, so each documents the
+    503 ``storage_unavailable`` once, here.
+    """
 
-@raises(StorageUnavailable)
-async def _checkpoints(request: Request) -> Checkpoints:
-    checkpoints: Checkpoints = request.app.state.checkpoints
-    return checkpoints
+    @raises(StorageUnavailable)
+    async def part(request: Request) -> Any:
+        return getattr(request.app.state, name)
 
-
-@raises(StorageUnavailable)
-async def _kv(request: Request) -> KeyValue:
-    kv: KeyValue = request.app.state.kv
-    return kv
-
-
-@raises(StorageUnavailable)
-async def _driver(request: Request) -> Driver:
-    driver: Driver = request.app.state.driver
-    return driver
+    return part
 
 
 # Routes without a job in their path that any valid token may call: the job list (it
@@ -150,10 +140,10 @@ async def _node_id(node_id: _IdPath) -> str:
     return _checked("node", node_id)
 
 
-RdzvDep = Annotated[Rendezvous, Depends(_rdzv)]
-CheckpointsDep = Annotated[Checkpoints, Depends(_checkpoints)]
-KeyValueDep = Annotated[KeyValue, Depends(_kv)]
-DriverDep = Annotated[Driver, Depends(_driver)]
+RdzvDep = Annotated[Rendezvous, Depends(_app_state("rdzv"))]
+CheckpointsDep = Annotated[Checkpoints, Depends(_app_state("checkpoints"))]
+KeyValueDep = Annotated[KeyValue, Depends(_app_state("kv"))]
+DriverDep = Annotated[Driver, Depends(_app_state("driver"))]
 JobId = Annotated[str, Depends(_job_id)]
 NodeId = Annotated[str, Depends(_node_id)]
 GenerationNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
