@@ -6,8 +6,9 @@ import abc
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from ..errors import BadRequest
@@ -40,6 +41,7 @@ ACCOUNT_ENV = "AZURE_STORAGE_ACCOUNT"
 TABLE_ENDPOINT_ENV = "AZURE_STORAGE_TABLE_ENDPOINT"
 BLOB_ENDPOINT_ENV = "AZURE_STORAGE_BLOB_ENDPOINT"
 ENDPOINT_SUFFIX_ENV = "AZURE_STORAGE_ENDPOINT_SUFFIX"
+_Part = TypeVar("_Part", Table, BlobStore)
 _PREFIX = re.compile(r"[a-z][a-z0-9]{0,23}")
 _LOGICAL = re.compile(r"[a-z][a-z0-9]{2,30}")
 
@@ -106,19 +108,19 @@ class Storage(abc.ABC):
 
     def table(self, name: str) -> Table:
         """The table ``name``, created on first use."""
-        _check_names(self.prefix, name)
-        with self._lock:
-            if name not in self._tables:
-                self._tables[name] = self._open_table(f"{self.prefix}{name}")
-            return self._tables[name]
+        return self._once(self._tables, name, lambda: self._open_table(f"{self.prefix}{name}"))
 
     def blobs(self, name: str) -> BlobStore:
         """The blob container ``name``, created on first use."""
+        return self._once(self._blobs, name, lambda: self._open_blobs(f"{self.prefix}-{name}"))
+
+    def _once(self, opened: dict[str, _Part], name: str, open_: Callable[[], _Part]) -> _Part:
+        # Under the lock: two threads asking for a new name at once open it once.
         _check_names(self.prefix, name)
         with self._lock:
-            if name not in self._blobs:
-                self._blobs[name] = self._open_blobs(f"{self.prefix}-{name}")
-            return self._blobs[name]
+            if name not in opened:
+                opened[name] = open_()
+            return opened[name]
 
     def ping(self) -> None:
         """Checks that every opened table and container answers.
