@@ -4,6 +4,7 @@ inspection and token commands are in ``_inspect`` and ``_admin``."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -79,6 +80,12 @@ def _run(args: argparse.Namespace) -> int:
         from rallypoint.trainer import run
     except ImportError as exc:
         return _missing("run", "the trainer extra", "trainer", exc)
+    # The package's warnings on stderr whatever else configures logging (Python's
+    # last-resort handler shows them only while no handler exists anywhere): the node's
+    # account of what it waits for, e.g. a coordinator it cannot reach.
+    stderr = logging.StreamHandler(sys.stderr)
+    stderr.setLevel(logging.WARNING)
+    logging.getLogger("rallypoint").addHandler(stderr)
     return run(args.torchrun_args)
 
 

@@ -95,6 +95,12 @@ _POLL = 30.0
 _RETRY_STATUS = {429, 502, 503, 504}
 
 
+def _reason(exc: httpx.TransportError) -> str:
+    """A transport error as a person would put it: ``connection refused``."""
+    text = re.sub(r"^\[Errno -?\d+\]\s*", "", str(exc)).strip()
+    return text[:1].lower() + text[1:] if text else type(exc).__name__
+
+
 def _retry_after(response: httpx.Response) -> float | None:
     """A reply's ``Retry-After`` in seconds, if it gives one as a number."""
     try:
@@ -276,7 +282,10 @@ class ElasticClient:
             method, url = "POST", self._envelope_url
         timeout = httpx.Timeout(self._timeout, read=self._timeout + read_timeout)
         delays = retry.delays()
+        attempt = 1
         while True:
+            unreachable: str | None = None
+            soon: float | None = None
             try:
                 response = self._http.request(
                     method,
@@ -286,8 +295,8 @@ class ElasticClient:
                     timeout=timeout,
                 )
             except httpx.TransportError as exc:
-                problem: str = f"{type(exc).__name__}: {exc}"
-                soon: float | None = None
+                problem = f"{type(exc).__name__}: {exc}"
+                unreachable = _reason(exc)
             else:
                 if response.status_code < 400:
                     return response
@@ -302,7 +311,21 @@ class ElasticClient:
                 )
             if soon is not None:
                 delay = min(delay, soon)  # the coordinator knows when it is worth asking
-            log.info("%s %s: %s; retrying in %.2f s", method, path, problem, delay)
+            attempt += 1
+            if unreachable is not None:
+                # A warning at every backoff: a node that cannot reach its coordinator
+                # (a wrong URL, one that is down) says so at once, not after the deadline.
+                log.warning(
+                    "cannot reach %s: %s; retrying in %.2f s, attempt %d (%s %s)",
+                    self.url,
+                    unreachable,
+                    delay,
+                    attempt,
+                    method,
+                    path,
+                )
+            else:
+                log.info("%s %s: %s; retrying in %.2f s", method, path, problem, delay)
             time.sleep(delay)
 
     @staticmethod

@@ -1,19 +1,26 @@
-"""``rallypoint run`` (torchrun with defaults from the environment) and training
-without torchrun (``train_join.py`` under a shell supervisor)."""
+"""``rallypoint run`` (torchrun with defaults from the environment; what it says of bad
+values and an unreachable coordinator) and training without torchrun (``train_join.py``
+under a shell supervisor)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from rallypoint.cli.processes import judge
-from rallypoint.client import ElasticClient
+from rallypoint.client import ElasticClient, RetryPolicy, TransportError
 from rallypoint.trainer import torchrun_argv
 
 from ._azurite import free_port
@@ -73,6 +80,125 @@ def test_without_a_coordinator_it_says_what_to_set() -> None:
         env={k: v for k, v in os.environ.items() if not k.startswith("RALLYPOINT_")},
     )
     assert result.returncode == 2 and "set RALLYPOINT_URL" in result.stderr
+
+
+#: Variables, and the start of the one line that refuses them.
+BAD = [
+    ({"PET_NNODES": "abc"}, "PET_NNODES is 'abc'; it takes N or MIN:MAX"),
+    ({"RALLYPOINT_NNODES": "4:2"}, "RALLYPOINT_NNODES is '4:2'; it takes N or MIN:MAX"),
+    ({"RALLYPOINT_NNODES": "0"}, "RALLYPOINT_NNODES is '0'; it takes N or MIN:MAX"),
+    (
+        {"RALLYPOINT_MIN_NODES": "5", "PET_NNODES": "4"},
+        "RALLYPOINT_MIN_NODES is '5'; it takes a whole number from 1 to PET_NNODES (4)",
+    ),
+    ({"PET_NPROC_PER_NODE": "lots"}, "PET_NPROC_PER_NODE is 'lots'; it takes a whole"),
+    ({"RALLYPOINT_MAX_RESTARTS": "-1"}, "RALLYPOINT_MAX_RESTARTS is '-1'; it takes a whole"),
+    ({"RALLYPOINT_RDZV_CONF": "join_timeout=1m"}, "RALLYPOINT_RDZV_CONF is 'join_timeout=1m'"),
+    ({"PET_RDZV_CONF": "last_call"}, "PET_RDZV_CONF is 'last_call'; it takes KEY=VALUE"),
+    ({"PET_MASTER_PORT": "http"}, "PET_MASTER_PORT is 'http'; it takes a port number"),
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [pytest.param(env, says, id=",".join(f"{k}={v}" for k, v in env.items())) for env, says in BAD],
+)
+def test_a_bad_variable_is_named_with_what_it_takes(env: dict[str, str], says: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        torchrun_argv(["train.py"], {**ENV, **env})
+    assert str(caught.value).startswith(says)
+
+
+def test_good_values_pass_and_an_empty_rallypoint_variable_is_unset() -> None:
+    env = {
+        **ENV,
+        "RALLYPOINT_MIN_NODES": "",
+        "PET_NNODES": "4",
+        "PET_NPROC_PER_NODE": "auto",
+        "PET_MAX_RESTARTS": "3",
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_PORT": "29500",
+        "RALLYPOINT_RDZV_CONF": "last_call=1, join_timeout=60,token=t=x",
+    }
+    assert flags(torchrun_argv(["train.py"], env))["nnodes"] == "1:4"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("name", "value"), [("PET_NNODES", "abc"), ("RALLYPOINT_NNODES", "4:2")], ids=str
+)
+def test_rallypoint_run_refuses_a_bad_variable_in_one_line(name: str, value: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLYPOINT_", "PET_"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "rallypoint", "run", "train.py"],
+        capture_output=True,
+        text=True,
+        env={**env, **ENV, name: value},
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.splitlines()  # no traceback, no usage text
+    assert line.startswith(f"rallypoint run: {name} is {value!r}; it takes N or MIN:MAX")
+
+
+def test_each_backoff_names_the_coordinator_it_cannot_reach(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = ElasticClient(url, "job1", "n1", retry=RetryPolicy(deadline=timedelta(seconds=1)))
+    with pytest.raises(TransportError):
+        client.join()
+    records = [r for r in caplog.records if r.name == "rallypoint.client"]
+    assert records and all(r.levelno == logging.WARNING for r in records)
+    said = [r.getMessage() for r in records]
+    for attempt, message in enumerate(said, start=2):
+        assert re.fullmatch(
+            rf"cannot reach {url}: connection refused; retrying in [0-9.]+ s, "
+            rf"attempt {attempt} \(POST /v1/jobs/job1/join\)",
+            message,
+        ), message
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_rallypoint_run_names_an_unreachable_coordinator_at_once_and_at_each_backoff() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RALLYPOINT_", "PET_"))}
+    node = subprocess.Popen(
+        [sys.executable, "-m", "rallypoint", "run", "--nproc-per-node=1", "train.py"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "RALLYPOINT_URL": url, "RALLYPOINT_JOB": "job1"},
+        start_new_session=True,
+    )
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        assert node.stderr is not None
+        for line in node.stderr:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and sum("attempt" in x for _, x in lines) < 4:
+            time.sleep(0.1)
+    finally:
+        os.killpg(node.pid, signal.SIGKILL)
+        node.wait(30)
+        reader.join(10)
+    text = "\n".join(x for _, x in lines)
+    # From the launcher's line (the interpreter and torch's import before it take what
+    # the machine gives them) to the first warning: the join's first failure.
+    started = next(t for t, x in lines if x.startswith("rallypoint run: torchrun"))
+    warned = [(t, x) for t, x in lines if x.startswith(f"cannot reach {url}: ")]
+    assert len(warned) >= 3, text
+    assert warned[0][0] - started < 5, text
+    attempts = [int(re.search(r"attempt (\d+)", x).group(1)) for _, x in warned]  # type: ignore[union-attr]
+    assert attempts[:3] == [2, 3, 4], text
+    assert "connection refused; retrying in" in warned[0][1] and "Traceback" not in text
 
 
 WORKER = textwrap.dedent(

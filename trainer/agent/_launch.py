@@ -39,6 +39,89 @@ RUN_ENV = (
 )
 
 
+def _whole(value: str, low: int, high: int | None = None) -> bool:
+    if not (value.isascii() and value.isdigit()):
+        return False
+    return int(value) >= low and (high is None or int(value) <= high)
+
+
+def _nnodes(value: str) -> bool:
+    parts = value.split(":")
+    return len(parts) <= 2 and all(_whole(p, 1) for p in parts) and int(parts[0]) <= int(parts[-1])
+
+
+def _nproc(value: str) -> bool:
+    if _whole(value, 1) or value in ("auto", "cpu", "gpu", "xpu"):
+        return True
+    import torch
+
+    return value == torch._C._get_privateuse1_backend_name()  # an out-of-tree device's
+
+
+#: The ``--rdzv-conf`` keys the plugin reads as whole seconds (RendezvousSettings).
+_CONF_SECONDS = {
+    "heartbeat_timeout",
+    "heartbeat_interval",
+    "last_call",
+    "join_timeout",
+    "store_timeout",
+    "timeout",
+}
+
+
+def _conf(value: str) -> bool:
+    """What torch's ``--rdzv-conf`` parser takes, the plugin's timeouts whole seconds."""
+    if not value.strip():
+        return True
+    pairs = [item.split("=", 1) for item in value.split(",")]
+    return all(
+        len(pair) == 2
+        and pair[0].strip()
+        and pair[1].strip()
+        and (pair[0].strip() not in _CONF_SECONDS or _whole(pair[1].strip(), 0))
+        for pair in pairs
+    )
+
+
+_NNODES = ("N or MIN:MAX, whole numbers with 1 <= MIN <= MAX", _nnodes)
+_NPROC = ("a whole number >= 1, or auto, cpu, gpu or xpu", _nproc)
+_RESTARTS = ("a whole number >= 0", lambda v: _whole(v, 0))
+_CONF = ("KEY=VALUE pairs separated by commas, the timeouts in whole seconds", _conf)
+#: What each variable ``rallypoint run`` or torchrun reads from a launcher takes. Checked
+#: before torchrun starts, which would end in a traceback, a bare assertion or usage text
+#: naming its flag, not the variable.
+_ACCEPTS: dict[str, tuple[str, Callable[[str], bool]]] = {
+    "RALLYPOINT_NNODES": _NNODES,
+    "PET_NNODES": _NNODES,
+    "RALLYPOINT_MIN_NODES": ("a whole number >= 1", lambda v: _whole(v, 1)),
+    "RALLYPOINT_NPROC_PER_NODE": _NPROC,
+    "PET_NPROC_PER_NODE": _NPROC,
+    "RALLYPOINT_MAX_RESTARTS": _RESTARTS,
+    "PET_MAX_RESTARTS": _RESTARTS,
+    "RALLYPOINT_RDZV_CONF": _CONF,
+    "PET_RDZV_CONF": _CONF,
+    "PET_NODE_RANK": ("a whole number >= 0", lambda v: _whole(v, 0)),
+    "PET_MASTER_PORT": ("a port number, 0 to 65535", lambda v: _whole(v, 0, 65535)),
+}
+
+
+def _check_env(env: Mapping[str, str]) -> None:
+    """Checks the values of the variables :func:`torchrun_argv` and torchrun read.
+
+    An empty ``RALLYPOINT_*`` variable counts as unset, as it does there; an empty
+    ``PET_*`` one is a value, as torchrun reads it.
+
+    Raises:
+        ValueError: One line that names the first bad variable and what it takes.
+    """
+    for name, (accepts, valid) in _ACCEPTS.items():
+        value = env.get(name)
+        if value is None or (not value and name.startswith("RALLYPOINT_")):
+            continue
+        if not valid(value):
+            raise ValueError(f"{name} is {value!r}; it takes {accepts}")
+
+
 def _given(args: Sequence[str]) -> set[str]:
     """The torchrun options in ``args`` (before the script), normalized."""
     given: set[str] = set()
@@ -78,12 +161,22 @@ def torchrun_argv(args: Sequence[str], environ: Mapping[str, str] | None = None)
     coordinator assigns ranks and the master address.
 
     Raises:
-        ValueError: No coordinator URL or job id from any source.
+        ValueError: No coordinator URL or job id from any source, or a variable's value
+            that torchrun or the plugin would refuse (see :func:`_check_env`).
     """
     env = os.environ if environ is None else environ
+    _check_env(env)
     given = _given(args)
-    min_nodes = env.get("RALLYPOINT_MIN_NODES", "1")
+    min_nodes = env.get("RALLYPOINT_MIN_NODES") or "1"
     pet_nnodes = env.get("PET_NNODES", "")
+    # Where --nnodes is RALLYPOINT_MIN_NODES to a count from the launcher (below).
+    most = "PET_NNODES" if "PET_NNODES" in env else "AZUREML_NODE_COUNT"
+    from_launcher = not ("nnodes" in given or env.get("RALLYPOINT_NNODES"))
+    if from_launcher and env.get(most, "").isdigit() and int(min_nodes) > int(env[most]):
+        raise ValueError(
+            f"RALLYPOINT_MIN_NODES is {min_nodes!r}; it takes a whole number from 1 to "
+            f"{most} ({env[most]})"
+        )
     # (option, its RALLYPOINT_* value, the default Rallypoint derives); a callable
     # default is only worked out when needed (it imports torch).
     options: list[tuple[str, str | None, str | Callable[[], str] | None]] = [
