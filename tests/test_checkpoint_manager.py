@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -212,14 +213,42 @@ def test_without_overlap_save_returns_with_the_copy_done(start: Start) -> None:
     m.close()
 
 
-def test_consecutive_saves_never_mix(start: Start) -> None:
+def test_consecutive_saves_never_mix(start: Start, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save while the previous one uploads waits for it: the staging buffers that
+    upload reads are not overwritten under it."""
     url = start().url
     (m,) = managers(url, ["a"], 1, 1)
     first = {"w": torch.full((256, 256), 1.0)}
     second = {"w": torch.full((256, 256), 2.0)}
+    # The first save's upload is held until the second save waits for it (the manager
+    # waits for a save through wait()), so the second starts with the first in flight.
+    uploading, release = threading.Event(), threading.Event()
+    write_data = RallypointWriter.write_data
+
+    def held(writer: RallypointWriter, *args: Any) -> Any:
+        if writer.step == 1:
+            uploading.set()
+            assert release.wait(60), "the second save never waited for the first"
+        return write_data(writer, *args)
+
+    waits: list[bool] = []  # whether the first was still in flight at each wait
+    wait = m.wait
+
+    def waiting() -> Any:
+        waits.append(one is not None and not one.done())
+        release.set()
+        return wait()
+
+    monkeypatch.setattr(RallypointWriter, "write_data", held)
+    monkeypatch.setattr(m, "wait", waiting)
     one = m.save(first, 1)
-    two = m.save(second, 2)  # waits for the first: its staging buffer is in use
-    assert one is not None and two is not None
+    assert uploading.wait(60)
+    try:
+        two = m.save(second, 2)
+    finally:
+        release.set()
+    assert waits == [True] and one is not None and one.done()
+    assert two is not None
     assert one.result().version != two.result().version
     for version, expected in ((one.result().version, first), (two.result().version, second)):
         assert same(m.load(version).state, expected)

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from rallypoint.client import (
     Assignment,
@@ -219,6 +220,26 @@ while True:
 """
 
 
+def beats(url: str, job: str) -> float:
+    """The heartbeats the coordinator counted for ``job`` (each as it arrived)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "rallypoint_heartbeats_total" and s.labels == {"job": job}
+    )
+
+
+def beats_written_since(client: ElasticClient, since: float) -> bool:
+    """Whether every member's last beat in storage was written at ``since`` or later."""
+    asked = time.time()  # no later than the coordinator's clock when it answers
+    members = client.membership().members
+    return bool(members) and all(
+        m.heartbeat_age is not None and asked - m.heartbeat_age >= since for m in members
+    )
+
+
 def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(spawn: Spawn) -> None:
     import signal
     import subprocess
@@ -239,10 +260,20 @@ def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(spawn:
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "joined"
-        time.sleep(0.5)  # both are inside a held heartbeat now
+        # A cut watch is judged against the node's last beat in storage, where the
+        # driver writes beats within an interval of their arrival, stamped as written:
+        # wait until both held beats arrived (counted) and were written after that.
+        deadline = time.monotonic() + 10
+        while beats(coordinator.url, "cut") < 2:
+            assert time.monotonic() < deadline, "the members never sent their held heartbeats"
+            time.sleep(0.02)
+        counted = time.time()
+        client = ElasticClient(coordinator.url, "cut", "x")
+        while not beats_written_since(client, counted):
+            assert time.monotonic() < deadline, "the held heartbeats never reached storage"
+            time.sleep(0.02)
         killed = time.monotonic()
         procs[1].send_signal(signal.SIGKILL)
-        client = ElasticClient(coordinator.url, "cut", "x")
         while client.membership().status == "sealed":
             assert time.monotonic() - killed < 30, "not detected before half the timeout"
             time.sleep(0.1)

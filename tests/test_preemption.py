@@ -3,11 +3,13 @@ and real signals."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 
@@ -67,12 +69,20 @@ def test_notices_only_events_naming_this_vm_and_acknowledges_them(imds: FakeImds
     assert imds.acknowledged == [event_id]
 
 
-def test_an_unreachable_metadata_service_is_not_an_error() -> None:
+def test_an_unreachable_metadata_service_is_not_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="rallypoint.trainer")
     with PreemptionWatcher(
-        imds_url=f"http://127.0.0.1:{free_port()}", vm_name="vm", poll=True, signals=()
+        imds_url=f"http://127.0.0.1:{free_port()}",
+        vm_name="vm",
+        poll=True,
+        signals=(),
+        poll_interval=_ms(20),
     ) as watcher:
-        time.sleep(0.3)
+        # The poll thread says so once, at its first failed poll, and polls on.
+        assert wait_until(lambda: "Scheduled Events unreachable" in caplog.text), "never polled"
+        assert any(t.name == "rallypoint-imds" and t.is_alive() for t in threading.enumerate())
         assert watcher.notice is None and not watcher.should_stop()
+    assert all(r.levelno < logging.WARNING for r in caplog.records)
 
 
 def test_sigterm_is_a_notice_and_the_old_handler_comes_back() -> None:
