@@ -68,7 +68,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E4
 
 import rallypoint.trainer.deepspeed as rp_deepspeed  # noqa: E402
 from rallypoint.client import CheckpointPointer, ElasticClient, JobSpec  # noqa: E402
-from rallypoint.trainer import CheckpointManager  # noqa: E402
+from rallypoint.trainer import CheckpointManager, SavePolicy  # noqa: E402
 from rallypoint.trainer._pack import unpack  # noqa: E402
 from rallypoint.trainer.transformers import RallypointTrainer  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
@@ -165,7 +165,7 @@ def run_trainer(rallypoint: bool, args: argparse.Namespace, work: Path, client: 
         RallypointTrainer(
             **kwargs,
             rallypoint_client=client,
-            checkpoint_options={"persist_every": 1000, "progress": False},
+            checkpoint_policy=SavePolicy(persist_every=1000, progress=False),
             watch_preemption=False,
         )
         if rallypoint
@@ -214,7 +214,9 @@ def run_deepspeed(variant: str, args: argparse.Namespace, work: Path, client: An
         return result
     ours = None
     if variant == "rallypoint":
-        ours = rp_deepspeed.install(engine, client, persist_every=1000, progress=False)
+        ours = rp_deepspeed.install(
+            engine, client, policy=SavePolicy(persist_every=1000, progress=False)
+        )
     save_dir = str(work / f"ds-{variant}")
     x = torch.randn(4, WIDTH)
     try:

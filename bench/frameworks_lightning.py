@@ -53,6 +53,7 @@ from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from rallypoint.client import CheckpointPointer, ElasticClient, JobSpec  # noqa: E402
+from rallypoint.trainer import SavePolicy  # noqa: E402
 from rallypoint.trainer.lightning import RallypointDDPStrategy  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
 
@@ -206,7 +207,7 @@ def main() -> None:
                     "rallypoint",
                     args,
                     work,
-                    strategy=RallypointDDPStrategy(client, persist_every=1000),
+                    strategy=RallypointDDPStrategy(client, policy=SavePolicy(persist_every=1000)),
                 ),
             }
         finally:

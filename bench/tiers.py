@@ -38,8 +38,7 @@ import torch  # noqa: E402
 from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
 from rallypoint.trainer._bytes import as_memoryview, checksum  # noqa: E402
-from rallypoint.trainer.memory import MEMORY_ENV  # noqa: E402
-from rallypoint.trainer.memory import push  # noqa: E402
+from rallypoint.trainer.memory import MEMORY_ENV, push  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
 
 MiB = 1 << 20

@@ -30,7 +30,7 @@ import torch, torch.distributed as dist
 import xxhash
 import deepspeed
 from rallypoint.client import ElasticClient
-from rallypoint.trainer import PreemptionWatcher
+from rallypoint.trainer import PreemptionWatcher, SavePolicy
 import rallypoint.trainer.deepspeed as rp_deepspeed
 
 p = argparse.ArgumentParser()
@@ -92,7 +92,7 @@ config = {
     "steps_per_print": 10**9,
 }
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-checkpoints = rp_deepspeed.install(engine, client, progress=False)
+checkpoints = rp_deepspeed.install(engine, client, policy=SavePolicy(progress=False))
 rp_deepspeed.load_checkpoint(engine)
 restored = checkpoints.restored
 event("resumed", version=restored.version if restored else None,

@@ -38,6 +38,7 @@ import torch, torch.distributed as dist
 import xxhash
 from transformers import TrainingArguments, TrainerCallback
 from rallypoint.client import ElasticClient
+from rallypoint.trainer import SavePolicy
 from rallypoint.trainer.transformers import RallypointTrainer
 
 p = argparse.ArgumentParser()
@@ -125,7 +126,7 @@ class Log(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         self.ev("finished", step=state.global_step, loss=self.loss)
 
-trainer = RallypointTrainer(model=model, args=args, train_dataset=data, callbacks=[Log()], checkpoint_options={"progress": False, "persist_every": a.persist_every})
+trainer = RallypointTrainer(model=model, args=args, train_dataset=data, callbacks=[Log()], checkpoint_policy=SavePolicy(progress=False, persist_every=a.persist_every))
 trainer.train(resume_from_checkpoint=True)
 trainer.checkpoints.close()
 """

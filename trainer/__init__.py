@@ -34,6 +34,7 @@ from .checkpoint import (
     RallypointWriter,
     Restored,
     SaveHandle,
+    SavePolicy,
     download,
     upload,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "RendezvousSettings",
     "Restored",
     "SaveHandle",
+    "SavePolicy",
     "StateNotReplicated",
     "TransferDenied",
     "TransferError",

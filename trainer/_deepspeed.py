@@ -32,7 +32,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 from rallypoint.client import ElasticClient
 
 from ._pack import file_key, name_of, pack, split, unpack
-from .checkpoint import CheckpointManager, Restored, SaveHandle
+from .checkpoint import CheckpointManager, Restored, SaveHandle, SavePolicy
 from .errors import CheckpointError
 
 __all__ = ["ENGINE_NAME", "RallypointCheckpointEngine", "install", "installed", "load_checkpoint"]
@@ -246,7 +246,7 @@ def install(
     client: ElasticClient | None = None,
     *,
     checkpoints: CheckpointManager | None = None,
-    **manager_options: Any,
+    policy: SavePolicy | None = None,
 ) -> RallypointCheckpointEngine:
     """Routes ``engine.save_checkpoint`` and ``engine.load_checkpoint`` through Rallypoint.
 
@@ -260,8 +260,9 @@ def install(
         engine: The ``DeepSpeedEngine``.
         client: The node's client; defaults to ``ElasticClient.from_env()``, joined (the
             agent's assignment under torchrun).
-        checkpoints: A manager to use; else one is made with ``manager_options``
-            (``persist_every``, ``if_busy``, ...).
+        checkpoints: A manager to use; else one is made with ``policy``.
+        policy: How versions are saved (:class:`~rallypoint.trainer.SavePolicy`:
+            ``persist_every``, ``if_busy``, ...), for the manager made here.
 
     Returns:
         The installed checkpoint engine (also ``engine.checkpoint_engine``).
@@ -287,7 +288,9 @@ def install(
             client = ElasticClient.from_env()
         if client.assignment is None:
             client.join()
-        checkpoints = CheckpointManager(client, **manager_options)
+        checkpoints = CheckpointManager(client, policy=policy)
+    elif policy is not None:
+        raise TypeError("pass either checkpoints= or policy=: a manager has its policy")
     if engine.checkpoint_engine is not None and engine.checkpoint_engine.is_decoupled():
         engine.checkpoint_engine.cleanup()  # its writer process would outlive it
     ours = RallypointCheckpointEngine(engine, checkpoints)

@@ -15,7 +15,6 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -32,7 +31,7 @@ from rallypoint.client import ElasticClient
 
 from ._pack import BOOKKEEPING, pack_checkpoint, unpack_checkpoint
 from ._preemption import PreemptionWatcher
-from .checkpoint import CheckpointManager, Restored
+from .checkpoint import CheckpointManager, Restored, SavePolicy
 
 __all__ = [
     "RESUME_SCHEME",
@@ -62,24 +61,20 @@ class Session:
 
     Args:
         client: The node's client; defaults to ``ElasticClient.from_env()``, joined.
-        persist_every, persist_after, if_busy: See :class:`CheckpointManager`.
+        policy: How versions are saved (:class:`SavePolicy`); transfers show no progress
+            by default.
     """
 
     def __init__(
         self,
         client: ElasticClient | None = None,
         *,
-        persist_every: int = 1,
-        persist_after: float | timedelta | None = None,
-        if_busy: Literal["wait", "skip"] = "wait",
+        policy: SavePolicy | None = None,
     ) -> None:
         self._client = client
         self._manager: CheckpointManager | None = None
-        self._options: dict[str, Any] = {
-            "persist_every": persist_every,
-            "persist_after": persist_after,
-            "if_busy": if_busy,
-        }
+        # Lightning draws its own progress; transfers stay quiet unless asked.
+        self.policy = policy if policy is not None else SavePolicy(progress=False)
         #: What the last load restored (its ``state`` dropped), for reports.
         self.restored: Restored | None = None
         self._saved: tuple[int, bool] | None = None
@@ -95,7 +90,7 @@ class Session:
     @property
     def manager(self) -> CheckpointManager:
         if self._manager is None:
-            self._manager = CheckpointManager(self.client, progress=False, **self._options)
+            self._manager = CheckpointManager(self.client, policy=self.policy)
         return self._manager
 
     def resume_path(self) -> str | None:
@@ -186,23 +181,18 @@ class RallypointCheckpointIO(CheckpointIO):
 
     Args:
         client: The node's client; defaults to ``ElasticClient.from_env()``, joined.
-        persist_every: Every Nth version also goes to blob storage (the rest stay in
-            nodes' memory and their peers'); see :class:`CheckpointManager`.
-        persist_after: ... and the first version this long after the last persisted one.
-        if_busy: ``"wait"`` for the previous save or ``"skip"`` this one.
+        policy: How versions are saved (:class:`~rallypoint.trainer.SavePolicy`: e.g.
+            ``persist_every``, the Nth version that also goes to blob storage while the
+            rest stay in nodes' memory and their peers').
     """
 
     def __init__(
         self,
         client: ElasticClient | None = None,
         *,
-        persist_every: int = 1,
-        persist_after: float | timedelta | None = None,
-        if_busy: Literal["wait", "skip"] = "wait",
+        policy: SavePolicy | None = None,
     ) -> None:
-        self.session = Session(
-            client, persist_every=persist_every, persist_after=persist_after, if_busy=if_busy
-        )
+        self.session = Session(client, policy=policy)
         self._files = TorchCheckpointIO()
 
     @property
@@ -391,23 +381,17 @@ class RallypointDDPStrategy(_Rallypoint, DDPStrategy):
     """Lightning's ``DDPStrategy``, saving and resuming through the coordinator.
 
     Args:
-        client: The node's client; defaults to ``ElasticClient.from_env()``, joined.
-        persist_every, persist_after, if_busy: See :class:`RallypointCheckpointIO`.
-        **kwargs: ``DDPStrategy``'s.
+        client, policy: See :class:`RallypointCheckpointIO`.
     """
 
     def __init__(
         self,
         client: ElasticClient | None = None,
         *,
-        persist_every: int = 1,
-        persist_after: float | timedelta | None = None,
-        if_busy: Literal["wait", "skip"] = "wait",
+        policy: SavePolicy | None = None,
         **kwargs: Any,
     ) -> None:
-        io = RallypointCheckpointIO(
-            client, persist_every=persist_every, persist_after=persist_after, if_busy=if_busy
-        )
+        io = RallypointCheckpointIO(client, policy=policy)
         super().__init__(checkpoint_io=io, **kwargs)
         self.session = io.session
         self.preemption = RallypointPreemption(self.session)
@@ -439,7 +423,7 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
         data_parallel_size: ``"auto"``: the job's processes over ``tensor_parallel_size``
             (the world changes from one generation to the next).
         tensor_parallel_size: 1 unless the model is tensor-parallel.
-        client, persist_every, persist_after, if_busy: See :class:`RallypointCheckpointIO`.
+        client, policy: See :class:`RallypointCheckpointIO`.
         **kwargs: ``ModelParallelStrategy``'s.
     """
 
@@ -449,15 +433,11 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         client: ElasticClient | None = None,
         *,
-        persist_every: int = 1,
-        persist_after: float | timedelta | None = None,
-        if_busy: Literal["wait", "skip"] = "wait",
+        policy: SavePolicy | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(data_parallel_size, tensor_parallel_size, **kwargs)
-        self.session = Session(
-            client, persist_every=persist_every, persist_after=persist_after, if_busy=if_busy
-        )
+        self.session = Session(client, policy=policy)
         self.preemption = RallypointPreemption(self.session)
 
     @override

@@ -35,7 +35,7 @@ from rallypoint.client import ElasticClient
 
 from ._pack import pack, unpack
 from ._preemption import PreemptionWatcher
-from .checkpoint import CheckpointManager, Restored, SaveHandle
+from .checkpoint import CheckpointManager, Restored, SaveHandle, SavePolicy
 
 __all__ = ["PreemptionCallback", "RallypointTrainer"]
 
@@ -81,7 +81,8 @@ class RallypointTrainer(Trainer):
         *args, **kwargs: ``Trainer``'s.
         rallypoint_client: The node's client; defaults to ``ElasticClient.from_env()``,
             joined (the agent's assignment under torchrun).
-        checkpoint_options: ``CheckpointManager`` options (``persist_every``, ...).
+        checkpoint_policy: How versions are saved (:class:`~rallypoint.trainer.SavePolicy`:
+            ``persist_every``, ``if_busy``, ...).
         watch_preemption: Watch for a preemption notice (Scheduled Events, SIGTERM) and
             take an emergency version at the next step, then leave.
 
@@ -97,7 +98,7 @@ class RallypointTrainer(Trainer):
         self,
         *args: Any,
         rallypoint_client: ElasticClient | None = None,
-        checkpoint_options: dict[str, Any] | None = None,
+        checkpoint_policy: SavePolicy | None = None,
         watch_preemption: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -105,7 +106,7 @@ class RallypointTrainer(Trainer):
         client = rallypoint_client or ElasticClient.from_env()
         if client.assignment is None:
             client.join()
-        self.checkpoints = CheckpointManager(client, **(checkpoint_options or {}))
+        self.checkpoints = CheckpointManager(client, policy=checkpoint_policy)
         self.restored: Restored | None = None
         self.emergency = False
         self.last_save: SaveHandle | None = None

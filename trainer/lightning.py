@@ -2,10 +2,12 @@
 
 Under ``torchrun --rdzv-backend=rallypoint``, a Lightning script changes one argument::
 
+    from rallypoint.trainer import SavePolicy
     from rallypoint.trainer.lightning import RallypointDDPStrategy
 
     trainer = L.Trainer(
-        strategy=RallypointDDPStrategy(persist_every=10),  # or RallypointModelParallelStrategy()
+        # or RallypointModelParallelStrategy(policy=...)
+        strategy=RallypointDDPStrategy(policy=SavePolicy(persist_every=10)),
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         callbacks=[ModelCheckpoint(every_n_train_steps=50)],
         ...,

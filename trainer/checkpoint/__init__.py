@@ -9,6 +9,7 @@ Runs in every training process. The memory tier it writes through is
 
 from ._dcp import RallypointReader, RallypointWriter
 from ._manager import CheckpointManager, Restored, SaveHandle
+from ._policy import SavePolicy
 from ._transfer import download, upload
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "RallypointWriter",
     "Restored",
     "SaveHandle",
+    "SavePolicy",
     "download",
     "upload",
 ]

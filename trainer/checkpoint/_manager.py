@@ -56,6 +56,7 @@ from ._dcp import (
     check_metadata,
     global_rank,
 )
+from ._policy import SavePolicy
 from ._staging import Staged, StagedPlanner, Staging
 
 __all__ = ["RESERVED", "CheckpointManager", "Restored", "SaveHandle"]
@@ -157,30 +158,19 @@ class CheckpointManager:
         client: The node's client, joined (its assignment names the generation and the
             checkpoint to resume from).
         assignment: Overrides ``client.assignment``.
-        if_busy: What ``save`` does while the previous save is in flight: ``"wait"``
-            for it (the default; training pauses) or ``"skip"`` this save (on every
-            rank alike: if any rank is still saving, all skip). Staging buffers are
-            never overwritten while they are being uploaded.
-        progress: Show progress of transfers that take more than a second.
-        attempts: Tries per upload or download before giving up.
-        verify_replicated: Check before every save that each plain (non-DTensor) tensor
-            of ``state`` is the same on every rank; DCP writes it from one rank only.
-        persist_every: Under a Rallypoint agent (its memory tier), every save lands in
-            this node's memory and a peer node's; every Nth version also goes to blob
-            storage (1, the default: all of them). The first version always does.
-        persist_after: ... and the first version this long (seconds or a timedelta)
-            after the last one that did, whatever N says.
-        overlap: ``save()`` returns once the copy of the state is scheduled; the copy
-            runs while training goes on (the next forward and backward), and the
-            optimizer's next ``step()`` waits for it if it is not done (a fence on every
-            ``torch.optim.Optimizer``). False copies before ``save()`` returns. See
-            :meth:`wait_staged` for what a fence cannot see.
+        policy: When versions reach blob storage and how a save treats training
+            (:class:`SavePolicy`); the same fields may be given one by one instead:
+        if_busy, progress, attempts, verify_replicated, persist_every, persist_after,
+            overlap: :class:`SavePolicy`'s fields, when no ``policy`` is given
+            (``persist_after`` may be seconds).
         fence: Modules and optimizers whose state the saves hold: their
             ``load_state_dict`` waits for the copy too (every optimizer's ``step`` and
             ``load_state_dict`` wait anyway, once it has stepped).
 
     Raises:
-        ValueError: The client has not joined and no assignment was given.
+        ValueError: The client has not joined and no assignment was given, or a policy
+            field is out of range.
+        TypeError: Both ``policy`` and some of its fields were given.
     """
 
     def __init__(
@@ -188,38 +178,36 @@ class CheckpointManager:
         client: ElasticClient,
         assignment: Assignment | None = None,
         *,
-        if_busy: Literal["wait", "skip"] = "wait",
-        progress: bool = True,
-        attempts: int = 3,
-        verify_replicated: bool = False,
-        persist_every: int = 1,
+        policy: SavePolicy | None = None,
+        if_busy: Literal["wait", "skip"] | None = None,
+        progress: bool | None = None,
+        attempts: int | None = None,
+        verify_replicated: bool | None = None,
+        persist_every: int | None = None,
         persist_after: float | timedelta | None = None,
-        overlap: bool = True,
+        overlap: bool | None = None,
         fence: Iterable[torch.nn.Module | torch.optim.Optimizer] = (),
     ) -> None:
+        fields = {
+            "if_busy": if_busy,
+            "progress": progress,
+            "attempts": attempts,
+            "verify_replicated": verify_replicated,
+            "persist_every": persist_every,
+            "persist_after": persist_after,
+            "overlap": overlap,
+        }
+        given: dict[str, Any] = {k: v for k, v in fields.items() if v is not None}
+        if policy is not None and given:
+            raise TypeError(f"pass either policy= or its fields, not both: {sorted(given)}")
+        #: When versions reach blob storage and how a save treats training.
+        self.policy = policy if policy is not None else SavePolicy(**given)
         assignment = assignment or client.assignment
         if assignment is None:
             raise ValueError("join() the job first, or pass its assignment")
-        if if_busy not in ("wait", "skip"):
-            raise ValueError(f"if_busy must be 'wait' or 'skip', not {if_busy!r}")
-        if attempts < 1:
-            raise ValueError("attempts must be at least 1")
-        if persist_every < 1:
-            raise ValueError("persist_every must be at least 1 (1: every version)")
-        if isinstance(persist_after, timedelta):
-            persist_after = persist_after.total_seconds()
-        if persist_after is not None and persist_after <= 0:
-            raise ValueError("persist_after must be a positive number of seconds")
-        self.persist_every = persist_every
-        self.persist_after = persist_after
         self.client = client
         self.assignment = assignment
         self.generation = assignment.generation
-        self.if_busy = if_busy
-        self.progress = progress
-        self.attempts = attempts
-        self.verify_replicated = verify_replicated
-        self.overlap = overlap
         #: This node's memory tier, when a Rallypoint agent runs it.
         self.memory = NodeMemory.from_env(client.job_id, client.node_id)
         # Into the memory tier's files, else buffers allocated at the first save and
@@ -296,7 +284,7 @@ class CheckpointManager:
         rank, world = self.rank, self.world_size
         self._fence()  # the previous copy's buffers or file: it must be done
         busy = self._inflight is not None and not self._inflight.done()
-        if self.if_busy == "skip":
+        if self.policy.if_busy == "skip":
             # Every rank must skip alike: a rank that went on would wait in DCP's
             # collectives for the others forever.
             if self._anyone(busy, world):
@@ -314,15 +302,15 @@ class CheckpointManager:
         rank_fixups = _check(rank_state, "rank_state", (*own, "state"))
         check_metadata(metadata)
         group = self._save_group(world)
-        if self.verify_replicated and group is not None:
+        if self.policy.verify_replicated and group is not None:
             _verify_replicated(state, group)
         mine = {"state": rank_state, "fixups": rank_fixups}
         full = {**state, RESERVED: {"fixups": fixups, "rank": {str(rank): mine}}}
-        if self.overlap and not self._hooks:
+        if self.policy.overlap and not self._hooks:
             # Every optimizer's step waits for the copy (its state, and the parameters
             # it changes, may be in the checkpoint).
             self._hooks.append(register_optimizer_step_pre_hook(self._on_step))
-        staged = self._staging.stage(full, overlap=self.overlap)
+        staged = self._staging.stage(full, overlap=self.policy.overlap)
         self._staged = staged
         blocked = time.perf_counter() - started
         faults.reached("staged", step, rank)
@@ -331,12 +319,12 @@ class CheckpointManager:
             step,
             generation=self.generation,
             metadata=metadata,
-            progress=self.progress,
-            attempts=self.attempts,
+            progress=self.policy.progress,
+            attempts=self.policy.attempts,
             memory=self.memory,
             persist=persist,
-            persist_every=self.persist_every,
-            persist_after=self.persist_after,
+            persist_every=self.policy.persist_every,
+            persist_after=self.policy.persist_after_s,
         )
         future = self._executor.submit(self._persist, staged, writer, group)
         handle = SaveHandle(step, future, blocked, staged)
@@ -599,7 +587,11 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         reader = RallypointReader(
-            self.client, version, progress=self.progress, attempts=self.attempts, memory=self.memory
+            self.client,
+            version,
+            progress=self.policy.progress,
+            attempts=self.policy.attempts,
+            memory=self.memory,
         )
         metadata = reader.read_metadata()
         assert reader.summary is not None

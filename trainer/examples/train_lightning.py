@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from rallypoint.trainer import SavePolicy
 from rallypoint.trainer.examples.train_ddp import SmallCNN, synthetic_cifar
 from rallypoint.trainer.lightning import RallypointDDPStrategy, RallypointModelParallelStrategy
 
@@ -191,11 +192,12 @@ def main() -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial weights on every rank
+    policy = SavePolicy(persist_every=args.persist_every, progress=False)
     strategy: L.pytorch.strategies.Strategy
     if args.strategy == "ddp":
-        strategy = RallypointDDPStrategy(persist_every=args.persist_every)
+        strategy = RallypointDDPStrategy(policy=policy)
     else:
-        strategy = RallypointModelParallelStrategy(persist_every=args.persist_every)
+        strategy = RallypointModelParallelStrategy(policy=policy)
     events = Events(args.events, args.digests, args.step_time)
     trainer = L.Trainer(
         accelerator="cpu",
