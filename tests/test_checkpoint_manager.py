@@ -1,4 +1,7 @@
-"""CheckpointManager end to end: real coordinators, real files, real Azurite."""
+"""CheckpointManager end to end: real coordinators, real files, real Azurite.
+
+Each test runs on both storage backends over the default transport: the routes the
+manager calls are tested through the envelope too, in tests/test_coordinator.py."""
 
 from __future__ import annotations
 
@@ -28,9 +31,6 @@ from rallypoint.trainer import (
 
 from .conftest import Spawn, Start
 from .test_coordinator import clients, join_all, spec
-
-# Every test here runs with the client calling each route, and through the envelope.
-pytestmark = pytest.mark.usefixtures("transport")
 
 
 def make_state(seed: int = 0) -> dict[str, Any]:

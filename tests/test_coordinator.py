@@ -24,6 +24,8 @@ from rallypoint.client import (
     Unauthorized,
     UnknownJob,
 )
+from rallypoint.client.models import ShardFile
+from rallypoint.trainer import download, upload
 
 from .conftest import Spawn, Start
 
@@ -305,3 +307,28 @@ def test_the_members_route_serves_one_list_per_generation(start: Start) -> None:
     assert (future.status_code, future.json()["code"]) == (409, "stale_generation")
     # O(1) bytes: the assignment does not grow with the members.
     assert all(len(a.model_dump_json()) < 600 for a in assignments)
+
+
+def test_a_checkpoint_goes_through_the_client_routes(start: Start) -> None:
+    """The checkpoint routes a CheckpointManager calls, one by one (its own tests run on
+    the default transport): begin, report, read, the restore's report and a failed
+    restore's, which ends the generation."""
+    url = start().url
+    (node,) = clients(url, ["a"])
+    join_all([node], spec(1, 1))
+    begun = node.begin_checkpoint(5, ["data.distcp"])
+    data = b"a@5"
+    upload(begun.upload_urls["data.distcp"], data)
+    shard = ShardFile(name="data.distcp", size=len(data), checksum="xxh3-128:0")
+    info = node.report_checkpoint(begun.version, [shard], metadata={"loss": 0.5})
+    assert (info.state, info.latest, info.step) == ("committed", True, 5)
+    latest = node.checkpoint()
+    assert latest.version == begun.version and [v.version for v in node.checkpoints()] == [
+        begun.version
+    ]
+    (name,) = (n for n in latest.urls if n.endswith("data.distcp"))
+    assert download(latest.urls[name]) == data
+    node.report_restore(begun.version, {"storage": len(data)}, rank=0)
+    marked = node.report_unreadable(begun.version, "a file failed its checksum", rank=0)
+    assert marked.unrecoverable and "checksum" in (marked.unrecoverable_reason or "")
+    assert eventually_restart(node)
