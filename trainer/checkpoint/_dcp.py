@@ -33,7 +33,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -753,38 +753,48 @@ class RallypointReader(StorageReader):
         """
         assert self._metadata is not None
         storage = self._metadata.storage_data
-        per_file: dict[str, list[tuple[ReadItem, StoredItem]]] = {}
+        items: list[tuple[ReadItem, StoredItem]] = []
         for req in plan.items:
             stored = storage.get(req.storage_index)
             if not isinstance(stored, StoredItem):
                 raise CheckpointCorrupt(f"{self.label}: {req.storage_index.fqn} has no place")
-            per_file.setdefault(stored.path, []).append((req, stored))
+            items.append((req, stored))
+        for req, stored, raw in self._read_items(items):
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(bytes(as_memoryview(raw))))
+                continue
+            assert stored.dtype is not None and stored.shape is not None
+            tensor = raw.view(_dtype(stored.dtype)).view(stored.shape)
+            for dim, (start, length) in enumerate(
+                zip(req.storage_offsets, req.lengths, strict=True)
+            ):
+                tensor = tensor.narrow(dim, start, length)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                # The caller's layout, not the version, is at fault: not reported.
+                raise CheckpointError(
+                    f"{self.label}: {req.storage_index.fqn} holds {tuple(tensor.size())}, "
+                    f"the load plan wants {tuple(target.size())}"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        return _done(None)
+
+    def _read_items(
+        self, items: Sequence[tuple[A, StoredItem]]
+    ) -> Iterator[tuple[A, StoredItem, torch.Tensor]]:
+        """Each ``(key, item)`` with the item's checked bytes: read file by file, files
+        in parallel, each from the nearest copy that checks out (:meth:`_checked`)."""
+        per_file: dict[str, list[tuple[A, StoredItem]]] = {}
+        for key, stored in items:
+            per_file.setdefault(stored.path, []).append((key, stored))
         files = _parallel(
             lambda entry: self._checked(entry[0], [s for _, s in entry[1]]),
             list(per_file.items()),
         )
-        for reqs, fetched in zip(per_file.values(), files, strict=True):
-            for req, stored in reqs:
-                raw = fetched(stored)
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(bytes(as_memoryview(raw))))
-                    continue
-                assert stored.dtype is not None and stored.shape is not None
-                tensor = raw.view(_dtype(stored.dtype)).view(stored.shape)
-                for dim, (start, length) in enumerate(
-                    zip(req.storage_offsets, req.lengths, strict=True)
-                ):
-                    tensor = tensor.narrow(dim, start, length)
-                target = planner.resolve_tensor(req).detach()
-                if target.size() != tensor.size():
-                    # The caller's layout, not the version, is at fault: not reported.
-                    raise CheckpointError(
-                        f"{self.label}: {req.storage_index.fqn} holds {tuple(tensor.size())}, "
-                        f"the load plan wants {tuple(target.size())}"
-                    )
-                target.copy_(tensor)
-                planner.commit_tensor(req, target)
-        return _done(None)
+        for entries, fetched in zip(per_file.values(), files, strict=True):
+            for key, stored in entries:
+                yield key, stored, fetched(stored)
 
     def _fetch(
         self, path: str, items: Sequence[StoredItem]
@@ -842,21 +852,12 @@ class RallypointReader(StorageReader):
             stored = metadata.storage_data.get(MetadataIndex(fqn, chunk.offsets))
             if isinstance(stored, StoredItem) and stored.dtype is not None:
                 wanted[fqn] = stored
-        per_file: dict[str, list[tuple[str, StoredItem]]] = {}
-        for fqn, stored in wanted.items():
-            per_file.setdefault(stored.path, []).append((fqn, stored))
         out: dict[str, torch.Tensor] = {}
-        files = _parallel(
-            lambda entry: self._checked(entry[0], [s for _, s in entry[1]]),
-            list(per_file.items()),
-        )
-        for items, fetched in zip(per_file.values(), files, strict=True):
-            for fqn, stored in items:
-                raw = fetched(stored)
-                assert stored.dtype is not None and stored.shape is not None
-                # Each tensor its own storage over the same memory: an ordinary tensor
-                # that torch.save and safetensors write as itself (see own_storage).
-                out[fqn] = own_storage(raw).view(_dtype(stored.dtype)).view(stored.shape)
+        for fqn, stored, raw in self._read_items(list(wanted.items())):
+            assert stored.dtype is not None and stored.shape is not None
+            # Each tensor its own storage over the same memory: an ordinary tensor that
+            # torch.save and safetensors write as itself (see own_storage).
+            out[fqn] = own_storage(raw).view(_dtype(stored.dtype)).view(stored.shape)
         return out
 
     def _checked(
