@@ -46,10 +46,8 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -63,37 +61,24 @@ for name in ("DeepSpeed", "deepspeed", "transformers", "accelerate", "torch.dist
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from _frameworks import WIDTH, MiB, command_line, coordinator, layers, name_the_last_version  # noqa: E402
 from torch import nn  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import rallypoint.trainer.deepspeed as rp_deepspeed  # noqa: E402
-from rallypoint.client import CheckpointPointer, ElasticClient, JobSpec  # noqa: E402
-from rallypoint.trainer import CheckpointManager, SavePolicy  # noqa: E402
+from rallypoint.trainer import SavePolicy  # noqa: E402
 from rallypoint.trainer._pack import unpack  # noqa: E402
 from rallypoint.trainer.transformers import RallypointTrainer  # noqa: E402
-from tests._coordinator import Coordinator  # noqa: E402
-
-MiB = 1 << 20
-WIDTH = 1024
 
 
 class MLP(nn.Module):
     def __init__(self, mib: int) -> None:
         super().__init__()
-        layers = max(1, mib * MiB // (WIDTH * WIDTH * 4))
-        self.net = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+        self.net = layers(mib)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         loss = self.net(x).pow(2).mean()
         return {"loss": loss}
-
-
-def name_the_last_version(manager: CheckpointManager) -> None:
-    """As after a restart: the coordinator names the newest version at the seal."""
-    info = manager.wait()
-    assert info is not None and info.state == "committed", info
-    pointer = CheckpointPointer(version=info.version, step=info.step, generation=info.generation)
-    manager.assignment = manager.assignment.model_copy(update={"checkpoint": pointer})
 
 
 # --- the HF Trainer ---------------------------------------------------------------------
@@ -265,43 +250,23 @@ def ms(values: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=64, help="parameters; AdamW adds 2x")
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = command_line(__doc__, mib=64, optimizer="AdamW")
     os.environ.update(
         {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519", "RANK": "0", "LOCAL_RANK": "0"}
     )
     os.environ.update({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
     # DeepSpeed's checkpoint writers read the machine count its own launcher exports.
     os.environ.update({"CROSS_SIZE": "1", "CROSS_RANK": "0"})
-    build = ROOT / "build"
-    build.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=build) as tmp:
-        work = Path(tmp)
-        memory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="rallypoint-bench-"))
-        os.environ["RALLYPOINT_MEMORY_DIR"] = str(memory)
-        coordinator = Coordinator(["--storage", f"local:{work / 'storage'}"], {}).start()
-        try:
-            # One job each: a version becomes latest only if its step is newer.
-            clients = {}
-            for job in ("bench-hf", "bench-deepspeed"):
-                client = clients[job] = ElasticClient(coordinator.url, job, "n0")
-                spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
-                client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
-                client.heartbeats(timedelta(seconds=1))
-            hf = {
-                "sync": run_trainer(False, args, work, clients["bench-hf"]),
-                "rallypoint": run_trainer(True, args, work, clients["bench-hf"]),
-            }
-            ds = {
-                variant: run_deepspeed(variant, args, work, clients["bench-deepspeed"])
-                for variant in ("torch", "decoupled", "fast", "rallypoint")
-            }
-        finally:
-            coordinator.stop()
-            shutil.rmtree(memory, ignore_errors=True)
+    # One job each: a version becomes latest only if its step is newer.
+    with coordinator("bench-hf", "bench-deepspeed") as (work, clients):
+        hf = {
+            "sync": run_trainer(False, args, work, clients["bench-hf"]),
+            "rallypoint": run_trainer(True, args, work, clients["bench-hf"]),
+        }
+        ds = {
+            variant: run_deepspeed(variant, args, work, clients["bench-deepspeed"])
+            for variant in ("torch", "decoupled", "fast", "rallypoint")
+        }
     size = sum(p.numel() * 4 for p in MLP(args.mib).parameters()) * 3 // MiB
     print(
         f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}, "

@@ -29,14 +29,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,24 +45,18 @@ logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from _frameworks import WIDTH, MiB, command_line, coordinator, layers, name_the_last_version  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
-from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from rallypoint.client import CheckpointPointer, ElasticClient, JobSpec  # noqa: E402
 from rallypoint.trainer import SavePolicy  # noqa: E402
 from rallypoint.trainer.lightning import RallypointDDPStrategy  # noqa: E402
-from tests._coordinator import Coordinator  # noqa: E402
-
-MiB = 1 << 20
-WIDTH = 1024
 
 
 class MLP(L.LightningModule):
     def __init__(self, mib: int) -> None:
         super().__init__()
-        layers = max(1, mib * MiB // (WIDTH * WIDTH * 4))
-        self.net = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+        self.net = layers(mib)
 
     def training_step(self, batch: tuple[torch.Tensor], index: int) -> torch.Tensor:
         out: torch.Tensor = self.net(batch[0]).pow(2).mean()
@@ -130,12 +121,7 @@ def lightning_restore(trainer: L.Trainer, path: str) -> None:
 def rallypoint_restore(trainer: L.Trainer, path: str) -> None:
     strategy = trainer.strategy
     assert isinstance(strategy, RallypointDDPStrategy)
-    manager = strategy.session.manager
-    info = manager.wait()
-    assert info is not None and info.state == "committed"
-    # As after a restart: the coordinator names the version at the seal.
-    pointer = CheckpointPointer(version=info.version, step=info.step, generation=info.generation)
-    manager.assignment = manager.assignment.model_copy(update={"checkpoint": pointer})
+    name_the_last_version(strategy.session.manager)
     resume = strategy.session.resume_path()
     assert resume is not None
     apply(trainer, strategy.load_checkpoint(resume))
@@ -180,39 +166,22 @@ def run(name: str, args: argparse.Namespace, work: Path, **trainer_kwargs: Any) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=128, help="parameters; Adam adds 2x")
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    build = ROOT / "build"
-    build.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=build) as tmp:
-        work = Path(tmp)
-        memory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="rallypoint-bench-"))
-        os.environ["RALLYPOINT_MEMORY_DIR"] = str(memory)
-        coordinator = Coordinator(["--storage", f"local:{work / 'storage'}"], {}).start()
-        try:
-            client = ElasticClient(coordinator.url, "bench-lightning", "n0")
-            spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
-            client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
-            client.heartbeats(timedelta(seconds=1))
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29517")
-            results = {
-                "sync": run("sync", args, work),
-                "async": run("async", args, work, plugins=[AsyncCheckpointIO()]),
-                # Routine versions stay in memory (the first always goes to storage too).
-                "rallypoint": run(
-                    "rallypoint",
-                    args,
-                    work,
-                    strategy=RallypointDDPStrategy(client, policy=SavePolicy(persist_every=1000)),
-                ),
-            }
-        finally:
-            coordinator.stop()
-            shutil.rmtree(memory, ignore_errors=True)
+    args = command_line(__doc__, mib=128, optimizer="Adam")
+    with coordinator("bench-lightning") as (work, clients):
+        client = clients["bench-lightning"]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        results = {
+            "sync": run("sync", args, work),
+            "async": run("async", args, work, plugins=[AsyncCheckpointIO()]),
+            # Routine versions stay in memory (the first always goes to storage too).
+            "rallypoint": run(
+                "rallypoint",
+                args,
+                work,
+                strategy=RallypointDDPStrategy(client, policy=SavePolicy(persist_every=1000)),
+            ),
+        }
     size = sum(p.numel() * 4 for p in MLP(args.mib).parameters()) * 3 // MiB
     print(
         f"lightning {L.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
