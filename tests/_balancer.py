@@ -1,4 +1,5 @@
-"""The deployed shape for the tests: coordinator replicas behind a real HAProxy.
+"""The deployed shape for the tests: coordinator replicas behind a real HAProxy
+(:class:`Topology`: three on one Azurite).
 
 HAProxy (Debian's package; ``make balancer`` installs it) health-checks every replica
 through ``/readyz`` as a Kubernetes Service or an AzureML endpoint does, and reports
@@ -16,12 +17,14 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from ._azurite import free_port
+from ._azurite import Azurite, free_port
+from ._coordinator import Coordinator
 
-__all__ = ["Balancer", "haproxy_binary"]
+__all__ = ["REPLICAS", "Balancer", "Topology", "haproxy_binary"]
 
 
 def haproxy_binary() -> str:
@@ -126,3 +129,48 @@ class Balancer:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+#: The replicas of a :class:`Topology`.
+REPLICAS = 3
+
+
+class Topology:
+    """The deployed shape: :data:`REPLICAS` coordinators on one Azurite (its data in
+    ``tmp_path``) behind a :class:`Balancer`, all started; :meth:`stop` stops them."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.azurite = Azurite(location=tmp_path / "azurite")
+        env = {"AZURE_STORAGE_CONNECTION_STRING": self.azurite.connection_string}
+        self.replicas = [Coordinator(["--storage", "azure"], env=env) for _ in range(REPLICAS)]
+        self.balancer = Balancer([f"127.0.0.1:{r.port}" for r in self.replicas])
+        try:
+            assert self.azurite.start(), self.azurite.log.read_text()
+            for replica in self.replicas:
+                replica.start()
+            self.balancer.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.balancer.url
+
+    def status(self, job: str) -> dict[str, Any]:
+        reply = httpx.get(f"{self.url}/v1/jobs/{job}", timeout=10)
+        reply.raise_for_status()
+        body: dict[str, Any] = reply.json()
+        return body
+
+    def kill_busiest(self) -> int:
+        """SIGKILLs the replica holding the most connections (held long-polls)."""
+        busiest = self.balancer.busiest()
+        self.replicas[busiest].kill()
+        return busiest
+
+    def stop(self) -> None:
+        self.balancer.stop()
+        for replica in self.replicas:
+            replica.stop()
+        self.azurite.stop()

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from rallypoint.cli import processes
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.storage import AzureStorage, BlobStore, LocalStorage, Storage
@@ -217,6 +218,16 @@ def spawn(backend: tuple[list[str], dict[str, str]]) -> Iterator[Spawn]:
     yield run
     for coordinator in started:
         coordinator.stop()
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[processes.Coordinator]:
+    """A ``rallypoint serve`` process on local storage for torchrun's jobs (their lane is
+    e2e), its log kept beside the test's files; a module may define its own."""
+    storage = ["--storage", f"local:{tmp_path / 'storage'}"]
+    c = processes.Coordinator(storage, log=tmp_path / "coordinator.log").start()
+    yield c
+    c.stop()
 
 
 @pytest.fixture

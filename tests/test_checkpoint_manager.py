@@ -29,8 +29,8 @@ from rallypoint.trainer import (
     RallypointWriter,
 )
 
+from ._support import clients, join_all, managers, spec
 from .conftest import Spawn, Start
-from .test_coordinator import clients, join_all, spec
 
 
 def make_state(seed: int = 0) -> dict[str, Any]:
@@ -77,12 +77,6 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, float) and math.isnan(a):
         return math.isnan(b)
     return bool(a == b)
-
-
-def managers(url: str, names: list[str], lo: int, hi: int) -> list[CheckpointManager]:
-    nodes = clients(url, names)
-    join_all(nodes, spec(lo, hi))
-    return sorted((CheckpointManager(n, progress=False) for n in nodes), key=lambda m: m.rank)
 
 
 def test_save_and_load_round_trip(start: Start) -> None:

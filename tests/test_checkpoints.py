@@ -28,8 +28,8 @@ from rallypoint.service.errors import (
 )
 from rallypoint.service.storage import BlobStore, Storage
 
+from ._rules import assignment, save, seal
 from .conftest import Clock
-from .test_rendezvous import assignment, register_all, spec
 
 TIMEOUT = 600.0
 
@@ -37,51 +37,6 @@ TIMEOUT = 600.0
 @pytest.fixture
 def ckpts(rdzv: Rendezvous, blobs: BlobStore) -> Checkpoints:
     return Checkpoints(rdzv, blobs, keep=2, timeout=timedelta(seconds=TIMEOUT))
-
-
-def seal(rdzv: Rendezvous, nodes: list[str]) -> tuple[int, dict[str, str]]:
-    """Seals a generation of ``nodes`` (in rank order): its number and each member's
-    credential."""
-    _, creds = register_all(rdzv, nodes, spec(1, 8, last_call=1))
-    clock = rdzv.clock
-    assert isinstance(clock, Clock)
-    clock.advance(1)
-    job, _ = rdzv.tick("job")
-    assert job.status == "sealed" and job.world_size == len(nodes)
-    return job.generation, creds
-
-
-def save(
-    ckpts: Checkpoints,
-    blobs: BlobStore,
-    nodes: list[str],
-    generation: int,
-    step: int,
-    creds: dict[str, str],
-) -> int:
-    """Every rank begins, uploads one file and reports; returns the version."""
-    version = 0
-    for node in nodes:
-        begun = ckpts.begin(
-            "job", BeginCheckpoint(node_id=node, generation=generation, step=step), creds[node]
-        )
-        version = begun.version
-        data = f"{node}@{step}".encode()
-        blobs.put(f"job/v{version:010d}/rank-{begun.rank:05d}/shard.safetensors", data)
-        info = ckpts.report(
-            "job",
-            version,
-            ReportShard(
-                node_id=node,
-                generation=generation,
-                files=[ShardFile(name="shard.safetensors", size=len(data), checksum="x:1")],
-                metadata={"step": step},
-                rank_metadata={"node": node},
-            ),
-            creds[node],
-        )
-    assert info.state == "committed"
-    return version
 
 
 def test_ranks_racing_to_begin_a_step_get_one_version(ckpts: Checkpoints, rdzv: Rendezvous) -> None:

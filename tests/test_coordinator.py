@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import httpx
@@ -18,7 +17,6 @@ from rallypoint.client import (
     ElasticClient,
     JobConflict,
     JobFull,
-    JobSpec,
     RetryPolicy,
     StaleGeneration,
     Unauthorized,
@@ -27,35 +25,11 @@ from rallypoint.client import (
 from rallypoint.client.models import ShardFile
 from rallypoint.trainer import download, upload
 
+from ._support import clients, join_all, spec
 from .conftest import Spawn, Start
 
 # Every test here runs with the client calling each route, and through the envelope.
 pytestmark = pytest.mark.usefixtures("transport")
-
-
-def spec(min_nodes: int, max_nodes: int, last_call: float = 0.5, timeout: float = 10) -> JobSpec:
-    """A job spec; nodes in these tests heartbeat only where detection is tested, so the
-    default timeout is long enough that a slow machine never ends a generation early."""
-    return JobSpec(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        last_call=timedelta(seconds=last_call),
-        heartbeat_timeout=timedelta(seconds=timeout),
-        join_timeout=timedelta(seconds=60),
-    )
-
-
-def join_all(clients: list[ElasticClient], s: JobSpec | None = None) -> list[Assignment]:
-    with ThreadPoolExecutor(len(clients)) as pool:
-        futures = [
-            pool.submit(c.join, "127.0.0.1", 30000 + i, spec=s, timeout=timedelta(seconds=60))
-            for i, c in enumerate(clients)
-        ]
-        return [f.result() for f in futures]
-
-
-def clients(url: str, names: list[str], job: str = "job", **kw: object) -> list[ElasticClient]:
-    return [ElasticClient(url, job, n, **kw) for n in names]  # type: ignore[arg-type]
 
 
 def check_one_generation(assignments: list[Assignment]) -> None:

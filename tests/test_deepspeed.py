@@ -14,10 +14,7 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator, judge
 
-from . import test_torchrun
-from .test_torchrun import status
-
-coordinator = test_torchrun.coordinator
+from ._support import status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -18,51 +18,9 @@ import pytest
 from rallypoint.cli.processes import Cluster, example_script, judge
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, JobSpec
 
-from ._azurite import Azurite
-from ._balancer import Balancer
-from ._coordinator import Coordinator
+from ._balancer import Topology
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-REPLICAS = 3
-
-
-class Topology:
-    def __init__(self, tmp_path: Path) -> None:
-        self.azurite = Azurite(location=tmp_path / "azurite")
-        env = {"AZURE_STORAGE_CONNECTION_STRING": self.azurite.connection_string}
-        self.replicas = [Coordinator(["--storage", "azure"], env=env) for _ in range(REPLICAS)]
-        self.balancer = Balancer([f"127.0.0.1:{r.port}" for r in self.replicas])
-        try:
-            assert self.azurite.start(), self.azurite.log.read_text()
-            for replica in self.replicas:
-                replica.start()
-            self.balancer.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    @property
-    def url(self) -> str:
-        return self.balancer.url
-
-    def status(self, job: str) -> dict[str, Any]:
-        reply = httpx.get(f"{self.url}/v1/jobs/{job}", timeout=10)
-        reply.raise_for_status()
-        body: dict[str, Any] = reply.json()
-        return body
-
-    def kill_busiest(self) -> int:
-        """SIGKILLs the replica holding the most connections (held long-polls)."""
-        busiest = self.balancer.busiest()
-        self.replicas[busiest].kill()
-        return busiest
-
-    def stop(self) -> None:
-        self.balancer.stop()
-        for replica in self.replicas:
-            replica.stop()
-        self.azurite.stop()
 
 
 @pytest.fixture

@@ -14,11 +14,9 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
 
-from . import test_torchrun
-from .test_torchrun import status
+from ._support import status
 
 #: The torchrun tests' coordinator (local storage, logged), as a fixture here too.
-coordinator = test_torchrun.coordinator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -22,10 +22,7 @@ import pytest
 from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
 from rallypoint.trainer.checkpoint._faults import HALT_ENV, HALT_FILE_ENV, POINTS
 
-from . import test_torchrun
-from .test_torchrun import status
-
-coordinator = test_torchrun.coordinator
+from ._support import status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -22,10 +22,7 @@ import torch
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
 
-from . import test_torchrun
-from .test_torchrun import status
-
-coordinator = test_torchrun.coordinator
+from ._support import status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -17,12 +17,10 @@ from rallypoint.cli.processes import Coordinator
 from rallypoint.trainer import RallypointReader
 from rallypoint.trainer.memory import MEMORY_ENV, NodeMemory
 
-from . import test_torchrun
+from ._support import managers
 from .conftest import Start
-from .test_checkpoint_manager import managers
 
 #: The torchrun tests' coordinator (local storage, logged), as a fixture here too.
-coordinator = test_torchrun.coordinator
 
 
 @pytest.fixture

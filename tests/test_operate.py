@@ -24,8 +24,7 @@ from rallypoint.client import (
 from rallypoint.trainer import CheckpointManager, download
 
 from ._coordinator import Coordinator
-from .test_cli import save_by_hand
-from .test_coordinator import join_all, spec
+from ._support import join_all, save_by_hand, spec
 
 pytestmark = pytest.mark.e2e
 

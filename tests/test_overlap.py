@@ -26,7 +26,7 @@ from rallypoint.trainer._bytes import tensor_bytes
 from rallypoint.trainer.memory import MEMORY_ENV
 
 from ._ranks import run_ranks
-from .test_checkpoint_manager import Start
+from .conftest import Start
 
 pytestmark = pytest.mark.timeout(300)
 

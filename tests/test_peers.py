@@ -23,13 +23,11 @@ from rallypoint.trainer.checkpoint._transfer import upload_parts
 from rallypoint.trainer.errors import TransferDenied, TransferError, TransferNotFound
 from rallypoint.trainer.memory import ITEMS_HEADER, NodeMemory, ReplicaServer, push, read_peer
 
-from . import test_torchrun
 from ._inprocess import InProcessCoordinator
 from ._ranks import run_ranks
-from .test_torchrun import status
+from ._support import status
 
 #: The torchrun tests' coordinator (local storage, logged), as a fixture here too.
-coordinator = test_torchrun.coordinator
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,7 +19,7 @@ from rallypoint.cli.processes import Cluster
 from rallypoint.client import CheckpointConflict as ClientCheckpointConflict
 from rallypoint.client import ElasticClient
 from rallypoint.client import UnknownCheckpoint as ClientUnknownCheckpoint
-from rallypoint.client.models import BeginCheckpoint, ReportShard, ShardFile
+from rallypoint.client.models import ShardFile
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import CheckpointConflict, UnknownCheckpoint, UnknownJob
@@ -27,65 +27,20 @@ from rallypoint.service.storage import BatchOp, BlobStore, Entity, Storage, Tabl
 from rallypoint.trainer import upload
 
 from ._coordinator import Coordinator
+from ._rules import (
+    begin_all,
+    commit,
+    end,
+    join,
+    named,
+    pointers,
+    report,
+    save_tiered,
+    seal_with_peers,
+)
+from ._support import FILE, TOKEN, cli, clients, join_all
+from ._support import spec as coordinator_spec
 from .conftest import Clock, Spawn
-from .test_cli import TOKEN, cli
-from .test_coordinator import clients, join_all
-from .test_coordinator import spec as coordinator_spec
-from .test_rendezvous import join
-from .test_tiers import end, save, seal
-
-FILE = "data.distcp"
-
-
-def begin_all(
-    ckpts: Checkpoints, nodes: list[str], gen: int, step: int, creds: dict[str, str]
-) -> int:
-    """Every node's rank begins ``step`` and uploads its file to storage; none reports."""
-    version = 0
-    for node in nodes:
-        begun = ckpts.begin(
-            "job",
-            BeginCheckpoint(node_id=node, generation=gen, step=step, files=[FILE]),
-            creds[node],
-        )
-        version = begun.version
-        ckpts.blobs.put(f"job/v{version:010d}/rank-{begun.rank:05d}/{FILE}", node.encode())
-    return version
-
-
-def report(ckpts: Checkpoints, node: str, gen: int, version: int, creds: dict[str, str]) -> str:
-    """``node``'s rank reports its file (in storage); the version's state after it."""
-    shard = ShardFile(name=FILE, size=len(node), checksum="x:1")
-    info = ckpts.report(
-        "job",
-        version,
-        ReportShard(node_id=node, generation=gen, files=[shard], storage=True),
-        creds[node],
-    )
-    return info.state
-
-
-def commit(ckpts: Checkpoints, nodes: list[str], gen: int, step: int, creds: dict[str, str]) -> int:
-    """A durable version of ``step``, committed by every node's rank."""
-    version = begin_all(ckpts, nodes, gen, step, creds)
-    states = [report(ckpts, n, gen, version, creds) for n in nodes]
-    assert states[-1] == "committed"
-    return version
-
-
-def pointers(rdzv: Rendezvous) -> tuple[int | None, int | None]:
-    """The job's latest and durable versions."""
-    job = rdzv.get_job("job")
-    return (
-        job.checkpoint.version if job.checkpoint else None,
-        job.durable.version if job.durable else None,
-    )
-
-
-def named(rdzv: Rendezvous, gen: int) -> int | None:
-    """The version generation ``gen`` was told to resume from."""
-    pointer = rdzv.sealed("job", gen).checkpoint
-    return None if pointer is None else pointer.version
 
 
 class Racing:
@@ -122,7 +77,7 @@ def test_quarantining_the_latest_moves_both_pointers_back_and_the_next_seal_skip
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     good = commit(ckpts, nodes, gen, 10, creds)
     bad = commit(ckpts, nodes, gen, 20, creds)
     assert pointers(rdzv) == (bad, bad)
@@ -143,7 +98,7 @@ def test_quarantining_the_latest_moves_both_pointers_back_and_the_next_seal_skip
     assert (job.generation, job.status) == (gen, "sealed")
 
     end(rdzv, gen, ["b"], creds)
-    gen2, creds = seal(rdzv, nodes)
+    gen2, creds = seal_with_peers(rdzv, nodes)
     assert named(rdzv, gen2) == good
     # Its saves move the pointer forward from the good version's step.
     newer = commit(ckpts, nodes, gen2, 11, creds)
@@ -154,13 +109,13 @@ def test_quarantine_with_restart_ends_the_running_generation(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     good = commit(ckpts, nodes, gen, 10, creds)
     bad = commit(ckpts, nodes, gen, 20, creds)
     ckpts.quarantine("job", bad, "NaNs", restart=True)
     assert rdzv.get_job("job").status == "open"
     assert rdzv.generation("job", gen).ended_reason == f"checkpoint v{bad} quarantined: NaNs"
-    assert named(rdzv, seal(rdzv, nodes)[0]) == good
+    assert named(rdzv, seal_with_peers(rdzv, nodes)[0]) == good
 
 
 def test_the_durable_pointer_moves_back_on_its_own_and_a_lost_memory_version_falls_to_it(
@@ -168,9 +123,11 @@ def test_the_durable_pointer_moves_back_on_its_own_and_a_lost_memory_version_fal
 ) -> None:
     ckpts = Checkpoints(rdzv, blobs, keep=4, timeout=timedelta(seconds=600))
     nodes = ["a", "b", "c"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     # The first version and every 2nd after it go to storage; the others stay in memory.
-    saved = [save(ckpts, blobs, nodes, gen, step, creds, every=2) for step in (10, 20, 30, 40)]
+    saved = [
+        save_tiered(ckpts, blobs, nodes, gen, step, creds, every=2) for step in (10, 20, 30, 40)
+    ]
     assert [persisted for _, persisted in saved] == [True, False, True, False]
     v1, v2, v3, v4 = (version for version, _ in saved)
     assert pointers(rdzv) == (v4, v3)
@@ -183,7 +140,7 @@ def test_the_durable_pointer_moves_back_on_its_own_and_a_lost_memory_version_fal
     # Every agent restarted: the memory copies are gone; v3 would qualify but is
     # quarantined, so the seal falls back to the durable pointer.
     end(rdzv, gen, nodes, creds)
-    gen2, creds = seal(rdzv, nodes, agents=dict.fromkeys(nodes, 2))
+    gen2, creds = seal_with_peers(rdzv, nodes, agents=dict.fromkeys(nodes, 2))
     assert named(rdzv, gen2) == v1
     assert pointers(rdzv) == (v1, v1)
 
@@ -192,27 +149,27 @@ def test_quarantining_every_version_leaves_no_pointer_and_a_fresh_start(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     only = commit(ckpts, nodes, gen, 5, creds)
     ckpts.quarantine("job", only)
     assert pointers(rdzv) == (None, None)
     with pytest.raises(UnknownCheckpoint):
         ckpts.get("job")
     end(rdzv, gen, nodes, creds)
-    assert named(rdzv, seal(rdzv, nodes)[0]) is None
+    assert named(rdzv, seal_with_peers(rdzv, nodes)[0]) is None
 
 
 def test_an_older_quarantined_version_is_skipped_when_the_latest_is_lost(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b", "c", "d"]
-    gen, creds = seal(rdzv, nodes)
-    first, _ = save(ckpts, blobs, nodes, gen, 10, creds, every=1)
-    second, _ = save(ckpts, blobs, nodes, gen, 20, creds, every=1)
-    save(ckpts, blobs, nodes, gen, 30, creds, every=10)  # memory only
+    gen, creds = seal_with_peers(rdzv, nodes)
+    first, _ = save_tiered(ckpts, blobs, nodes, gen, 10, creds, every=1)
+    second, _ = save_tiered(ckpts, blobs, nodes, gen, 20, creds, every=1)
+    save_tiered(ckpts, blobs, nodes, gen, 30, creds, every=10)  # memory only
     ckpts.quarantine("job", second)  # the durable pointer: back to the first
     end(rdzv, gen, ["a", "b"], creds)  # a's files were on a and b only: the newest is lost
-    assert named(rdzv, seal(rdzv, ["c", "d"])[0]) == first
+    assert named(rdzv, seal_with_peers(rdzv, ["c", "d"])[0]) == first
 
 
 def test_retention_keeps_the_good_version_and_quarantined_ones_only_while_recent(
@@ -220,7 +177,7 @@ def test_retention_keeps_the_good_version_and_quarantined_ones_only_while_recent
 ) -> None:
     ckpts = Checkpoints(rdzv, blobs, keep=2, timeout=timedelta(seconds=600))
     nodes = ["a"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     v1, v2, v3 = (commit(ckpts, nodes, gen, step, creds) for step in (10, 20, 30))
     assert [v.version for v in ckpts.versions("job")] == [v2, v3]  # keep=2
 
@@ -242,7 +199,7 @@ def test_unquarantine_moves_the_pointer_forward_only_within_the_generation(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     good = commit(ckpts, nodes, gen, 10, creds)
     bad = commit(ckpts, nodes, gen, 20, creds)
     ckpts.quarantine("job", bad, "suspect")
@@ -255,7 +212,7 @@ def test_unquarantine_moves_the_pointer_forward_only_within_the_generation(
     # it now moves nothing (that generation's saves must be able to move the pointer).
     ckpts.quarantine("job", bad)
     end(rdzv, gen, ["b"], creds)
-    gen2, creds = seal(rdzv, nodes)
+    gen2, creds = seal_with_peers(rdzv, nodes)
     assert named(rdzv, gen2) == good
     assert not ckpts.unquarantine("job", bad).latest
     assert pointers(rdzv) == (good, good)
@@ -266,7 +223,7 @@ def test_unquarantine_moves_the_pointer_forward_only_within_the_generation(
 def test_quarantine_again_keeps_the_first_mark(
     ckpts: Checkpoints, rdzv: Rendezvous, clock: Clock
 ) -> None:
-    gen, creds = seal(rdzv, ["a"])
+    gen, creds = seal_with_peers(rdzv, ["a"])
     version = commit(ckpts, ["a"], gen, 1, creds)
     first = ckpts.quarantine("job", version, "first")
     clock.advance(60)
@@ -276,7 +233,7 @@ def test_quarantine_again_keeps_the_first_mark(
 
 def test_what_cannot_be_quarantined(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     with pytest.raises(UnknownJob):
         ckpts.quarantine("nope", 1)
     with pytest.raises(UnknownCheckpoint):
@@ -293,7 +250,7 @@ def test_a_commit_racing_a_quarantine_is_not_lost(
     ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     commit(ckpts, nodes, gen, 10, creds)
     bad = commit(ckpts, nodes, gen, 20, creds)
     newest = begin_all(ckpts, nodes, gen, 30, creds)
@@ -312,7 +269,7 @@ def test_a_quarantine_racing_a_commit_does_not_lose_the_commit(
     ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     good = commit(ckpts, nodes, gen, 10, creds)
     bad = commit(ckpts, nodes, gen, 20, creds)
     newest = begin_all(ckpts, nodes, gen, 30, creds)
@@ -332,7 +289,7 @@ def test_a_seal_racing_a_quarantine_names_the_good_version(
     ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     good = commit(ckpts, nodes, gen, 10, creds)
     bad = commit(ckpts, nodes, gen, 20, creds)
     end(rdzv, gen, ["b"], creds)

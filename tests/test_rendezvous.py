@@ -7,12 +7,10 @@ import math
 import secrets
 import threading
 from collections import Counter
-from datetime import timedelta
-from typing import Literal
 
 import pytest
 
-from rallypoint.client.models import Assignment, JobSpec
+from rallypoint.client.models import JobSpec
 from rallypoint.service._rendezvous import (
     Job,
     Node,
@@ -31,52 +29,8 @@ from rallypoint.service.errors import (
 )
 from rallypoint.service.storage import BatchOp, Cond, Storage
 
+from ._rules import assignment, join, register_all, spec
 from .conftest import Clock
-
-
-def spec(min_nodes: int, max_nodes: int, last_call: float = 5, timeout: float = 3) -> JobSpec:
-    return JobSpec(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        last_call=timedelta(seconds=last_call),
-        heartbeat_timeout=timedelta(seconds=timeout),
-    )
-
-
-def join(
-    rdzv: Rendezvous,
-    job_id: str,
-    node_id: str,
-    addr: str,
-    port: int,
-    s: JobSpec | None = None,
-    join_id: str | None = None,
-) -> int:
-    """Registers a node: the round it waits for."""
-    return rdzv.register(job_id, node_id, addr, port, s, join_id).round
-
-
-def assignment(
-    rdzv: Rendezvous, job: Job, node_id: str, round: int
-) -> Assignment | Literal["missed"] | None:
-    """A node's :meth:`~Rendezvous.outcome` for ``round``, a sealed one as the assignment
-    the coordinator sends (parsed from the same JSON)."""
-    sealed = rdzv.outcome(job, node_id, round)
-    if sealed is None or sealed == "missed":
-        return sealed
-    return Assignment.model_validate_json(sealed.assignment_json(job.job_id, node_id))
-
-
-def register_all(
-    rdzv: Rendezvous, nodes: list[str], s: JobSpec | None = None
-) -> tuple[int, dict[str, str]]:
-    """Registers ``nodes`` for one round: the round and each node's credential."""
-    registered = [rdzv.register("job", n, f"host-{n}", 29500 + i, s) for i, n in enumerate(nodes)]
-    rounds = {r.round for r in registered}
-    assert len(rounds) == 1
-    credentials = {r.node_id: r.credential for r in registered}
-    assert all(credentials.values())
-    return rounds.pop(), {n: c for n, c in credentials.items() if c}
 
 
 def join_all(rdzv: Rendezvous, nodes: list[str], s: JobSpec | None = None) -> int:

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from ._balancer import REPLICAS, Topology
 from ._plugin_nodes import PluginNode, VictimNode
-from .test_failover import REPLICAS, Topology
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

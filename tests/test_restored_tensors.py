@@ -18,8 +18,8 @@ import torch
 from rallypoint.trainer.memory import MEMORY_ENV
 
 from ._ranks import run_ranks
+from ._support import managers
 from .conftest import Start
-from .test_checkpoint_manager import managers
 
 
 def odd_state() -> dict[str, Any]:

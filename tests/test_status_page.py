@@ -24,7 +24,7 @@ from rallypoint.client import ElasticClient, JobSpec, ShardFile, Timeline
 from rallypoint.trainer import upload
 
 from ._coordinator import Coordinator
-from .test_cli import FILE, cli, save_by_hand
+from ._support import FILE, cli, save_by_hand
 
 pytestmark = pytest.mark.e2e
 

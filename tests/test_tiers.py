@@ -16,105 +16,22 @@ from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import InvalidRequest
 from rallypoint.service.storage import BlobStore
 
+from ._rules import end, peer, save_tiered, seal_with_peers
+from ._support import FILE
 from .conftest import Clock
-from .test_rendezvous import spec
-
-FILE = "data.distcp"
-
-
-def peer(node: str, agent: int = 1) -> str:
-    """The replica server of ``node``'s ``agent``-th agent (a new URL per start)."""
-    return f"http://host-{node}:7000/a{agent}"
-
-
-def seal(
-    rdzv: Rendezvous, nodes: list[str], agents: dict[str, int] | None = None
-) -> tuple[int, dict[str, str]]:
-    """Seals a generation of ``nodes``: its number and each member's credential."""
-    creds: dict[str, str] = {}
-    for i, n in enumerate(nodes):
-        node = rdzv.register(
-            "job",
-            n,
-            f"host-{n}",
-            29500 + i,
-            spec(1, 8, last_call=1),
-            None,
-            peer(n, (agents or {}).get(n, 1)),
-        )
-        assert node.credential
-        creds[n] = node.credential
-    clock = rdzv.clock
-    assert isinstance(clock, Clock)
-    clock.advance(1)
-    job, _ = rdzv.tick("job")
-    assert job.status == "sealed" and job.world_size == len(nodes)
-    return job.generation, creds
-
-
-def end(rdzv: Rendezvous, gen: int, gone: list[str], creds: dict[str, str]) -> None:
-    for i, node in enumerate(gone):  # the first departure ends the generation
-        rdzv.leave("job", node, gen if i == 0 else None, "test", creds[node])
-
-
-def save(
-    ckpts: Checkpoints,
-    blobs: BlobStore,
-    nodes: list[str],
-    gen: int,
-    step: int,
-    creds: dict[str, str],
-    *,
-    every: int = 1,
-    force: bool = False,
-) -> tuple[int, bool]:
-    """Every node's one rank saves as the trainer does: memory on its own node and its
-    replica's, storage if the version is persisted. Returns (version, persisted)."""
-    version, persisted = 0, False
-    for node in nodes:
-        begun = ckpts.begin(
-            "job",
-            BeginCheckpoint(
-                node_id=node,
-                generation=gen,
-                step=step,
-                files=[FILE],
-                persist=force,
-                persist_every=every,
-                memory=True,
-            ),
-            creds[node],
-        )
-        version, persisted = begun.version, begun.persist
-        data = f"{node}@{step}".encode()
-        if persisted:
-            blobs.put(f"job/v{version:010d}/rank-{begun.rank:05d}/{FILE}", data)
-        holders = [node] + ([begun.replica.node_id] if begun.replica else [])
-        info = ckpts.report(
-            "job",
-            version,
-            ReportShard(
-                node_id=node,
-                generation=gen,
-                files=[ShardFile(name=FILE, size=len(data), checksum="x:1")],
-                storage=persisted,
-                memory=holders,
-            ),
-            creds[node],
-        )
-    assert info.state == "committed"
-    return version, persisted
 
 
 def test_the_policy_persists_the_first_version_then_every_nth(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen, creds = seal(rdzv, ["a", "b", "c"])
+    gen, creds = seal_with_peers(rdzv, ["a", "b", "c"])
     nodes = ["a", "b", "c"]
-    persisted = [save(ckpts, blobs, nodes, gen, step, creds, every=3)[1] for step in range(7)]
+    persisted = [
+        save_tiered(ckpts, blobs, nodes, gen, step, creds, every=3)[1] for step in range(7)
+    ]
     assert persisted == [True, False, False, True, False, False, True]
     # A forced save (a preemption notice) persists whatever the count.
-    assert save(ckpts, blobs, nodes, gen, 7, creds, every=3, force=True)[1]
+    assert save_tiered(ckpts, blobs, nodes, gen, 7, creds, every=3, force=True)[1]
     kinds = [v.durability for v in ckpts.versions("job")]
     assert kinds[-2:] == ["durable", "durable"]  # 6 (the 3rd after 3) and the forced 7
 
@@ -122,7 +39,7 @@ def test_the_policy_persists_the_first_version_then_every_nth(
 def test_the_policy_persists_after_its_time_bound(
     ckpts: Checkpoints, rdzv: Rendezvous, clock: Clock
 ) -> None:
-    gen, creds = seal(rdzv, ["a", "b"])
+    gen, creds = seal_with_peers(rdzv, ["a", "b"])
 
     def begin(step: int) -> bool:
         request = BeginCheckpoint(
@@ -146,9 +63,9 @@ def test_the_policy_persists_after_its_time_bound(
 def test_a_memory_version_commits_with_copies_on_two_nodes_and_moves_only_the_latest(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
-    gen, creds = seal(rdzv, ["a", "b", "c"])
-    first, _ = save(ckpts, blobs, ["a", "b", "c"], gen, 10, creds, every=5)
-    second, persisted = save(ckpts, blobs, ["a", "b", "c"], gen, 20, creds, every=5)
+    gen, creds = seal_with_peers(rdzv, ["a", "b", "c"])
+    first, _ = save_tiered(ckpts, blobs, ["a", "b", "c"], gen, 10, creds, every=5)
+    second, persisted = save_tiered(ckpts, blobs, ["a", "b", "c"], gen, 20, creds, every=5)
     assert not persisted
     job = rdzv.get_job("job")
     assert job.checkpoint is not None and job.checkpoint.version == second
@@ -162,7 +79,7 @@ def test_a_memory_version_commits_with_copies_on_two_nodes_and_moves_only_the_la
 
 
 def test_a_rank_in_memory_on_one_node_only_is_refused(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
-    gen, creds = seal(rdzv, ["a", "b"])
+    gen, creds = seal_with_peers(rdzv, ["a", "b"])
     begun = ckpts.begin(
         "job",
         BeginCheckpoint(node_id="a", generation=gen, step=1, files=[FILE], memory=True),
@@ -192,11 +109,11 @@ def test_a_seal_names_the_memory_version_while_one_holder_of_each_rank_lives(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b", "c", "d"]
-    gen, creds = seal(rdzv, nodes)
-    save(ckpts, blobs, nodes, gen, 10, creds, every=10)
-    newest, _ = save(ckpts, blobs, nodes, gen, 20, creds, every=10)
+    gen, creds = seal_with_peers(rdzv, nodes)
+    save_tiered(ckpts, blobs, nodes, gen, 10, creds, every=10)
+    newest, _ = save_tiered(ckpts, blobs, nodes, gen, 20, creds, every=10)
     end(rdzv, gen, ["b"], creds)  # b's files are on c too; a's on a
-    gen2, _ = seal(rdzv, ["a", "c", "d"])
+    gen2, _ = seal_with_peers(rdzv, ["a", "c", "d"])
     assert rdzv.sealed("job", gen2).checkpoint.version == newest  # type: ignore[union-attr]
     info = ckpts.get("job", newest)
     assert info.holders["1"] == ["c"] and info.holders["0"] == ["a"]
@@ -206,17 +123,17 @@ def test_two_adjacent_nodes_lost_fall_back_to_the_newest_durable_version(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b", "c", "d"]
-    gen, creds = seal(rdzv, nodes)
-    durable, _ = save(ckpts, blobs, nodes, gen, 10, creds, every=10)
-    save(ckpts, blobs, nodes, gen, 20, creds, every=10)
+    gen, creds = seal_with_peers(rdzv, nodes)
+    durable, _ = save_tiered(ckpts, blobs, nodes, gen, 10, creds, every=10)
+    save_tiered(ckpts, blobs, nodes, gen, 20, creds, every=10)
     end(rdzv, gen, ["a", "b"], creds)  # a's files were on a and b only
-    gen2, creds2 = seal(rdzv, ["c", "d"])
+    gen2, creds2 = seal_with_peers(rdzv, ["c", "d"])
     named = rdzv.sealed("job", gen2).checkpoint
     assert named is not None and named.version == durable and named.durable
     job = rdzv.get_job("job")
     assert job.checkpoint == named  # the lost version is not the latest any more
     # The next saves move the pointer forward from the durable version's step.
-    third, _ = save(ckpts, blobs, ["c", "d"], gen2, 11, creds2, every=10)
+    third, _ = save_tiered(ckpts, blobs, ["c", "d"], gen2, 11, creds2, every=10)
     assert rdzv.get_job("job").checkpoint.version == third  # type: ignore[union-attr]
 
 
@@ -224,19 +141,19 @@ def test_a_restarted_agent_holds_nothing_even_with_the_same_node_id(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
-    durable, _ = save(ckpts, blobs, nodes, gen, 10, creds, every=10)
-    save(ckpts, blobs, nodes, gen, 20, creds, every=10)
+    gen, creds = seal_with_peers(rdzv, nodes)
+    durable, _ = save_tiered(ckpts, blobs, nodes, gen, 10, creds, every=10)
+    save_tiered(ckpts, blobs, nodes, gen, 20, creds, every=10)
     end(rdzv, gen, nodes, creds)
     # Both agents came back (their memory was reclaimed): new replica servers.
-    gen2, _ = seal(rdzv, nodes, agents={"a": 2, "b": 2})
+    gen2, _ = seal_with_peers(rdzv, nodes, agents={"a": 2, "b": 2})
     assert rdzv.sealed("job", gen2).checkpoint.version == durable  # type: ignore[union-attr]
 
 
 def test_grants_name_the_ring_successor_and_fail_when_altered(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
-    gen, creds = seal(rdzv, ["a", "b", "c"])
+    gen, creds = seal_with_peers(rdzv, ["a", "b", "c"])
     key = ckpts.peer_key("job")
     begun = ckpts.begin(
         "job",
@@ -265,9 +182,9 @@ def test_retention_keeps_the_durable_version_behind_memory_ones(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
-    durable, _ = save(ckpts, blobs, nodes, gen, 0, creds, every=100)
+    gen, creds = seal_with_peers(rdzv, nodes)
+    durable, _ = save_tiered(ckpts, blobs, nodes, gen, 0, creds, every=100)
     for step in range(1, 8):
-        save(ckpts, blobs, nodes, gen, step, creds, every=100)
+        save_tiered(ckpts, blobs, nodes, gen, step, creds, every=100)
     kept = [v.version for v in ckpts.versions("job")]
     assert kept[0] == durable and len(kept) == 4  # keep=3 newest, and the durable one

@@ -28,9 +28,9 @@ from rallypoint.service._checkpoints import LOG_SLOTS, Checkpoints, Version, _lo
 from rallypoint.service._rendezvous import Generation, Job, Member, Rendezvous
 from rallypoint.service.storage import BlobStore
 
+from ._rules import save
+from ._rules import seal as seal_round
 from .conftest import Clock
-from .test_checkpoints import save
-from .test_checkpoints import seal as seal_round
 
 T0 = 1_700_000_000.0
 SPEC = JobSpec(min_nodes=1, max_nodes=3, heartbeat_timeout=timedelta(seconds=10))

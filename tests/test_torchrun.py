@@ -7,7 +7,6 @@ every generation loaded the checkpoint the coordinator named for that generation
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,22 +16,9 @@ import pytest
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, judge
 
+from ._support import status
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
-
-
-@pytest.fixture
-def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
-    storage = ["--storage", f"local:{tmp_path / 'storage'}"]
-    c = Coordinator(storage, log=tmp_path / "coordinator.log").start()
-    yield c
-    c.stop()
-
-
-def status(coordinator: Coordinator, job: str) -> dict[str, Any]:
-    reply = httpx.get(f"{coordinator.url}/v1/jobs/{job}", timeout=10)
-    reply.raise_for_status()
-    body: dict[str, Any] = reply.json()
-    return body
 
 
 def node_of_rank(coordinator: Coordinator, job: str, rank: int) -> str:

@@ -22,10 +22,7 @@ import pytest
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 
-from . import test_torchrun
-from .test_torchrun import status
-
-coordinator = test_torchrun.coordinator
+from ._support import status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -35,17 +35,10 @@ from rallypoint.service.storage import BlobStore
 from rallypoint.trainer import CheckpointCorrupt, CheckpointError, upload
 from rallypoint.trainer.checkpoint._faults import HALT_ENV, HALT_FILE_ENV
 
-from . import test_torchrun
+from ._rules import begin_all, commit, end, named, pointers, save_tiered, seal_with_peers
+from ._support import FILE, TOKEN, clients, join_all, managers, status
+from ._support import spec as coordinator_spec
 from .conftest import Start
-from .test_checkpoint_manager import managers
-from .test_cli import TOKEN
-from .test_coordinator import clients, join_all
-from .test_coordinator import spec as coordinator_spec
-from .test_quarantine import FILE, begin_all, commit, named, pointers
-from .test_tiers import end, save, seal
-from .test_torchrun import status
-
-coordinator = test_torchrun.coordinator
 
 
 def failure(
@@ -58,13 +51,13 @@ def test_a_version_that_failed_to_load_is_never_named_again(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
-    durable, _ = save(ckpts, blobs, nodes, gen, 5, creds)
-    older, _ = save(ckpts, blobs, nodes, gen, 10, creds, every=100)
-    latest, persisted = save(ckpts, blobs, nodes, gen, 15, creds, every=100)
+    gen, creds = seal_with_peers(rdzv, nodes)
+    durable, _ = save_tiered(ckpts, blobs, nodes, gen, 5, creds)
+    older, _ = save_tiered(ckpts, blobs, nodes, gen, 10, creds, every=100)
+    latest, persisted = save_tiered(ckpts, blobs, nodes, gen, 15, creds, every=100)
     assert not persisted and pointers(rdzv) == (latest, durable)
     end(rdzv, gen, ["b"], creds)
-    gen2, creds = seal(rdzv, nodes)
+    gen2, creds = seal_with_peers(rdzv, nodes)
     assert named(rdzv, gen2) == latest
 
     info = ckpts.unreadable("job", latest, failure("a", gen2), creds["a"])
@@ -80,7 +73,7 @@ def test_a_version_that_failed_to_load_is_never_named_again(
     # The pointer moved back to the newest good version, and the next seal names it:
     # the memory version before it, which live holders still have, not the durable one.
     assert pointers(rdzv) == (older, durable)
-    gen3, creds = seal(rdzv, nodes)
+    gen3, creds = seal_with_peers(rdzv, nodes)
     assert named(rdzv, gen3) == older
     assert [v.version for v in ckpts.versions("job") if v.unrecoverable] == [latest]
     assert ckpts.durabilities("job")["unrecoverable"] == 1
@@ -93,19 +86,19 @@ def test_the_durable_version_failing_falls_back_to_the_durable_one_before(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     first = commit(ckpts, nodes, gen, 10, creds)
     second = commit(ckpts, nodes, gen, 20, creds)
     ckpts.unreadable("job", second, failure("a", gen, "manifest.json is missing"), creds["a"])
     assert pointers(rdzv) == (first, first)
-    assert named(rdzv, seal(rdzv, nodes)[0]) == first
+    assert named(rdzv, seal_with_peers(rdzv, nodes)[0]) == first
 
 
 def test_only_a_member_of_the_running_generation_marks_a_committed_version(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal(rdzv, nodes)
+    gen, creds = seal_with_peers(rdzv, nodes)
     good = commit(ckpts, nodes, gen, 10, creds)
     pending = begin_all(ckpts, nodes, gen, 20, creds)
     with pytest.raises(InvalidCredential):

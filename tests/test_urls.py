@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.planner import WriteItem
 from rallypoint.client import CheckpointBegun, ElasticClient, ShardFile, UnknownCheckpoint
 from rallypoint.trainer import RallypointReader, RallypointWriter, TransferDenied, download, upload
 
+from ._support import clients, join_all, spec
 from .conftest import Start
-from .test_coordinator import clients, join_all, spec
 
 TTL = 2.0  # seconds: waiting it out proves expiry
 FILE = "shard.bin"

@@ -1,0 +1,108 @@
+"""Helpers the tests share for a coordinator at work: its job specs, nodes joined through
+the client, checkpoint managers on them, the CLI, and a job's status.
+
+Test modules import their helpers from here (and from the other ``tests/_*.py``
+modules: ``_rules`` for the coordinator's rules in-process, ``_balancer`` for replicas
+behind HAProxy), never from one another; ``tests/test_structure.py`` checks that.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import httpx
+
+from rallypoint.cli.processes import Coordinator
+from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, JobSpec, ShardFile
+from rallypoint.trainer import CheckpointManager, upload
+
+__all__ = [
+    "FILE",
+    "TOKEN",
+    "cli",
+    "clients",
+    "join_all",
+    "managers",
+    "save_by_hand",
+    "spec",
+    "status",
+]
+
+#: The token of coordinators started with ``--token`` for an operator's calls.
+TOKEN = "cli-token"
+#: The one file a checkpoint saved by hand holds (DCP's name for a rank's data).
+FILE = "data.distcp"
+_COMMAND = [sys.executable, "-m", "rallypoint"]
+
+
+def spec(min_nodes: int, max_nodes: int, last_call: float = 0.5, timeout: float = 10) -> JobSpec:
+    """A job spec; nodes in these tests heartbeat only where detection is tested, so the
+    default timeout is long enough that a slow machine never ends a generation early."""
+    return JobSpec(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        last_call=timedelta(seconds=last_call),
+        heartbeat_timeout=timedelta(seconds=timeout),
+        join_timeout=timedelta(seconds=60),
+    )
+
+
+def clients(url: str, names: list[str], job: str = "job", **kw: object) -> list[ElasticClient]:
+    return [ElasticClient(url, job, n, **kw) for n in names]  # type: ignore[arg-type]
+
+
+def join_all(clients: list[ElasticClient], s: JobSpec | None = None) -> list[Assignment]:
+    """Joins every client at once (a generation of them all, if ``s`` lets it seal)."""
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futures = [
+            pool.submit(c.join, "127.0.0.1", 30000 + i, spec=s, timeout=timedelta(seconds=60))
+            for i, c in enumerate(clients)
+        ]
+        return [f.result() for f in futures]
+
+
+def managers(url: str, names: list[str], lo: int, hi: int) -> list[CheckpointManager]:
+    """A generation of ``names`` in a job of ``lo`` to ``hi`` nodes, each node's
+    CheckpointManager, in rank order."""
+    nodes = clients(url, names)
+    join_all(nodes, spec(lo, hi))
+    return sorted((CheckpointManager(n, progress=False) for n in nodes), key=lambda m: m.rank)
+
+
+def save_by_hand(node: ElasticClient, step: int, *, every: int) -> CheckpointInfo:
+    """A one-node job's rank saves ``step`` as a trainer under an agent does: its file in
+    the node's memory tier, and in storage too if the policy (every ``every``-th
+    version) persists the version. Committed in memory, the version is not durable."""
+    begun = node.begin_checkpoint(step, [FILE], persist_every=every, memory=True)
+    data = f"{node.node_id}@{step}".encode()
+    if begun.persist:
+        upload(begun.upload_urls[FILE], data)
+    shard = ShardFile(name=FILE, size=len(data), checksum="xxh3-128:0")
+    return node.report_checkpoint(
+        begun.version, [shard], storage=begun.persist, memory=[node.node_id]
+    )
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The installed command, with only the environment given (no RALLYPOINT_* leaks in)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RALLYPOINT_")}
+    return subprocess.run(
+        [*_COMMAND, *args],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def status(coordinator: Coordinator, job: str) -> dict[str, Any]:
+    """The job's status as the coordinator serves it (``GET /v1/jobs/{job}``)."""
+    reply = httpx.get(f"{coordinator.url}/v1/jobs/{job}", timeout=10)
+    reply.raise_for_status()
+    body: dict[str, Any] = reply.json()
+    return body
