@@ -34,7 +34,7 @@ browser:
 	  $$sudo apt-get update -qq && \
 	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; }
 
-# Debian's HAProxy, the load balancer in front of the replicas in tests/test_failover.py.
+# Debian's HAProxy, the load balancer in front of the replicas in tests/e2e/test_failover.py.
 balancer:
 	@command -v haproxy >/dev/null || test -x /usr/sbin/haproxy || { \
 	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
@@ -82,7 +82,8 @@ test-fast: dev
 
 # The framework integrations' tests alone (part of `make test` too).
 test-frameworks: dev frameworks
-	$(BIN)/python -m pytest tests/test_lightning*.py tests/test_transformers*.py tests/test_deepspeed*.py
+	$(BIN)/python -m pytest tests/trainer/test_lightning*.py tests/trainer/test_transformers*.py \
+	  tests/trainer/test_deepspeed*.py
 
 serve: venv
 	$(BIN)/rallypoint serve --storage $(STORAGE) --port $(PORT)

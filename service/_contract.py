@@ -17,7 +17,7 @@ storage behind the app's state), so every route that uses one inherits them. And
   error statuses with any code.
 
 Each error status is documented with the ``ErrorBody`` schema, its ``code`` narrowed to
-the codes the route may send with it. ``tests/test_contract.py`` runs schemathesis
+the codes the route may send with it. ``tests/service/test_contract.py`` runs schemathesis
 against a served coordinator, so a route that answers what its document does not say
 fails the suite.
 """

@@ -8,7 +8,7 @@ authorized heartbeat with the route's own parts: its path pattern (the route's
 (:func:`~.routers.jobs.answer_heartbeat`) and its error replies
 (:func:`~._http.service_error_response`).
 Anything else (bad ids or JSON, no token, chunked bodies) goes to the application
-unchanged, so errors keep their usual codes and bodies; ``tests/test_fastpath.py`` sends
+unchanged, so errors keep their usual codes and bodies; ``tests/service/test_fastpath.py`` sends
 the same beats with and without it and gets the same answers.
 """
 

@@ -166,7 +166,7 @@ def test_the_kubernetes_manifests_fit_the_coordinator_and_each_other() -> None:
     (container,) = pod["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz" and "/readyz" in routes
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz" and "/healthz" in routes
-    # Both answer from memory (tests/test_failover.py: HAProxy's 1 s checks through a
+    # Both answer from memory (tests/e2e/test_failover.py: HAProxy's 1 s checks through a
     # frozen storage); the grace, not the probe, decides when storage makes one unready.
     assert container["readinessProbe"]["timeoutSeconds"] == 1
     assert container["livenessProbe"]["timeoutSeconds"] == 1

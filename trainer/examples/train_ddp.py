@@ -18,7 +18,7 @@ somewhere to go and nothing is downloaded.
 
 A resume is exact: with a replacement node (the same world size), a run through a node
 SIGKILL ends bit-identical to an uninterrupted one, dropout included
-(``tests/test_torchrun.py::test_a_resume_is_bit_identical_to_an_uninterrupted_run``). Two
+(``tests/e2e/test_torchrun.py::test_a_resume_is_bit_identical_to_an_uninterrupted_run``). Two
 lines make it so: each rank saves its RNG in ``rank_state`` and sets it back, and the
 ``DataLoader`` has a generator of its own, so making its iterator after the restore draws
 nothing from the RNG just restored.

@@ -1,0 +1,265 @@
+"""Storage outages as rules: what a coordinator does while storage does not answer.
+
+The rules, with an injected clock (no HTTP), and then the Azure adapters' budget against
+a frozen Azurite (SIGSTOP: connections open, nothing answers), the way an overloaded or
+partitioned account looks from the coordinator.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from rallypoint.client.models import JobSpec
+from rallypoint.service._rendezvous import Rendezvous
+from rallypoint.service.errors import StorageUnavailable
+from rallypoint.service.storage import (
+    AzureStorage,
+    Entity,
+    Health,
+    each_try_within,
+    remaining,
+    within,
+)
+
+from .._azurite import Azurite
+from ..conftest import Clock
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def spec(timeout: float = 3) -> JobSpec:
+    return JobSpec(
+        min_nodes=2,
+        max_nodes=2,
+        last_call=timedelta(0),
+        heartbeat_timeout=timedelta(seconds=timeout),
+    )
+
+
+# --- the rendezvous: silence that an outage caused is not death ---------------------------
+
+
+def test_members_silent_through_an_outage_get_a_full_timeout_after_it(
+    rdzv: Rendezvous, clock: Clock
+) -> None:
+    for n in ("a", "b"):
+        rdzv.register("job", n, "h", 1, spec(timeout=3))
+    job, _ = rdzv.tick("job")
+    assert (job.generation, job.status) == (1, "sealed")
+    # Storage goes away for 10 s (3 heartbeat timeouts): no beat reaches it meanwhile.
+    rdzv.storage_lost()
+    clock.advance(10)
+    job, wait = rdzv.tick("job")  # the first pass that reads storage again
+    assert job.status == "sealed", "a member was declared dead for the outage's silence"
+    assert wait == pytest.approx(3)
+    # A member that stays silent after storage returned is dead one timeout later.
+    clock.advance(2)
+    rdzv.record_beats("job", ["a"], generation=1)
+    job, _ = rdzv.tick("job")
+    assert job.status == "sealed"
+    clock.advance(1)
+    job, _ = rdzv.tick("job")
+    assert job.status == "open"
+    reason = rdzv.status("job").history[0].ended_reason
+    assert reason is not None and "node b missed heartbeats" in reason
+
+
+def test_without_an_outage_the_same_silence_ends_the_generation(
+    rdzv: Rendezvous, clock: Clock
+) -> None:
+    """The counterpart of the test above: the rule, not a slow clock, kept them."""
+    for n in ("a", "b"):
+        rdzv.register("job", n, "h", 1, spec(timeout=3))
+    rdzv.tick("job")
+    clock.advance(10)
+    job, _ = rdzv.tick("job")
+    assert job.status == "open"
+
+
+def test_waiting_nodes_silent_through_an_outage_still_seal(rdzv: Rendezvous, clock: Clock) -> None:
+    s = JobSpec(min_nodes=2, max_nodes=3, last_call=timedelta(seconds=1))
+    for n in ("a", "b"):
+        rdzv.register("job", n, "h", 1, s)
+    rdzv.storage_lost()
+    clock.advance(30)  # their beats (long-polls) could not be written
+    job, _ = rdzv.tick("job")
+    assert (job.generation, job.status) == (1, "sealed")
+
+
+# --- the breaker and the deadline ----------------------------------------------------------
+
+
+def test_the_breaker_lets_one_try_through_per_probe_interval_while_storage_is_down() -> None:
+    clock = Clock()
+    health = Health(probe_every=1.0, clock=clock)
+    assert health.admit() and health.admit(), "storage answers: every try goes"
+    health.record(False)
+    assert health.down_for() == 0
+    clock.advance(0.5)
+    assert not health.admit(), "down, and the failed try was 0.5 s ago"
+    assert health.down_for() == 0.5
+    clock.advance(0.5)
+    assert health.admit(), "a probe goes through after probe_every"
+    assert not health.admit(), "one at a time"
+    clock.advance(1)
+    assert health.admit()
+    health.record(True)
+    assert health.down_for() == 0 and health.admit() and health.admit()
+
+
+def test_deadlines_nest_to_the_earliest() -> None:
+    assert remaining() is None
+    with within(10):
+        outer = remaining()
+        assert outer is not None and 9 < outer <= 10
+        with within(100):
+            inner = remaining()
+            assert inner is not None and inner <= outer
+        with within(1):
+            inner = remaining()
+            assert inner is not None and inner <= 1
+    assert remaining() is None
+
+
+# --- against a frozen Azurite -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def own_azurite() -> Iterator[Azurite]:
+    """An Azurite of this module's own: the tests freeze it."""
+    azurite = Azurite()
+    assert azurite.start(), f"Azurite did not start: {azurite.log.read_text()}"
+    yield azurite
+    azurite.stop()
+
+
+@pytest.fixture
+def azure(own_azurite: Azurite) -> Iterator[AzureStorage]:
+    storage = AzureStorage(
+        prefix="o" + uuid.uuid4().hex[:12], connection_string=own_azurite.connection_string
+    )
+    yield storage
+    storage.close()
+
+
+@pytest.mark.azurite
+def test_work_that_grows_with_a_job_limits_each_try_not_the_whole(
+    azure: AzureStorage, own_azurite: Azurite
+) -> None:
+    table = azure.table("jobs")
+    table.upsert(Entity("p", "r", {"x": 1}))
+    # A tick of a large job: many reads, together longer than the limit (the pauses stand
+    # for the reads of ten thousand rows); each read is quick, so none fails.
+    with each_try_within(0.3):
+        for _ in range(3):
+            assert table.get("p", "r").data["x"] == 1
+            time.sleep(0.2)
+    # The same under a deadline for the whole fails: that is the difference.
+    with within(0.3), pytest.raises(StorageUnavailable):
+        for _ in range(3):
+            table.get("p", "r")
+            time.sleep(0.2)
+    # A frozen account still shows within the limit of one try.
+    own_azurite.freeze()
+    try:
+        started = time.monotonic()
+        with each_try_within(1.0), pytest.raises(StorageUnavailable):
+            table.get("p", "r")
+        assert time.monotonic() - started < 2.5
+    finally:
+        own_azurite.thaw()
+
+
+@pytest.mark.azurite
+def test_a_call_under_a_deadline_fails_within_it_when_storage_is_frozen(
+    azure: AzureStorage, own_azurite: Azurite
+) -> None:
+    table = azure.table("jobs")
+    table.upsert(Entity("p", "r", {"x": 1}))
+    own_azurite.freeze()
+    try:
+        started = time.monotonic()
+        with within(1.0), pytest.raises(StorageUnavailable):
+            table.get("p", "r")
+        assert time.monotonic() - started < 2.5
+        # Storage is known down now: another call fails at once, before any timeout.
+        started = time.monotonic()
+        with pytest.raises(StorageUnavailable):
+            table.upsert(Entity("p", "r", {"x": 2}))
+        assert time.monotonic() - started < 0.5
+        assert azure.health.down_for() > 0
+    finally:
+        own_azurite.thaw()
+    # Back: the next try after the probe interval goes through and closes the breaker.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert table.get("p", "r").data["x"] == 1, "the refused write wrote nothing"
+            break
+        except StorageUnavailable:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert azure.health.down_for() == 0
+
+
+# --- what callers are told -------------------------------------------------------------------
+
+
+@pytest.mark.azurite
+def test_a_write_during_an_outage_is_503_with_retry_after(
+    azure: AzureStorage, own_azurite: Azurite, tmp_path: Path
+) -> None:
+    from starlette.testclient import TestClient
+
+    from rallypoint.service.app import create_app
+    from rallypoint.service.settings import Settings
+
+    app = create_app(Settings(storage=f"local:{tmp_path}"), storage=azure)
+    with TestClient(app) as coordinator:
+        own_azurite.freeze()
+        try:
+            reply = coordinator.post(
+                "/v1/jobs/j/join",
+                json={"node_id": "a", "addr": "h", "spec": {"min_nodes": 1, "max_nodes": 1}},
+            )
+        finally:
+            own_azurite.thaw()
+    assert reply.status_code == 503 and reply.json()["code"] == "storage_unavailable"
+    assert reply.headers["Retry-After"] == "1"
+
+
+def test_the_client_retries_no_later_than_retry_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client's backoff grows to 10 s; a coordinator that says when to come back
+    (a second, while storage is down) is asked again by then."""
+    import httpx
+
+    from rallypoint.client import ElasticClient, RetryPolicy
+    from rallypoint.client import _client as client_module
+
+    replies = iter(
+        [
+            httpx.Response(
+                503,
+                headers={"Retry-After": "1"},
+                json={"code": "storage_unavailable", "message": "down"},
+            ),
+            httpx.Response(200, json={"jobs": []}),
+        ]
+    )
+    slept: list[float] = []
+    monkeypatch.setattr(client_module.time, "sleep", slept.append)
+    client = ElasticClient(
+        "http://coordinator",
+        "j",
+        "a",
+        retry=RetryPolicy(initial=timedelta(seconds=10)),
+        http_transport=httpx.MockTransport(lambda request: next(replies)),
+    )
+    client._request("GET", "/v1/jobs")
+    assert len(slept) == 1 and slept[0] <= 1.0

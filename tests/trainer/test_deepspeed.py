@@ -1,0 +1,196 @@
+"""DeepSpeed ZeRO through Rallypoint under real torchrun agents (CPU, gloo,
+``DS_ACCELERATOR=cpu``): ``rallypoint.trainer.deepspeed.install`` after
+``deepspeed.initialize``, ``engine.save_checkpoint`` as versions, and
+``rallypoint.trainer.deepspeed.load_checkpoint`` resuming every rank from the version the
+coordinator named, through the SIGKILL of a node and a stale ``latest`` file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rallypoint.cli.processes import Cluster, Coordinator, judge
+
+from .._support import status
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+#: DeepSpeed on CPU: its accelerator, and gloo under it.
+DS_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+
+WORKER = r'''
+import argparse, io, json, os, time
+import torch, torch.distributed as dist
+import xxhash
+import deepspeed
+from rallypoint.client import ElasticClient
+from rallypoint.trainer import PreemptionWatcher, SavePolicy
+import rallypoint.trainer.deepspeed as rp_deepspeed
+
+p = argparse.ArgumentParser()
+p.add_argument("--stage", type=int, default=3)
+p.add_argument("--steps", type=int, default=40)
+p.add_argument("--every", type=int, default=5)
+p.add_argument("--step-time", type=float, default=0.0)
+p.add_argument("--events", required=True)
+args = p.parse_args()
+
+client = ElasticClient.from_env()
+assignment = client.join()
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+
+def event(kind, **fields):
+    line = {"t": time.time(), "event": kind, "generation": assignment.generation,
+            "rank": rank, "world_size": world, **fields}
+    with open(args.events, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+def tensors(value, out):
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, dict):
+        for k in sorted(value, key=str):
+            tensors(value[k], out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            tensors(v, out)
+
+def saves_back(engine):
+    # A user's own torch.save of the resumed state loads back equal (issue 36).
+    state = {"model": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
+    buf = io.BytesIO(); torch.save(state, buf); buf.seek(0)
+    old, new = [], []; tensors(state, old); tensors(torch.load(buf, weights_only=False), new)
+    return len(old) == len(new) and all(torch.equal(x, y) for x, y in zip(old, new))
+
+def digests(engine):
+    """This rank's model (its ZeRO-3 partition) and optimizer partition, gathered."""
+    mine = []
+    for p in engine.module.parameters():
+        mine.append(getattr(p, "ds_tensor", p))
+    tensors(engine.optimizer.state_dict(), mine)
+    h = xxhash.xxh3_64()
+    for t in mine:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    out = [None] * world
+    dist.all_gather_object(out, h.hexdigest())
+    return out
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+config = {
+    "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+    "zero_optimization": {"stage": args.stage},
+    "steps_per_print": 10**9,
+}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+checkpoints = rp_deepspeed.install(engine, client, policy=SavePolicy(progress=False))
+rp_deepspeed.load_checkpoint(engine)
+restored = checkpoints.restored
+event("resumed", version=restored.version if restored else None,
+      step=engine.global_steps + 1,
+      digests=digests(engine) if restored else None,
+      bytes_from=restored.bytes_from if restored else None,
+      saves_back=saves_back(engine) if restored else None)
+
+with PreemptionWatcher(client) as watcher:
+    while engine.global_steps < args.steps:
+        s = engine.global_steps + 1
+        g = torch.Generator().manual_seed(s * 1000 + rank)
+        x = torch.randn(4, 16, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x), x.flip(1))
+        engine.backward(loss)
+        engine.step()
+        if args.step_time:
+            time.sleep(args.step_time)
+        if rank == 0:
+            event("step", step=s, loss=round(loss.item(), 5))
+        stop = watcher.should_stop()
+        if s % args.every == 0 or stop:
+            d = digests(engine)
+            if rank == 0:
+                event("saving", step=s, digests=d)
+            checkpoints.save_checkpoint(os.environ["SAVE_DIR"], persist=stop, blocking=stop)
+        if stop:
+            event("emergency", step=s, version=checkpoints.last_save.result().version)
+            watcher.finish()
+checkpoints.wait()
+event("finished", step=engine.global_steps, loss=round(loss.item(), 5))
+checkpoints.close()
+'''
+
+
+def test_import_of_rallypoint_trainer_imports_no_framework() -> None:
+    code = (
+        "import sys, rallypoint.trainer; "
+        "bad = {'deepspeed', 'transformers', 'accelerate'} & set(sys.modules); "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def stale_folder(folder: Path) -> Path:
+    """A node's checkpoint folder as a cache could leave it: a ``latest`` naming a
+    newer tag than any version, whose files are garbage (loading them would fail)."""
+    (folder / "global_step999").mkdir(parents=True)
+    (folder / "latest").write_text("global_step999")
+    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_2_mp_rank_00_optim_states.pt"):
+        (folder / "global_step999" / name).write_bytes(b"not a checkpoint")
+    return folder
+
+
+def test_zero3_resumes_every_rank_from_the_named_version_after_a_node_is_killed(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """Node a (2 processes) and node b (1) train ZeRO-3 with AdamW; b is SIGKILLed; a
+    new node with a stale folder takes its place (ZeRO keeps its partitioning, so the
+    world size comes back to 3). Every rank restores its own partition at the step the
+    coordinator named, equal to what was saved, and the stale ``latest`` is never read."""
+    script = tmp_path / "ds_worker.py"
+    script.write_text(WORKER)
+    events = tmp_path / "ds.events.jsonl"
+    args = ["--stage", "3", "--steps", "30", "--every", "5", "--step-time", "0.05"]
+    cluster = Cluster(
+        coordinator.url,
+        "zero3",
+        tmp_path,
+        nnodes="2:2",
+        memory=tmp_path / "memory",
+        script=[str(script), *args, "--events", str(events)],
+    )
+    cluster.events_file = events
+    stale = stale_folder(tmp_path / "c" / "checkpoints")
+    try:
+        for node in ("a", "b"):
+            (tmp_path / node).mkdir()
+            env = {**DS_ENV, "SAVE_DIR": str(tmp_path / node / "checkpoints")}
+            cluster.add(node, nproc=2 if node == "a" else 1, env=env)
+        cluster.wait_for(
+            lambda e: e["event"] == "step" and e["step"] >= 12 and e["world_size"] == 3,
+            timeout=240,
+        )
+        cluster.kill("b")
+        cluster.add("c", nproc=1, env={**DS_ENV, "SAVE_DIR": str(stale)})
+        codes = cluster.wait(timeout=200)
+    finally:
+        cluster.stop()
+    assert codes["a"] == 0 and codes["c"] == 0, codes
+    log = cluster.events()
+    history = status(coordinator, "zero3")["history"]
+    verdict = judge(log, history)
+    assert verdict.consistent, verdict.problems
+    assert verdict.final_step == 30
+    saved = {e["step"]: e["digests"] for e in log if e["event"] == "saving"}
+    resumed = [e for e in log if e["event"] == "resumed" and e["version"] is not None]
+    assert {e["rank"] for e in resumed} == {0, 1, 2}
+    for e in resumed:
+        # Model partition and optimizer partition of every rank, as saved at that step.
+        assert e["digests"] == saved[e["step"] - 1]
+        assert sum(e["bytes_from"].values()) > 0
+        assert e["saves_back"]
+    assert (stale / "latest").read_text() == "global_step999"  # there all along
