@@ -300,15 +300,11 @@ def imports_of_test_modules() -> list[str]:
     return list(found)
 
 
-# Being changed elsewhere as this check lands; their imports move once that is in.
-_NOT_YET = {"tests/test_cli.py", "tests/test_kubeflow.py"}
-
-
 def test_no_test_module_imports_another() -> None:
     """Helpers the tests share live in ``tests/_*.py`` and fixtures in ``conftest.py``:
     a test module imported by another runs its tests' imports, fixtures and marks twice
     over, and moving or trimming it breaks tests that are not its own."""
-    found = [f for f in imports_of_test_modules() if f.split(":")[0] not in _NOT_YET]
+    found = imports_of_test_modules()
     assert not found, "test modules import other test modules:\n" + "\n".join(found)
 
 

@@ -1,7 +1,7 @@
 """CheckpointManager end to end: real coordinators, real files, real Azurite.
 
 Each test runs on both storage backends over the default transport: the routes the
-manager calls are tested through the envelope too, in tests/test_coordinator.py."""
+manager calls are tested through the envelope too, in tests/service/test_coordinator.py."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ import torch
 from rallypoint.client import CheckpointInfo, ElasticClient, JobStatus, JobSummary, ShardFile
 from rallypoint.trainer import CheckpointManager, upload
 
-from ._coordinator import Coordinator
-from .test_coordinator import join_all, spec
+from .._coordinator import Coordinator
+from .._support import join_all, spec
 
 pytestmark = pytest.mark.e2e
 

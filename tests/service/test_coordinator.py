@@ -25,8 +25,8 @@ from rallypoint.client import (
 from rallypoint.client.models import ShardFile
 from rallypoint.trainer import download, upload
 
-from ._support import clients, join_all, spec
-from .conftest import Spawn, Start
+from .._support import clients, join_all, spec
+from ..conftest import Spawn, Start
 
 # Every test here runs with the client calling each route, and through the envelope.
 pytestmark = pytest.mark.usefixtures("transport")

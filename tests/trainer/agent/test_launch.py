@@ -23,8 +23,8 @@ from rallypoint.cli.processes import judge
 from rallypoint.client import ElasticClient, RetryPolicy, TransportError
 from rallypoint.trainer import torchrun_argv
 
-from ._azurite import free_port
-from .conftest import Spawn
+from ..._azurite import free_port
+from ...conftest import Spawn
 
 ENV = {"RALLYPOINT_URL": "http://coord:8080", "RALLYPOINT_JOB": "job1"}
 

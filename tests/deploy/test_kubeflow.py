@@ -43,9 +43,9 @@ from kubeflow_trainer_api import models
 from rallypoint.cli.processes import Coordinator
 from rallypoint.trainer import torchrun_argv
 
-from .test_deploy import KNOWN_ENV, RDZV_CONF, _documents, _env_names
+from .._deploy import KNOWN_ENV, RDZV_CONF, documents, env_names
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KUBEFLOW = ROOT / "deploy" / "kubeflow"
 #: A folder with the Trainer's CRDs (trainer.kubeflow.org_*.yaml): the ``crds`` lane.
 CRDS_ENV = "RALLYPOINT_KUBEFLOW_CRDS"
@@ -346,10 +346,10 @@ def test_the_manifests_fit_the_coordinator_the_trainer_and_each_other() -> None:
     # Past the notice (Azure: >= 30 s) and torchrun's 30 s for its workers.
     assert pod["terminationGracePeriodSeconds"] > 30
     # The variables: each one the code reads, none the torch plugin reserves.
-    names = _env_names(container) | {e["name"] for e in job["spec"]["trainer"]["env"]}
+    names = env_names(container) | {e["name"] for e in job["spec"]["trainer"]["env"]}
     assert names - {"POD_IP"} <= KNOWN_ENV
     assert not names & RESERVED
-    coordinator = _documents("coordinator.yaml")
+    coordinator = documents("coordinator.yaml")
     service = coordinator["Service"]
     argv, env = node_container(1)
     assert env["RALLYPOINT_URL"] == (

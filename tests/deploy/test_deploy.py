@@ -19,38 +19,17 @@ import yaml
 
 from rallypoint.client import (
     ENDPOINT_KEY_ENV,
-    GENERATION_ENV,
-    JOB_ENV,
     NODE_ENV,
-    TOKEN_ENV,
     TRANSPORT_ENV,
     URL_ENV,
 )
 from rallypoint.service.settings import Settings
-from rallypoint.trainer.agent import RUN_ENV
 
-from ._coordinator import Coordinator
+from .._coordinator import Coordinator
+from .._deploy import KNOWN_ENV, RDZV_CONF, ROOT, documents, env_names
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
 COMPOSE: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-KNOWN_ENV = (
-    {f"RALLYPOINT_{name.upper()}" for name in Settings.model_fields}
-    | {URL_ENV, JOB_ENV, TOKEN_ENV, NODE_ENV, GENERATION_ENV, TRANSPORT_ENV, ENDPOINT_KEY_ENV}
-    | set(RUN_ENV)
-    | {"AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT"}
-)
-
-#: The keys the plugin reads from --rdzv-conf (README, "Elastic training with torchrun").
-RDZV_CONF = {
-    "token",
-    "node_id",
-    "heartbeat_timeout",
-    "heartbeat_interval",
-    "last_call",
-    "join_timeout",
-    "store_timeout",
-}
 
 
 def stage(name: str) -> str:
@@ -142,20 +121,11 @@ def test_the_compose_commands_train_against_azurite_outside_containers(
     assert job["checkpoint"]["step"] == 190  # the example saves every 10 of 200 steps
 
 
-def _documents(name: str) -> dict[str, dict[str, Any]]:
-    text = (ROOT / "deploy" / "kubernetes" / name).read_text()
-    return {d["kind"]: d for d in yaml.safe_load_all(text) if d}
-
-
-def _env_names(container: dict[str, Any]) -> set[str]:
-    return {e["name"] for e in container.get("env", [])}
-
-
 def test_the_kubernetes_manifests_fit_the_coordinator_and_each_other() -> None:
     from rallypoint.service.app import create_app
 
     routes = set(create_app(Settings()).openapi()["paths"])
-    docs = _documents("coordinator.yaml")
+    docs = documents("coordinator.yaml")
     assert set(docs) == {"Secret", "Deployment", "Service"}
     secret_keys = set(docs["Secret"]["stringData"])
     spec = docs["Deployment"]["spec"]
@@ -170,7 +140,7 @@ def test_the_kubernetes_manifests_fit_the_coordinator_and_each_other() -> None:
     # frozen storage); the grace, not the probe, decides when storage makes one unready.
     assert container["readinessProbe"]["timeoutSeconds"] == 1
     assert container["livenessProbe"]["timeoutSeconds"] == 1
-    assert _env_names(container) <= KNOWN_ENV
+    assert env_names(container) <= KNOWN_ENV
     for env in container["env"]:
         ref = env.get("valueFrom", {}).get("secretKeyRef")
         if ref:
@@ -181,16 +151,16 @@ def test_the_kubernetes_manifests_fit_the_coordinator_and_each_other() -> None:
     assert docs["Service"]["spec"]["ports"][0]["targetPort"] == port["name"]
     assert "requests" in container["resources"] and "limits" in container["resources"]
 
-    job = _documents("pytorchjob.yaml")["PyTorchJob"]["spec"]
+    job = documents("pytorchjob.yaml")["PyTorchJob"]["spec"]
     elastic = job["elasticPolicy"]
     assert elastic["rdzvBackend"] == "rallypoint"
-    assert elastic["rdzvId"] == _documents("pytorchjob.yaml")["PyTorchJob"]["metadata"]["name"]
+    assert elastic["rdzvId"] == documents("pytorchjob.yaml")["PyTorchJob"]["metadata"]["name"]
     assert elastic["rdzvHost"] == docs["Service"]["metadata"]["name"]
     assert elastic["rdzvPort"] == docs["Service"]["spec"]["ports"][0]["port"]
     assert elastic["minReplicas"] <= elastic["maxReplicas"]
     (trainer,) = job["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     assert trainer["command"][:2] == ["rallypoint", "run"]
-    assert _env_names(trainer) <= KNOWN_ENV
+    assert env_names(trainer) <= KNOWN_ENV
     conf = {c["key"] for c in elastic["rdzvConf"]}
     assert conf <= RDZV_CONF
 
