@@ -37,7 +37,7 @@ __all__ = [
 TOKEN = "cli-token"
 #: The one file a checkpoint saved by hand holds (DCP's name for a rank's data).
 FILE = "data.distcp"
-_COMMAND = [sys.executable, "-m", "rallypoint"]
+COMMAND = [sys.executable, "-m", "rallypoint"]
 
 
 def spec(min_nodes: int, max_nodes: int, last_call: float = 0.5, timeout: float = 10) -> JobSpec:
@@ -92,7 +92,7 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     """The installed command, with only the environment given (no RALLYPOINT_* leaks in)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("RALLYPOINT_")}
     return subprocess.run(
-        [*_COMMAND, *args],
+        [*COMMAND, *args],
         env={**base, **(env or {})},
         capture_output=True,
         text=True,

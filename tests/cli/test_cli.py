@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -13,17 +11,13 @@ import httpx
 import pytest
 import torch
 
-from rallypoint.client import CheckpointInfo, ElasticClient, JobStatus, JobSummary, ShardFile
-from rallypoint.trainer import CheckpointManager, upload
+from rallypoint.client import CheckpointInfo, ElasticClient, JobStatus, JobSummary
+from rallypoint.trainer import CheckpointManager
 
 from .._coordinator import Coordinator
-from .._support import join_all, spec
+from .._support import COMMAND, TOKEN, cli, join_all, save_by_hand, spec
 
 pytestmark = pytest.mark.e2e
-
-TOKEN = "cli-token"
-FILE = "data.distcp"
-COMMAND = [sys.executable, "-m", "rallypoint"]
 
 
 @pytest.fixture(scope="module")
@@ -34,36 +28,10 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     coordinator.stop()
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """The installed command, with only the environment given (no RALLYPOINT_* leaks in)."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("RALLYPOINT_")}
-    return subprocess.run(
-        [*COMMAND, *args],
-        env={**base, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def nodes(url: str, job: str, names: list[str]) -> list[ElasticClient]:
     members = [ElasticClient(url, job, n, TOKEN) for n in names]
     join_all(members, spec(len(names), len(names)))
     return members
-
-
-def save_by_hand(node: ElasticClient, step: int, *, every: int) -> CheckpointInfo:
-    """A one-node job's rank saves ``step`` as a trainer under an agent does: its file in
-    the node's memory tier, and in storage too if the policy (every ``every``-th
-    version) persists the version. Committed in memory, the version is not durable."""
-    begun = node.begin_checkpoint(step, [FILE], persist_every=every, memory=True)
-    data = f"{node.node_id}@{step}".encode()
-    if begun.persist:
-        upload(begun.upload_urls[FILE], data)
-    shard = ShardFile(name=FILE, size=len(data), checksum="xxh3-128:0")
-    return node.report_checkpoint(
-        begun.version, [shard], storage=begun.persist, memory=[node.node_id]
-    )
 
 
 def test_jobs_and_status_show_the_members(url: str) -> None:
