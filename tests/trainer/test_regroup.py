@@ -30,8 +30,11 @@ from datetime import timedelta
 from rallypoint.client import ElasticClient, JobSpec
 url, job, node, events, done = sys.argv[1:6]
 client = ElasticClient(url, job, node)
+# Nothing beats between the join and generations(), while torch imports (seconds, three
+# processes on two cores): a 3 s timeout took a live node for dead there, and the next
+# generation's group set-up then waited for the node the test killed in the meantime.
 spec = JobSpec(min_nodes=2, max_nodes=3, last_call=timedelta(seconds=1),
-               heartbeat_timeout=timedelta(seconds=3))
+               heartbeat_timeout=timedelta(seconds=10))
 client.join("127.0.0.1", spec=spec)
 import torch, torch.distributed as dist
 from rallypoint.trainer import generations
