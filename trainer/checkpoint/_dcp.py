@@ -75,7 +75,7 @@ from ..errors import (
     TransferNotFound,
 )
 from ..memory import NodeMemory, map_file, push, read_peer
-from . import _faults as faults
+from ._faults import reached as fault_point
 from ._staging import ALIGN, StagedFile, StagedPlanner
 from ._transfer import download, read_object, read_range, upload_parts
 
@@ -464,10 +464,10 @@ class RallypointWriter(StorageWriter):
         else:
             placed = self.memory is not None and self.memory.write(self._version, path, parts)
         if placed:
-            faults.reached("memory", self.step, self.rank)
+            fault_point("memory", self.step, self.rank)
             if first and self._index():
                 self.holders = sorted({*self.holders, self.client.node_id})
-                faults.reached("indexed", self.step, self.rank)
+                fault_point("indexed", self.step, self.rank)
         elif self.client.node_id in self.holders:
             self.holders.remove(self.client.node_id)
         replica = begun.replica
@@ -487,7 +487,7 @@ class RallypointWriter(StorageWriter):
                     self.holders.remove(replica.node_id)
             else:
                 self.holders = sorted({*self.holders, replica.node_id})
-                faults.reached("peer", self.step, self.rank)
+                fault_point("peer", self.step, self.rank)
         nodes = self.client.assignment.world_size if self.client.assignment else 1
         wanted = begun.persist or len(self.holders) < min(2, nodes)
         if wanted and not self.storage and not first:
@@ -498,7 +498,7 @@ class RallypointWriter(StorageWriter):
         if wanted or self.storage:
             self._upload(name, parts, size)
             self.storage = True
-            faults.reached("uploaded", self.step, self.rank)
+            fault_point("uploaded", self.step, self.rank)
 
     def _index(self) -> bool:
         """Writes the version's index into this node's memory (see ``NodeMemory``)."""
@@ -528,7 +528,7 @@ class RallypointWriter(StorageWriter):
         assert self._data is not None
         files = [self._data, ShardFile(name=METADATA, size=len(raw), checksum=checksum([raw]))]
         self.info = self._report(files, self.metadata)
-        faults.reached("committed", self.step, self.rank)
+        fault_point("committed", self.step, self.rank)
 
     def _upload(self, name: str, parts: list[memoryview], size: int) -> None:
         label = f"checkpoint v{self._version} step {self.step} rank {self.rank}: {name}"
@@ -564,7 +564,7 @@ class RallypointWriter(StorageWriter):
             "in storage" if self.storage else "in memory",
             f" on {', '.join(self.holders)}" if self.holders else "",
         )
-        faults.reached("reported", self.step, self.rank)
+        fault_point("reported", self.step, self.rank)
         return info
 
     def storage_meta(self) -> None:

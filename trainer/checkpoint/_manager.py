@@ -48,7 +48,6 @@ from .._bytes import tensor_bytes
 from .._regroup import Generation, generations
 from ..errors import CheckpointCorrupt, CheckpointError, RegroupError, StateNotReplicated
 from ..memory import NodeMemory
-from . import _faults as faults
 from ._dcp import (
     METADATA,
     RallypointReader,
@@ -56,6 +55,7 @@ from ._dcp import (
     check_metadata,
     global_rank,
 )
+from ._faults import reached as fault_point
 from ._policy import SavePolicy
 from ._staging import Staged, StagedPlanner, Staging
 
@@ -313,7 +313,7 @@ class CheckpointManager:
         staged = self._staging.stage(full, overlap=self.policy.overlap)
         self._staged = staged
         blocked = time.perf_counter() - started
-        faults.reached("staged", step, rank)
+        fault_point("staged", step, rank)
         writer = RallypointWriter(
             self.client,
             step,
@@ -387,7 +387,7 @@ class CheckpointManager:
         finally:
             staged.close(self.memory)
         assert writer.info is not None
-        faults.reached("returned", writer.step, writer.rank)
+        fault_point("returned", writer.step, writer.rank)
         if self.memory is not None and writer.version and writer.rank != 0:
             # Every process of the node holds DCP's metadata (dcp.save returned it to
             # each), so a restarted one needs nothing from storage to find its items.
