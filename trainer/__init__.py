@@ -16,6 +16,7 @@ Example::
     checkpoints.save({"model": model.state_dict(), "sampler": sampler.state_dict()}, step)
 """
 
+from ._batch import BatchPlan, plan_batch, world_sizes
 from ._preemption import RESTART_EXIT_CODE, Notice, PreemptionWatcher
 from ._progress import Progress
 from ._regroup import Follower, Generation, generations
@@ -48,11 +49,13 @@ from .errors import (
     TransferDenied,
     TransferError,
     TransferNotFound,
+    WorldSizeError,
 )
 
 __all__ = [
     "BACKEND",
     "RESTART_EXIT_CODE",
+    "BatchPlan",
     "CheckpointCorrupt",
     "CheckpointError",
     "CheckpointManager",
@@ -77,9 +80,12 @@ __all__ = [
     "TransferDenied",
     "TransferError",
     "TransferNotFound",
+    "WorldSizeError",
     "download",
     "generations",
+    "plan_batch",
     "run",
     "torchrun_argv",
     "upload",
+    "world_sizes",
 ]

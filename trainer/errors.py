@@ -6,9 +6,10 @@ Hierarchy::
     ├── TransferError          moving bytes to or from storage failed
     │   ├── TransferDenied     the signed URL is expired, tampered or out of scope
     │   └── TransferNotFound   the object a read URL names does not exist
-    └── CheckpointError        a checkpoint could not be saved or loaded
-        ├── CheckpointCorrupt  a file is missing, truncated or fails its checksum
-        └── StateNotReplicated a plain tensor of ``state`` differs across ranks
+    ├── CheckpointError        a checkpoint could not be saved or loaded
+    │   ├── CheckpointCorrupt  a file is missing, truncated or fails its checksum
+    │   └── StateNotReplicated a plain tensor of ``state`` differs across ranks
+    └── WorldSizeError         this world size cannot keep the job's global batch
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "TransferDenied",
     "TransferError",
     "TransferNotFound",
+    "WorldSizeError",
 ]
 
 
@@ -82,3 +84,19 @@ class GenerationEnded(RallypointTrainerError):
     block swallows it."""
 
     code = "generation_ended"
+
+
+class WorldSizeError(RallypointTrainerError):
+    """This generation's world size cannot split the job's global batch exactly, so the
+    data position and the learning-rate schedule would not carry over; raised before
+    training, naming the sizes that can (``valid``)."""
+
+    code = "world_size_unsupported"
+
+    def __init__(
+        self, message: str, *, world_size: int, global_batch: int, valid: list[int]
+    ) -> None:
+        super().__init__(message)
+        self.world_size = world_size
+        self.global_batch = global_batch
+        self.valid = valid
