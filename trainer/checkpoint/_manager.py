@@ -86,6 +86,9 @@ class Restored:
         bytes_from: Bytes read, by source: ``"memory"`` (this node's memory tier),
             ``"peer"`` (another node's) and ``"storage"`` (blob storage, Azure or
             local).
+        rank_states: With ``every_rank=True``, every saving rank's ``rank_state`` by
+            global rank (DeepSpeed's ZeRO partitions, resharded at another world
+            size); else None.
     """
 
     version: int
@@ -96,6 +99,7 @@ class Restored:
     rank_state: Any
     metadata: dict[str, Any] | None
     bytes_from: dict[str, int] = field(default_factory=dict)
+    rank_states: dict[int, Any] | None = None
 
 
 class SaveHandle:
@@ -527,7 +531,9 @@ class CheckpointManager:
 
     # --- loading ------------------------------------------------------------------------
 
-    def load_latest(self, state: dict[str, Any] | None = None) -> Restored | None:
+    def load_latest(
+        self, state: dict[str, Any] | None = None, *, every_rank: bool = False
+    ) -> Restored | None:
         """Restores the checkpoint this generation resumes from: the one the coordinator
         named when it sealed the generation, the same for every rank, whatever older or
         newer files any cache holds.
@@ -537,6 +543,8 @@ class CheckpointManager:
                 the layout (another mesh, placement or world size than the saver's
                 reshards), and each process reads only what its tensors need. Without
                 one, the whole state as saved, on the CPU (DDP's replicated state).
+            every_rank: Also read every saving rank's ``rank_state`` (its
+                ``rank_states``), not only this rank's.
 
         Returns:
             The restored state, or None if the job has no checkpoint yet.
@@ -549,9 +557,11 @@ class CheckpointManager:
         pointer = self.assignment.checkpoint
         if pointer is None:
             return None
-        return self.load(pointer.version, state)
+        return self.load(pointer.version, state, every_rank=every_rank)
 
-    def load(self, version: int, state: dict[str, Any] | None = None) -> Restored:
+    def load(
+        self, version: int, state: dict[str, Any] | None = None, *, every_rank: bool = False
+    ) -> Restored:
         """Restores one version (see :meth:`load_latest`), at any world size.
 
         A version that no copy of can be read (every holder the coordinator named and
@@ -570,7 +580,7 @@ class CheckpointManager:
         """
         self._fence()  # a copy still reading the tensors this loads into
         try:
-            return self._load(version, state)
+            return self._load(version, state, every_rank)
         except CheckpointCorrupt as exc:
             log.error("checkpoint v%d cannot be loaded: %s", version, exc)
             try:
@@ -583,7 +593,7 @@ class CheckpointManager:
                 log.warning("could not report v%d as unreadable: %s", version, report_exc)
             raise
 
-    def _load(self, version: int, state: dict[str, Any] | None) -> Restored:
+    def _load(self, version: int, state: dict[str, Any] | None, every_rank: bool) -> Restored:
         from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
         reader = RallypointReader(
@@ -599,7 +609,8 @@ class CheckpointManager:
         saved = metadata.state_dict_metadata
         own = f"{RESERVED}.rank.{self.rank}"
         fixups_key = f"{RESERVED}.fixups"
-        extra = {k: _template(md) for k, md in saved.items() if k == own or k.startswith(own + ".")}
+        ranks = f"{RESERVED}.rank." if every_rank else own + "."
+        extra = {k: _template(md) for k, md in saved.items() if k == own or k.startswith(ranks)}
         if fixups_key in saved:
             extra[fixups_key] = None
         whole: dict[str, torch.Tensor] = {}
@@ -635,6 +646,14 @@ class CheckpointManager:
                 {k: target[k] for k in extra if k != fixups_key}, paths, rank_fixups
             )
             rank_state = ranked[RESERVED]["rank"][str(self.rank)].get("state")
+        rank_states = None
+        if every_rank:
+            # Each rank's fixups name paths under its own key: together they fix all.
+            names = {k.split(".")[2] for k in extra if k != fixups_key}
+            all_fixups = [f for r in names for f in target.get(f"{RESERVED}.rank.{r}.fixups") or []]
+            flat = {k: target[k] for k in extra if k != fixups_key}
+            by_rank = _unflatten(flat, paths, all_fixups).get(RESERVED, {}).get("rank", {})
+            rank_states = {int(r): v.get("state") for r, v in by_rank.items()}
         log.info(
             "restored checkpoint v%d (step %d, saved by %d ranks) as rank %d of %d: "
             "%d bytes from this node's memory, %d from peers', %d from storage",
@@ -663,6 +682,7 @@ class CheckpointManager:
             rank_state=rank_state,
             metadata=summary.metadata,
             bytes_from=dict(reader.bytes_from),
+            rank_states=rank_states,
         )
 
     # --- lifecycle ----------------------------------------------------------------------

@@ -108,6 +108,9 @@ def run(client, a):
         "opt_keys": list(s["opt"]["state"]), "m": s["opt"]["state"][0]["m"].tolist(),
         "groups": s["opt"]["groups"], "empty": s["empty"], "step": s["step"],
         "rank_state": restored.rank_state,
+        # Every saving rank's rank_state, to any rank (DeepSpeed's ZeRO reshard).
+        "rank_states": m.load_latest(every_rank=True).rank_states,
+        "none": restored.rank_states,
     }
 """
 
@@ -132,6 +135,8 @@ def test_replicated_state_is_written_once_and_restores_at_any_world(
             assert (r["groups"], r["empty"], r["step"]) == ([{"lr": 0.1, "params": [0]}], {}, 9)
             # A rank that did not exist when the version was saved has no rank_state.
             assert r["rank_state"] == ({"rank": r["rank"]} if r["rank"] < 3 else None)
+            assert r["rank_states"] == {str(i): {"rank": i} for i in range(3)}
+            assert r["none"] is None
 
 
 SAVE_DIVERGED = """
