@@ -106,7 +106,7 @@ def print_jobs(jobs: Sequence[JobSummary], out: TextIO) -> None:
             j.job_id,
             f"{j.spec.min_nodes}:{j.spec.max_nodes}",
             j.generation,
-            j.status,
+            "blocked" if j.blocked else j.status,
             j.world_size,
             "-"
             if j.checkpoint is None
@@ -130,6 +130,11 @@ def print_status(status: JobStatus, out: TextIO) -> None:
     )
     if latest is not None and not latest.durable:
         out.write(f"newest durable: {_pointer(status.durable)}\n")
+    if status.blocked:
+        out.write(f"{status.blocked}\n")
+    elif status.load_failure is not None:
+        f = status.load_failure
+        out.write(f"last load failure: v{f.version} at world {f.world_size}: {f.reason}\n")
     out.write("\nmembers\n")
     members = sorted(status.members, key=lambda m: m.rank)
     _table(

@@ -37,6 +37,7 @@ from .models import (
     JoinReply,
     JoinRequest,
     LeaveRequest,
+    LoadFailure,
     MemberInfo,
     NodeInfo,
     PeerKey,
@@ -765,6 +766,41 @@ class ElasticClient:
         )
         reply = self._request("POST", f"{self._job}/checkpoints/{version}/failures", body)
         return CheckpointInfo.model_validate_json(reply.content)
+
+    def report_load_failure(
+        self, version: int, reason: str, *, rank: int, generation: int | None = None
+    ) -> LoadFailure:
+        """Tells the coordinator that this rank read ``version`` but could not load it
+        (a ZeRO partition count that does not match, a model that does not fit, an error
+        in the load code): the generation ends with the reason's first line, for
+        ``status`` and the page to show. The version is not marked: another world may
+        load it. After two such generations in a row at one world size the coordinator
+        holds back a third of that size and waits for a world of another size.
+        :meth:`CheckpointManager.resuming <rallypoint.trainer.CheckpointManager.resuming>`
+        reports for you.
+
+        Args:
+            version: The version this generation was named.
+            reason: What failed; its first line is kept.
+            rank: This process's global rank.
+            generation: Defaults to this node's.
+
+        Returns:
+            The failure as recorded (another rank's, if it reported first).
+
+        Raises:
+            StaleGeneration: The generation ended (another rank reported first, or a
+                member died).
+            CheckpointConflict: The generation was not named ``version``.
+        """
+        body = RestoreFailure(
+            node_id=self.node_id,
+            generation=self._generation(generation),
+            rank=rank,
+            reason=reason[:MAX_FAILURE_REASON] or "unknown",
+        )
+        reply = self._request("POST", f"{self._job}/checkpoints/{version}/load-failures", body)
+        return LoadFailure.model_validate_json(reply.content)
 
     def checkpoint(self, version: int | None = None) -> CheckpointInfo:
         """A version with read URLs for its manifest and files; the authoritative latest

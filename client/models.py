@@ -46,6 +46,7 @@ __all__ = [
     "JoinReply",
     "JoinRequest",
     "LeaveRequest",
+    "LoadFailure",
     "Manifest",
     "ManifestFile",
     "ManifestShard",
@@ -574,6 +575,22 @@ class WaitingNode(_Model):
     heartbeat_age: float | None
 
 
+class LoadFailure(_Model):
+    """A generation that ended because a rank could not load the version it was named
+    (a ZeRO partition count that does not match, a model that does not fit, an error in
+    the user's load code), or, on a job, the latest run of such generations."""
+
+    #: The version that failed to load.
+    version: int
+    #: The world size (nodes) it failed at.
+    world_size: int
+    #: The first reporting rank, and its error's first line.
+    rank: int
+    reason: str
+    #: On a job: how many generations in a row failed to load this version at this size.
+    count: int = 1
+
+
 class GenerationInfo(_Model):
     generation: int
     world_size: int
@@ -581,6 +598,8 @@ class GenerationInfo(_Model):
     ended_at: float | None = None
     ended_reason: str | None = None
     checkpoint: CheckpointPointer | None = None
+    #: Set when the generation ended because a rank could not load its checkpoint.
+    load_failure: LoadFailure | None = None
 
 
 class MemberStatus(_Model):
@@ -602,6 +621,12 @@ class JobSummary(_Model):
     checkpoint: CheckpointPointer | None = None
     #: The newest checkpoint whose every file is in blob storage (the latest, if it is).
     durable: CheckpointPointer | None = None
+    #: The generations just before now that failed to load their checkpoint, in a row.
+    load_failure: LoadFailure | None = None
+    #: Why the open round does not seal with the nodes it has (None: nothing holds it
+    #: but the rules of ``min_nodes`` and ``last_call``), e.g. ``waiting: v2 failed to
+    #: load twice at world 2 ...``.
+    blocked: str | None = None
 
 
 class JobStatus(JobSummary):
@@ -615,7 +640,8 @@ class JobStatus(JobSummary):
 #: (it left on a preemption notice), ``left`` (any other departure), ``removed`` (by
 #: the operator), a node ``joined`` (the job grows), a member ``rejoined`` (its process
 #: restarted: a worker failure), a checkpoint ``quarantined`` (with ``restart``) or
-#: found ``unrecoverable``; ``other`` for a reason none of these describes.
+#: found ``unrecoverable``, a rank that read its checkpoint but ``load_failed``;
+#: ``other`` for a reason none of these describes.
 TimelineCause = Literal[
     "lost",
     "preempted",
@@ -625,6 +651,7 @@ TimelineCause = Literal[
     "rejoined",
     "quarantined",
     "unrecoverable",
+    "load_failed",
     "other",
 ]
 

@@ -60,6 +60,7 @@ from rallypoint.client.models import (
     CheckpointBegun,
     CheckpointInfo,
     CheckpointPointer,
+    LoadFailure,
     Manifest,
     ManifestFile,
     ManifestShard,
@@ -853,6 +854,52 @@ class Checkpoints:
         log.warning("job %r: checkpoint v%d is unrecoverable: %s", job_id, number, reason)
         self._restart(job_id, failure.generation, f"checkpoint v{number} unrecoverable: {reason}")
         return self._info(job, version)
+
+    def load_failed(
+        self, job_id: str, number: int, failure: RestoreFailure, credential: str | None
+    ) -> LoadFailure:
+        """Records that a rank of the running generation read the version it was named
+        but could not load it (a ZeRO partition count that does not match, a model that
+        does not fit, an error in the user's load code), and ends the generation with the
+        error's first line. The version is not marked: it is whole, and another world
+        may load it. The job counts such ends in a row (:func:`._seal.load_streak`); the
+        second of the same version at the same size keeps a round of that size from
+        sealing again (:func:`._seal.load_blocked`). Fenced like every report of a
+        member; of the ranks that report the same failure, the first names it.
+
+        Returns:
+            The generation's load failure as recorded (the first rank's, if another rank
+            reported first).
+
+        Raises:
+            StaleGeneration: The generation is not the job's running one (it ended: a
+                rank reported before this one, or a member died).
+            UnknownNode: The node is not a member of it.
+            InvalidCredential: Not the node's credential.
+            CheckpointConflict: The generation was not named this version: a rank acts
+                only for what its generation resumes from.
+        """
+        first_line = failure.reason.strip().splitlines()[0] if failure.reason.strip() else "?"
+        for _ in range(_CAS_TRIES):
+            job = self.rdzv.get_job(job_id)
+            running, _ = self.rdzv.member(job, failure.node_id, failure.generation, credential)
+            if running.checkpoint is None or running.checkpoint.version != number:
+                named = f"v{running.checkpoint.version}" if running.checkpoint else "no version"
+                raise CheckpointConflict(
+                    f"generation {failure.generation} of job {job_id!r} resumes from "
+                    f"{named}, not v{number}"
+                )
+            failed = LoadFailure(
+                version=number,
+                world_size=len(running.members),
+                rank=failure.rank,
+                reason=first_line,
+            )
+            why = f"rank {failure.rank} could not load v{number}: {first_line}"
+            if self.rdzv.end_generation(job, why, failed):
+                log.warning("job %r: generation %d %s", job_id, failure.generation, why)
+                return failed
+        raise StorageUnavailable(f"could not end generation {failure.generation} of {job_id!r}")
 
     def _mark(
         self, job_id: str, number: int, what: str, mark: Callable[[Version], Version | None]

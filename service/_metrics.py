@@ -86,7 +86,14 @@ class _Jobs(Collector):
             "(never resumed from again)",
             labels=["job"],
         )
+        blocked = GaugeMetricFamily(
+            "rallypoint_job_blocked",
+            "1 while the job's open round holds back from a world size that failed to load "
+            "its checkpoint in the generations before (see the job's status: blocked)",
+            labels=["job"],
+        )
         for job in self.read():
+            blocked.add_metric([job.job_id], 1 if job.blocked else 0)
             generation.add_metric([job.job_id], job.generation)
             world.add_metric([job.job_id], job.world_size)
             for state in ("alive", "late", "dead", "left"):
@@ -121,19 +128,25 @@ class _Jobs(Collector):
             versions,
             quarantined,
             unrecoverable,
+            blocked,
         )
 
 
 # "node b left: preempted" -> "left": the kind of ending, not the node (bounded labels);
 # "checkpoint v7 quarantined: ..." (an operator's restart) -> "quarantined".
 _REASON = re.compile(
-    r"(?:node|member|checkpoint) \S+ (joined|re-joined|dropped|missed|left|quarantined)"
+    r"(?:node|member|checkpoint|rank) \S+ "
+    r"(joined|re-joined|dropped|missed|left|quarantined|could not load)"
 )
 
 
 def _reason_kind(reason: str) -> str:
     match = _REASON.match(reason)
-    return match.group(1).replace("-", "") if match else "other"
+    return (
+        match.group(1).replace("-", "").replace("could not load", "load_failed")
+        if match
+        else "other"
+    )
 
 
 class Metrics:

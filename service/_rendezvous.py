@@ -53,6 +53,7 @@ from rallypoint.client.models import (
     JobSpec,
     JobStatus,
     JobSummary,
+    LoadFailure,
     MemberStatus,
     WaitingNode,
 )
@@ -123,6 +124,10 @@ class Job:
     checkpoint: CheckpointPointer | None = None
     #: The newest checkpoint whose every file is in blob storage.
     durable: CheckpointPointer | None = None
+    #: The generations just before now that ended failing to load their checkpoint, in a
+    #: row (the same version at the same world size): the seal reads it
+    #: (:func:`._seal.load_blocked`) so that a job does not loop on a load that fails.
+    load_failure: LoadFailure | None = None
 
     @property
     def round(self) -> int:
@@ -151,6 +156,8 @@ class Generation:
     ended_reason: str | None
     checkpoint: CheckpointPointer | None
     etag: str
+    #: Set when a rank could not load ``checkpoint``, which ended the generation.
+    load_failure: LoadFailure | None = field(default=None, compare=False)
     #: Where the members are when they did not fit the generation's row: the seal's id
     #: and the number of part rows (``gen:NNN~SEAL~0``, ...).
     parts: tuple[str, int] | None = field(default=None, compare=False)
@@ -292,7 +299,13 @@ def _job(job_id: str, e: Entity) -> Job:
         etag=e.etag or "",
         checkpoint=_pointer(d, "ckpt"),
         durable=_pointer(d, "durable"),
+        load_failure=_load_failure(d),
     )
+
+
+def _load_failure(d: Mapping[str, Value | None]) -> LoadFailure | None:
+    failure = d.get("load_failure")
+    return None if failure is None else LoadFailure.model_validate_json(str(failure))
 
 
 def _pointer(d: Mapping[str, Value | None], prefix: str) -> CheckpointPointer | None:
@@ -329,6 +342,7 @@ def _job_entity(job: Job) -> Entity:
             "changed_at": job.changed_at,
             **_pointer_data("ckpt", job.checkpoint),
             **_pointer_data("durable", job.durable),
+            "load_failure": job.load_failure.model_dump_json() if job.load_failure else None,
         },
     )
 
@@ -358,6 +372,7 @@ def _generation(e: Entity, parts: list[Entity] | None = None) -> Generation:
         checkpoint=CheckpointPointer.model_validate_json(str(checkpoint)) if checkpoint else None,
         etag=e.etag or "",
         parts=stored,
+        load_failure=_load_failure(d),
     )
 
 
@@ -382,6 +397,7 @@ def _generation_entity(
         "ended_at": g.ended_at,
         "ended_reason": g.ended_reason,
         "checkpoint": g.checkpoint.model_dump_json() if g.checkpoint else None,
+        "load_failure": g.load_failure.model_dump_json() if g.load_failure else None,
     }
     if g.parts is not None:
         data.update(seal=g.parts[0], parts=g.parts[1])
@@ -620,6 +636,7 @@ class Rendezvous:
                     checkpoint=CheckpointPointer.model_validate_json(str(checkpoint))
                     if checkpoint
                     else None,
+                    load_failure=_load_failure(d),
                 )
             )
         return out
@@ -655,23 +672,37 @@ class Rendezvous:
         with self._lock:
             return self._sealed.get((job_id, generation))
 
-    def end_generation(self, job: Job, reason: str) -> bool:
+    def end_generation(
+        self, job: Job, reason: str, load_failure: LoadFailure | None = None
+    ) -> bool:
         """Ends the job's sealed generation, naming ``reason``; False if the job changed
-        since ``job`` was read (the caller reads it again and decides again)."""
+        since ``job`` was read (the caller reads it again and decides again).
+
+        Args:
+            load_failure: Set when it ends because a rank could not load its checkpoint:
+                recorded on the generation, and counted on the job
+                (:func:`._seal.load_streak`).
+        """
         now = self.clock()
         try:
             gen = self.generation(job.job_id, job.generation)
+            streak = seal.load_streak(job.load_failure, load_failure)
             self.table.batch(
                 [
                     BatchOp(
                         "replace",
-                        _job_entity(replace(job, status="open", changed_at=now)),
+                        _job_entity(
+                            replace(job, status="open", changed_at=now, load_failure=streak)
+                        ),
                         if_match=job.etag,
                     ),
                     BatchOp(
                         "replace",
                         _generation_entity(
-                            job.job_id, replace(gen, ended_at=now, ended_reason=reason)
+                            job.job_id,
+                            replace(
+                                gen, ended_at=now, ended_reason=reason, load_failure=load_failure
+                            ),
                         ),
                         if_match=gen.etag,
                     ),
@@ -1056,6 +1087,9 @@ class Rendezvous:
         # memory or blob storage can still give back (nothing commits while the round
         # is open). It becomes the pointer: the versions after it are lost for good.
         resume = job.checkpoint if self.resume is None else self.resume(job, members)
+        if seal.load_blocked(job.load_failure, len(members), resume) is not None:
+            # Only a join (a round of another size) can change this: no timed tick.
+            return False, math.inf
         gen = Generation(job.round, members, now, None, None, resume, "")
         sealed = replace(
             job,
@@ -1169,7 +1203,21 @@ class Rendezvous:
             created_at=job.created_at,
             checkpoint=job.checkpoint,
             durable=job.durable,
+            load_failure=job.load_failure,
+            blocked=self.blocked(job),
         )
+
+    @staticmethod
+    def blocked(job: Job) -> str | None:
+        """Why the job's open round holds back from sealing with the size that keeps
+        failing to load its checkpoint (:func:`._seal.load_blocked`); None when it does
+        not."""
+        streak = job.load_failure
+        if job.status != "open" or streak is None:
+            return None
+        if streak.count < seal.LOAD_FAILURES_BEFORE_BLOCK:
+            return None
+        return seal.blocked_reason(streak)
 
     def status(self, job_id: str) -> JobStatus:
         """Everything a person wants to see about a job."""
@@ -1225,6 +1273,7 @@ class Rendezvous:
                     ended_at=g.ended_at,
                     ended_reason=g.ended_reason,
                     checkpoint=g.checkpoint,
+                    load_failure=g.load_failure,
                 )
                 for g in history
             ],

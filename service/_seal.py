@@ -15,7 +15,12 @@ ETag compare-and-swap. What makes it ask:
 - a departure: a node's leave or the operator's removal ends its generation
   (:meth:`~._rendezvous.Rendezvous.leave`, ``remove``); a quarantine with ``restart``
   does too (``_checkpoints.py``);
-- a heartbeat: :func:`verdict` tells a member whether its generation still runs.
+- a heartbeat: :func:`verdict` tells a member whether its generation still runs;
+- a rank that cannot load the checkpoint its generation named (``_checkpoints.py``,
+  ``load_failed``) ends the generation; the job counts such ends in a row
+  (:func:`load_streak`), and a round does not seal a third generation that would only
+  fail the same way (:func:`load_blocked`): it waits for a world of another size, and its
+  nodes' joins time out with the reason if none comes.
 
 How waiting requests learn of a change (the driver's snapshot and its change future, the
 long-polls of ``routers/jobs.py``) is the driver's: see ``_driver.py``.
@@ -27,12 +32,30 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
+from rallypoint.client.models import CheckpointPointer, LoadFailure
+
 from .errors import JobFull, StaleGeneration
 
 if TYPE_CHECKING:
     from ._rendezvous import Generation, Job, Node
 
-__all__ = ["alive", "join_ends", "ranked", "seal_waits", "silent", "verdict"]
+__all__ = [
+    "LOAD_FAILURES_BEFORE_BLOCK",
+    "alive",
+    "blocked_reason",
+    "join_ends",
+    "load_blocked",
+    "load_streak",
+    "ranked",
+    "seal_waits",
+    "silent",
+    "verdict",
+]
+
+#: Generations in a row that failed to load the same version at the same world size,
+#: after which a round of that size does not seal with that version: two, because the
+#: first may be bad luck (a node that ran out of memory) and the second shows a rule.
+LOAD_FAILURES_BEFORE_BLOCK = 2
 
 
 def join_ends(job: Job, running: Generation, node_id: str) -> str:
@@ -149,3 +172,43 @@ def verdict(job: Job, node_id: str, generation: int | None) -> Literal["continue
     if generation < job.generation or job.status != "sealed":
         return "restart"
     return "continue"
+
+
+def load_streak(streak: LoadFailure | None, ended: LoadFailure | None) -> LoadFailure | None:
+    """The job's run of load failures once a generation ends (``ended``: its load
+    failure; None: it ended for another reason, which breaks the run). A failure of the
+    same version at the same world size as the run's extends it; any other starts one."""
+    if ended is None:
+        return None
+    same = streak is not None and (streak.version, streak.world_size) == (
+        ended.version,
+        ended.world_size,
+    )
+    return ended.model_copy(update={"count": streak.count + 1 if same and streak else 1})
+
+
+def load_blocked(
+    streak: LoadFailure | None, world_size: int, resume: CheckpointPointer | None
+) -> str | None:
+    """Why a round of ``world_size`` nodes that would resume from ``resume`` must not
+    seal (None: it may): the last :data:`LOAD_FAILURES_BEFORE_BLOCK` generations or more
+    failed to load that very version at that very size, so a third would only fail the
+    same way and the job would loop. A round of another size, or one that resumes from
+    another version, seals as usual."""
+    if (
+        streak is None
+        or streak.count < LOAD_FAILURES_BEFORE_BLOCK
+        or resume is None
+        or (resume.version, world_size) != (streak.version, streak.world_size)
+    ):
+        return None
+    return blocked_reason(streak)
+
+
+def blocked_reason(streak: LoadFailure) -> str:
+    """How a blocked round reads in ``status``, on the page and in a join's timeout."""
+    return (
+        f"waiting: v{streak.version} failed to load at world {streak.world_size} in "
+        f"{streak.count} generations in a row (rank {streak.rank}: {streak.reason}); "
+        f"a world of another size can resume"
+    )

@@ -50,6 +50,7 @@ _CAUSES: tuple[tuple[re.Pattern[str], TimelineCause], ...] = (
     (re.compile(r"member \S+ re-joined\b"), "rejoined"),
     (re.compile(r"checkpoint v\d+ quarantined\b"), "quarantined"),
     (re.compile(r"checkpoint v\d+ unrecoverable\b"), "unrecoverable"),
+    (re.compile(r"rank \d+ could not load v\d+:"), "load_failed"),
 )
 
 #: The restart markers' colours, by cause (the legend says which is which).
@@ -62,6 +63,7 @@ CAUSE_COLOURS: dict[TimelineCause, str] = {
     "rejoined": "#6a1b9a",
     "quarantined": "#ad1457",
     "unrecoverable": "#4e342e",
+    "load_failed": "#f9a825",
     "other": "#455a64",
 }
 _WORDS: dict[TimelineCause, str] = {
@@ -73,6 +75,7 @@ _WORDS: dict[TimelineCause, str] = {
     "rejoined": "member restarted",
     "quarantined": "quarantine",
     "unrecoverable": "unrecoverable checkpoint",
+    "load_failed": "load failed",
     "other": "other",
 }
 

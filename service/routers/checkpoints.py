@@ -15,6 +15,7 @@ from rallypoint.client.models import (
     BeginCheckpoint,
     CheckpointBegun,
     CheckpointInfo,
+    LoadFailure,
     PeerKey,
     QuarantineRequest,
     ReportShard,
@@ -120,6 +121,34 @@ async def unreadable(
     # This replica's heartbeats answer from the job as it is now (a restart at once).
     await driver.refresh(job_id)
     return info
+
+
+@router.post(
+    "/{version}/load-failures",
+    responses=errors(
+        UnknownJob, UnknownNode, UnknownCheckpoint, StaleGeneration, CheckpointConflict
+    ),
+)
+async def load_failed(
+    job_id: JobId,
+    version: VersionNumber,
+    body: RestoreFailure,
+    checkpoints: CheckpointsDep,
+    credential: Credential,
+    driver: DriverDep,
+) -> LoadFailure:
+    """A rank of the running generation read the version it was named but could not
+    load it (a ZeRO partition count that does not match, a model that does not fit, an
+    error in the user's load code): the generation ends with the error's first line, and
+    the version stays good. After two such generations in a row at one world size, a
+    round of that size waits for a world of another size instead of failing a third
+    time (``blocked`` in the job's status). Fenced like every report of a member, and
+    only for the version its generation was named."""
+    failure = await anyio.to_thread.run_sync(
+        checkpoints.load_failed, job_id, version, body, credential
+    )
+    await driver.refresh(job_id)  # heartbeats on this replica answer "restart" at once
+    return failure
 
 
 @router.get("", responses=errors(UnknownJob))

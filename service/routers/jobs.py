@@ -249,8 +249,10 @@ async def _await_seal(
                 # another replica since this one's last pass.
                 if (await driver.snapshot(job_id, round))[0].generation >= round:
                     continue
+                blocked = rdzv.blocked(job)
                 raise JoinTimeout(
                     f"round {round} of job {job_id!r} did not seal within {join_timeout:.0f} s"
+                    + (f"; {blocked}" if blocked else "")
                 )
             left = deadline - time.monotonic()
             if left <= 0 or driver.closing or await request.is_disconnected():

@@ -282,6 +282,7 @@ async def job_page(
             else ""
         )
         + "</p>"
+        + (f"<p id='blocked' class='error'>{escape(status.blocked)}</p>" if status.blocked else "")
     )
     drawn = _timeline.svg(_timeline.timeline(status, status.history, versions, collected, now))
     main = (

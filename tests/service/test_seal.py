@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from rallypoint.client.models import JobSpec
+from rallypoint.client.models import CheckpointPointer, JobSpec, LoadFailure
 from rallypoint.service import _seal as seal
 from rallypoint.service._rendezvous import Generation, Job, Member, Node
 from rallypoint.service.errors import JobFull, StaleGeneration
@@ -87,3 +87,36 @@ def test_a_heartbeat_is_told_whether_its_generation_runs() -> None:
     assert seal.verdict(job(2, "open"), "a", 2) == "restart"
     with pytest.raises(StaleGeneration):
         seal.verdict(job(2), "a", 3)
+
+
+def failed(version: int = 2, world: int = 2, count: int = 1) -> LoadFailure:
+    return LoadFailure(version=version, world_size=world, rank=0, reason="E: x", count=count)
+
+
+def pointer(version: int) -> CheckpointPointer:
+    return CheckpointPointer(version=version, step=10, generation=1)
+
+
+def test_load_failures_count_in_a_row_of_one_version_at_one_size() -> None:
+    assert seal.load_streak(None, failed()) == failed(count=1)
+    assert seal.load_streak(failed(count=1), failed()) == failed(count=2)
+    assert seal.load_streak(failed(count=2), failed()) == failed(count=3)
+    # Another version or another size starts a run; an end of another kind breaks it.
+    assert seal.load_streak(failed(count=2), failed(version=3)) == failed(version=3, count=1)
+    assert seal.load_streak(failed(count=2), failed(world=3)) == failed(world=3, count=1)
+    assert seal.load_streak(failed(count=2), None) is None
+
+
+def test_a_third_generation_that_would_fail_the_same_way_does_not_seal() -> None:
+    twice = failed(count=2)
+    blocked = seal.load_blocked(twice, 2, pointer(2))
+    assert blocked is not None
+    assert blocked.startswith("waiting: v2 failed to load at world 2 in 2 generations in a row")
+    assert "(rank 0: E: x)" in blocked
+    # A world of another size, another version, or a single failure: it seals.
+    assert seal.load_blocked(twice, 3, pointer(2)) is None
+    assert seal.load_blocked(twice, 1, pointer(2)) is None
+    assert seal.load_blocked(twice, 2, pointer(1)) is None
+    assert seal.load_blocked(twice, 2, None) is None
+    assert seal.load_blocked(failed(count=1), 2, pointer(2)) is None
+    assert seal.load_blocked(None, 2, pointer(2)) is None

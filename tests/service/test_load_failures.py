@@ -1,0 +1,192 @@
+"""No loop, whatever the cause (issue 33): a generation whose ranks read the version they
+were named but cannot load it (a ZeRO partition count that does not match, a model that
+does not fit, an error in the user's load code) ends with the error's first line; after
+two such generations in a row at one world size, a round of that size waits for a world
+of another size instead of sealing a third, and its joins time out naming the reason.
+As rules over storage (SQLite and Azurite), then through the API as a trainer and an
+operator see it.
+"""
+
+from __future__ import annotations
+
+import io
+from datetime import timedelta
+
+import httpx
+import pytest
+
+from rallypoint.cli._inspect import print_jobs, print_status
+from rallypoint.client import CREDENTIAL_HEADER, JoinTimeout
+from rallypoint.client import StaleGeneration as ClientStaleGeneration
+from rallypoint.client.models import JobSpec, LoadFailure, RestoreFailure, ShardFile
+from rallypoint.service._checkpoints import Checkpoints
+from rallypoint.service._rendezvous import Rendezvous
+from rallypoint.service.errors import (
+    CheckpointConflict,
+    InvalidCredential,
+    StaleGeneration,
+    UnknownNode,
+)
+from rallypoint.trainer import upload
+
+from .._rules import commit, end, seal
+from .._support import FILE, TOKEN, clients, join_all
+from ..conftest import Start
+
+ZERO = "ZeRORuntimeException: The checkpoint being loaded used a DP world size of 3"
+
+
+def report(node: str, gen: int, rank: int = 0, reason: str = ZERO) -> RestoreFailure:
+    return RestoreFailure(node_id=node, generation=gen, rank=rank, reason=reason)
+
+
+def fail(ckpts: Checkpoints, version: int, gen: int, creds: dict[str, str]) -> LoadFailure:
+    """Both ranks of a world-2 generation fail to load: the first report ends it."""
+    first = ckpts.load_failed("job", version, report("a", gen, 0, ZERO + "\n  trace"), creds["a"])
+    with pytest.raises(StaleGeneration):  # the generation ended with the first report
+        ckpts.load_failed("job", version, report("b", gen, 1), creds["b"])
+    return first
+
+
+def test_a_world_that_failed_twice_to_load_waits_for_another_size(
+    ckpts: Checkpoints, rdzv: Rendezvous
+) -> None:
+    gen, creds = seal(rdzv, ["a", "b", "c"])
+    version = commit(ckpts, ["a", "b", "c"], gen, 10, creds)
+    end(rdzv, gen, ["c"], creds)  # c is gone: the survivors form a world of 2
+
+    gen2, creds = seal(rdzv, ["a", "b"])
+    failure = fail(ckpts, version, gen2, creds)
+    assert failure == LoadFailure(version=version, world_size=2, rank=0, reason=ZERO)
+    info = rdzv.status("job")
+    assert info.history[-1].ended_reason == f"rank 0 could not load v{version}: {ZERO}"
+    assert info.history[-1].load_failure == failure
+    assert info.load_failure == failure and info.blocked is None  # once may be bad luck
+    assert not any(v.unrecoverable for v in ckpts.versions("job"))  # the version is whole
+
+    gen3, creds = seal(rdzv, ["a", "b"])  # the second generation of 2 seals
+    fail(ckpts, version, gen3, creds)
+    info = rdzv.status("job")
+    assert info.load_failure is not None and info.load_failure.count == 2
+    blocked = f"waiting: v{version} failed to load at world 2 in 2 generations in a row"
+    assert info.blocked is not None and info.blocked.startswith(blocked)
+
+    # The survivors come back: a third round of 2 does not seal, however long it waits.
+    for node in ("a", "b"):
+        rdzv.register("job", node, f"host-{node}", 1, None)
+    clock = rdzv.clock
+    for _ in range(5):  # alive (they beat), past last_call: only the rule holds them
+        rdzv.record_beats("job", ["a", "b"])
+        clock.advance(2)  # type: ignore[attr-defined]
+        job, _ = rdzv.tick("job")
+        assert job.status == "open" and job.generation == gen3
+    assert rdzv.status("job").blocked is not None
+
+    # A replacement makes a world of 3: it seals, named the same version.
+    rdzv.register("job", "d", "host-d", 1, None)
+    rdzv.record_beats("job", ["a", "b", "d"])
+    clock.advance(2)  # type: ignore[attr-defined]
+    job, _ = rdzv.tick("job")
+    assert job.status == "sealed" and job.world_size == 3
+    assert rdzv.sealed("job", job.generation).checkpoint.version == version  # type: ignore[union-attr]
+    assert rdzv.status("job").blocked is None
+
+
+def test_an_end_of_another_kind_breaks_the_run(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
+    gen, creds = seal(rdzv, ["a", "b"])
+    version = commit(ckpts, ["a", "b"], gen, 10, creds)
+    end(rdzv, gen, ["b"], creds)
+    gen, creds = seal(rdzv, ["a", "b"])
+    fail(ckpts, version, gen, creds)
+    gen, creds = seal(rdzv, ["a", "b"])
+    end(rdzv, gen, ["b"], creds)  # a member left before loading: not a load failure
+    assert rdzv.get_job("job").load_failure is None
+    gen, creds = seal(rdzv, ["a", "b"])
+    assert fail(ckpts, version, gen, creds).count == 1
+    gen, _ = seal(rdzv, ["a", "b"])  # one failure in the run: a world of 2 still seals
+    assert rdzv.get_job("job").status == "sealed"
+
+
+def test_only_a_member_reports_and_only_for_the_version_it_was_named(
+    ckpts: Checkpoints, rdzv: Rendezvous
+) -> None:
+    gen, creds = seal(rdzv, ["a", "b"])
+    older = commit(ckpts, ["a", "b"], gen, 10, creds)
+    version = commit(ckpts, ["a", "b"], gen, 20, creds)
+    end(rdzv, gen, ["b"], creds)
+    gen, creds = seal(rdzv, ["a", "b"])
+    with pytest.raises(InvalidCredential):
+        ckpts.load_failed("job", version, report("a", gen), creds["b"])
+    with pytest.raises(UnknownNode):
+        ckpts.load_failed("job", version, report("z", gen), creds["a"])
+    with pytest.raises(StaleGeneration):
+        ckpts.load_failed("job", version, report("a", gen - 1), creds["a"])
+    with pytest.raises(CheckpointConflict, match=f"resumes from v{version}, not v{older}"):
+        ckpts.load_failed("job", older, report("a", gen), creds["a"])
+    job = rdzv.get_job("job")
+    assert job.status == "sealed" and job.generation == gen and job.load_failure is None
+
+
+def test_a_trainer_reports_and_an_operator_sees_why_the_job_waits(start: Start) -> None:
+    """Through the API: the report, its refusals, ``status`` (JSON and the CLI's table),
+    the page and the metrics; the joins of a blocked round time out naming the reason."""
+    url = start("--token", TOKEN).url
+    spec = JobSpec(
+        min_nodes=2,
+        max_nodes=3,
+        last_call=timedelta(seconds=0.5),
+        heartbeat_timeout=timedelta(seconds=10),
+        join_timeout=timedelta(seconds=3),
+    )
+    a, b = clients(url, ["a", "b"], job="zero", token=TOKEN)
+    join_all([a, b], spec)
+    begun = {n.node_id: n.begin_checkpoint(10, [FILE]) for n in (a, b)}
+    for n in (a, b):  # a version of both ranks, in storage
+        upload(begun[n.node_id].upload_urls[FILE], b"x")
+        info = n.report_checkpoint(
+            begun[n.node_id].version, [ShardFile(name=FILE, size=1, checksum="xxh3-128:0")]
+        )
+    assert info.state == "committed"
+    version = info.version
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    route = f"{url}/v1/jobs/zero/checkpoints/{version}/load-failures"
+    for _ in range(2):
+        join_all([a, b], spec)  # a new generation of the same two nodes
+        assert a.assignment is not None and a.assignment.checkpoint is not None
+        gen = a.assignment.generation
+        body = {"node_id": "a", "generation": gen, "rank": 0, "reason": ZERO}
+        own = {**auth, CREDENTIAL_HEADER: a.credential or ""}
+        refused = [
+            httpx.post(route, json=body, headers=auth),  # no credential
+            httpx.post(route, json=body, headers={**auth, CREDENTIAL_HEADER: b.credential or ""}),
+            httpx.post(route, json={**body, "reason": ""}, headers=own),
+            httpx.post(route.replace(f"/{version}/", "/999/"), json=body, headers=own),
+        ]
+        assert [r.status_code for r in refused] == [403, 403, 422, 409]
+        assert all("code" in r.json() for r in refused)
+        recorded = b.report_load_failure(version, ZERO + "\nTraceback ...", rank=1)
+        assert recorded.reason == ZERO and recorded.rank == 1
+        with pytest.raises(ClientStaleGeneration):  # the report ended the generation
+            a.report_load_failure(version, ZERO, rank=0)
+
+    info = a.membership()
+    assert info.status == "open" and info.load_failure is not None
+    assert info.load_failure.count == 2
+    blocked = f"waiting: v{version} failed to load at world 2 in 2 generations in a row"
+    assert info.blocked is not None and info.blocked.startswith(blocked)
+    out = io.StringIO()
+    print_status(info, out)
+    assert blocked in out.getvalue()
+    assert f"rank 1 could not load v{version}: {ZERO}" in out.getvalue()
+    out = io.StringIO()
+    print_jobs(a.jobs(), out)
+    assert "blocked" in out.getvalue().splitlines()[1].split()
+    page = httpx.get(f"{url}/jobs/zero", headers=auth).text
+    assert "<p id='blocked' class='error'>waiting: v" in page
+    metrics = httpx.get(f"{url}/metrics", headers=auth).text
+    assert 'rallypoint_job_blocked{job="zero"} 1.0' in metrics
+    assert 'rallypoint_job_generations_ended{job="zero",reason="load_failed"} 2.0' in metrics
+
+    # The two nodes come back: their round never seals, and the join says why.
+    with pytest.raises(JoinTimeout, match=f"did not seal within 3 s; {blocked}"):
+        join_all([a, b], spec)
