@@ -649,8 +649,10 @@ class CheckpointManager:
         rank_states = None
         if every_rank:
             # Each rank's fixups name paths under its own key: together they fix all.
-            names = {k.split(".")[2] for k in extra if k != fixups_key}
-            all_fixups = [f for r in names for f in target.get(f"{RESERVED}.rank.{r}.fixups") or []]
+            savers = {k.split(".")[2] for k in extra if k != fixups_key}
+            all_fixups = [
+                f for r in savers for f in target.get(f"{RESERVED}.rank.{r}.fixups") or []
+            ]
             flat = {k: target[k] for k in extra if k != fixups_key}
             by_rank = _unflatten(flat, paths, all_fixups).get(RESERVED, {}).get("rank", {})
             rank_states = {int(r): v.get("state") for r, v in by_rank.items()}
