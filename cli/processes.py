@@ -154,6 +154,7 @@ class Cluster:
         step_time: Extra seconds per step (the example is tiny; this paces it).
         heartbeat_timeout: Seconds (``--rdzv-conf``).
         last_call: Seconds (``--rdzv-conf``).
+        join_timeout: Seconds (``--rdzv-conf``); None: the plugin's default.
         imds_url: The metadata service the workers' PreemptionWatcher polls.
         checkpoint_every: Steps between asynchronous checkpoints.
         persist_every: Every Nth checkpoint goes to blob storage, the others stay in the
@@ -178,6 +179,7 @@ class Cluster:
         step_time: float = 0.05,
         heartbeat_timeout: int = 3,
         last_call: int = 2,
+        join_timeout: int | None = None,
         imds_url: str | None = None,
         checkpoint_every: int = 10,
         persist_every: int = 1,
@@ -193,6 +195,8 @@ class Cluster:
         self.events_file = workdir / f"{job}.events.jsonl"
         self.nnodes = nnodes
         self.conf = f"heartbeat_timeout={heartbeat_timeout},last_call={last_call}"
+        if join_timeout is not None:
+            self.conf += f",join_timeout={join_timeout}"
         self.imds_url = imds_url
         self.script = (
             list(script)

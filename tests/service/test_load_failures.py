@@ -10,12 +10,16 @@ operator see it.
 from __future__ import annotations
 
 import io
+import time
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from rallypoint.cli._inspect import print_jobs, print_status
+from rallypoint.cli.processes import Cluster, Coordinator
 from rallypoint.client import CREDENTIAL_HEADER, JoinTimeout
 from rallypoint.client import StaleGeneration as ClientStaleGeneration
 from rallypoint.client.models import JobSpec, LoadFailure, RestoreFailure, ShardFile
@@ -30,7 +34,7 @@ from rallypoint.service.errors import (
 from rallypoint.trainer import upload
 
 from .._rules import commit, end, seal
-from .._support import FILE, TOKEN, clients, join_all
+from .._support import FILE, TOKEN, clients, join_all, status
 from ..conftest import Start
 
 ZERO = "ZeRORuntimeException: The checkpoint being loaded used a DP world size of 3"
@@ -190,3 +194,139 @@ def test_a_trainer_reports_and_an_operator_sees_why_the_job_waits(start: Start) 
     # The two nodes come back: their round never seals, and the join says why.
     with pytest.raises(JoinTimeout, match=f"did not seal within 3 s; {blocked}"):
         join_all([a, b], spec)
+
+
+#: A torchrun worker whose load, like ZeRO's, needs the world size it was saved at (or,
+#: with --always-fail, never succeeds); it saves every few steps and logs JSON events.
+WORKER = r"""
+import argparse, json, os, time
+import torch, torch.distributed as dist
+from rallypoint.client import ElasticClient
+from rallypoint.trainer import CheckpointManager, SavePolicy
+
+p = argparse.ArgumentParser()
+p.add_argument("--events", required=True)
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--save-every", type=int, default=3)
+p.add_argument("--always-fail", action="store_true")
+a = p.parse_args()
+client = ElasticClient.from_env(); assignment = client.join()
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+checkpoints = CheckpointManager(client, policy=SavePolicy(progress=False))
+model = torch.nn.Linear(4, 4)
+
+def event(kind, **fields):
+    line = {"event": kind, "generation": assignment.generation, "rank": rank,
+            "world_size": world, **fields}
+    with open(a.events, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+start = 0
+with checkpoints.resuming() as restored:
+    if restored is not None:
+        saved = int(restored.state["world"])
+        if a.always_fail or saved != world:
+            raise RuntimeError(f"saved at world {saved}, cannot load at world {world}")
+        model.load_state_dict(restored.state["model"])
+        start = restored.step
+event("resumed", step=start + 1, version=restored.version if restored else None)
+for step in range(start + 1, a.steps + 1):
+    time.sleep(0.2)  # paces the run so that the test can act mid-way
+    w = model.weight.detach().clone(); dist.all_reduce(w)
+    if step % a.save_every == 0:
+        state = {"model": model.state_dict(), "world": torch.tensor(world)}
+        checkpoints.save(state, step, blocking=True)
+        event("saved", step=step)
+    if rank == 0:
+        event("step", step=step)
+event("finished", step=a.steps)
+checkpoints.close()
+"""
+
+
+def blocked_status(coordinator: Coordinator, job: str, timeout: float = 120) -> dict[str, Any]:
+    """The job's status once it says it is blocked."""
+    end_at = time.monotonic() + timeout
+    while time.monotonic() < end_at:
+        info = status(coordinator, job)
+        if info["blocked"]:
+            return info
+        time.sleep(0.2)
+    raise TimeoutError(f"{job} never blocked: {status(coordinator, job)}")
+
+
+def worker(tmp_path: Path, *args: str) -> tuple[list[str], Path]:
+    script, events = tmp_path / "worker.py", tmp_path / "events.jsonl"
+    script.write_text(WORKER)
+    return [str(script), "--events", str(events), *args], events
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_job_whose_survivors_cannot_load_waits_for_a_replacement(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """Nodes a, b and c (one process each) save at world 3; c is SIGKILLed. The two
+    survivors' generations fail to load the version (the user's load needs world 3):
+    twice, each ended with the error's first line, then the round of 2 holds back and
+    the status says why. A replacement d makes a world of 3, which loads it and
+    finishes; nothing looped."""
+    script, events = worker(tmp_path)
+    cluster = Cluster(coordinator.url, "noloop", tmp_path, nnodes="2:3", script=script)
+    cluster.events_file = events
+    try:
+        for node in ("a", "b", "c"):
+            cluster.add(node)
+        cluster.wait_for(lambda e: e["event"] == "saved" and e["world_size"] == 3, timeout=150)
+        cluster.kill("c")
+        info = blocked_status(coordinator, "noloop")
+        version = info["checkpoint"]["version"]
+        failed = info["history"][-2:]
+        why = f"could not load v{version}: RuntimeError: saved at world 3, cannot load at world 2"
+        assert [g["world_size"] for g in failed] == [2, 2], info["history"]
+        assert all(why in g["ended_reason"] for g in failed), failed
+        assert info["blocked"].startswith(
+            f"waiting: v{version} failed to load at world 2 in 2 generations in a row"
+        )
+        cluster.add("d")
+        codes = cluster.wait(timeout=150)
+    finally:
+        cluster.stop()
+    assert codes == {"a": 0, "b": 0, "c": -9, "d": 0}, codes
+    history = status(coordinator, "noloop")["history"]
+    # world 3, two failed worlds of 2, the world of 3 that finished: no third failure.
+    assert [g["world_size"] for g in history] == [3, 2, 2, 3], history
+    assert [bool(g["load_failure"]) for g in history] == [False, True, True, False]
+    log = [e for e in cluster.events() if e["event"] == "finished"]
+    assert {(e["world_size"], e["step"]) for e in log} == {(3, 12)} and len(log) == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_job_that_can_load_at_no_size_fails_loudly_at_its_join_timeout(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """The user's load fails whatever the world: after a SIGKILL and two failed
+    generations of the survivors, their round never seals, and at the join timeout the
+    agents exit non-zero, their logs naming the reason."""
+    script, events = worker(tmp_path, "--always-fail")
+    cluster = Cluster(
+        coordinator.url, "hopeless", tmp_path, nnodes="2:3", script=script, join_timeout=20
+    )
+    cluster.events_file = events
+    try:
+        for node in ("a", "b", "c"):
+            cluster.add(node)
+        cluster.wait_for(lambda e: e["event"] == "saved", timeout=150)
+        cluster.kill("c")
+        info = blocked_status(coordinator, "hopeless")
+        codes = cluster.wait(timeout=120)
+    finally:
+        cluster.stop()
+    assert codes["a"] != 0 and codes["b"] != 0, codes
+    history = status(coordinator, "hopeless")["history"]
+    assert [g["world_size"] for g in history] == [3, 2, 2], history
+    for node in ("a", "b"):
+        text = (tmp_path / f"hopeless.{node}.log").read_text()
+        assert "did not seal within 20 s; " + info["blocked"] in text

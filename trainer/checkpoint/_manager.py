@@ -46,7 +46,13 @@ from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, Rallypo
 
 from .._bytes import tensor_bytes
 from .._regroup import Generation, generations
-from ..errors import CheckpointCorrupt, CheckpointError, RegroupError, StateNotReplicated
+from ..errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    RegroupError,
+    StateNotReplicated,
+    TransferError,
+)
 from ..memory import NodeMemory
 from ._dcp import (
     METADATA,
@@ -558,6 +564,67 @@ class CheckpointManager:
         if pointer is None:
             return None
         return self.load(pointer.version, state, every_rank=every_rank)
+
+    @contextlib.contextmanager
+    def resuming(self, state: dict[str, Any] | None = None) -> Iterator[Restored | None]:
+        """Restores this generation's version (:meth:`load_latest`) for the block to load
+        into the model, and tells the coordinator if that fails, so a job never loops on
+        a load that cannot succeed::
+
+            with checkpoints.resuming() as restored:
+                if restored is not None:
+                    model.load_state_dict(restored.state["model"])
+                    optimizer.load_state_dict(restored.state["optimizer"])
+
+        An exception raised by the block, or by the restore for a reason other than
+        storage (a ``state`` the version does not fit), is reported
+        (:meth:`report_load_failure`) and raised on: the process exits, the generation
+        ends with the error's first line, and after two generations in a row fail so at
+        one world size the coordinator waits for a world of another size instead of
+        sealing a third. A version no copy of can be read is reported as unreadable by
+        :meth:`load` instead, and storage errors not at all (they pass).
+
+        Args:
+            state: As for :meth:`load_latest`.
+
+        Yields:
+            The restored version, or None if the job has no checkpoint yet.
+        """
+        pointer = self.assignment.checkpoint
+        try:
+            restored = self.load_latest(state)
+        except (CheckpointCorrupt, TransferError):
+            raise  # the version's copies (reported by load) or storage: not the loader
+        except Exception as exc:
+            if pointer is not None:
+                self.report_load_failure(pointer.version, exc)
+            raise
+        try:
+            yield restored
+        except Exception as exc:
+            if restored is not None:
+                self.report_load_failure(restored.version, exc)
+            raise
+
+    def report_load_failure(self, version: int, error: BaseException | str) -> None:
+        """Tells the coordinator that this rank could not load ``version``, the one its
+        generation was named (see :meth:`resuming`, which calls this). Never raises: a
+        generation that another rank's report ended already, or a coordinator out of
+        reach, is logged; the restart that follows asks again.
+
+        Args:
+            version: The version that failed to load.
+            error: The exception (reported as ``Type: message``) or a message.
+        """
+        reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        first = reason.strip().splitlines()[0] if reason.strip() else "unknown"
+        log.error("could not load checkpoint v%d: %s", version, first)
+        try:
+            self.client.report_load_failure(
+                version, first, rank=self.rank, generation=self.generation
+            )
+        except RallypointError as exc:
+            log.warning("could not report v%d's load failure: %s", version, exc)
 
     def load(
         self, version: int, state: dict[str, Any] | None = None, *, every_rank: bool = False
