@@ -43,6 +43,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _in_chunks(share: torch.Tensor, chunk: int = 4096) -> Iterator[int]:
+    """The indices of ``share`` (a view of the epoch's permutation) as Python ints, a
+    chunk at a time: the first batch of a resumed epoch does not wait for the whole rest
+    of the epoch to become a list (60 ms for 800,000 indices here)."""
+    for begin in range(0, len(share), chunk):
+        yield from share[begin : begin + chunk].tolist()
+
+
 class ElasticSampler(Sampler[int]):
     """Deals each epoch's permutation out to the ranks, resuming where the job left off.
 
@@ -163,8 +171,7 @@ class ElasticSampler(Sampler[int]):
         stop = start + count * self._world_size
         if not self._shuffle:
             return iter(range(start, stop, self._world_size))
-        share: list[int] = self._shuffled()[start : stop : self._world_size].tolist()
-        return iter(share)
+        return _in_chunks(self._shuffled()[start : stop : self._world_size])
 
     def advance(self, batches: int = 1) -> None:
         """Records that every rank has trained ``batches`` more batches of ``batch_size``.
