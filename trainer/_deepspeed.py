@@ -13,17 +13,33 @@ coordinator named for this generation, whatever directory or tag the path holds.
 DeepSpeed itself still lists the model files with ``glob`` and reads the ``latest`` file
 with ``open()``, so :func:`load_checkpoint` points it at a scratch directory holding
 empty stand-ins for the version's files and the version's tag.
+
+ZeRO's partitions fit only the data-parallel world size that saved them (DeepSpeed
+refuses any other with ``ZeRORuntimeException``). When the world size changed, the
+stand-in is a DeepSpeed universal checkpoint instead: one rank of each node reads every
+old rank's partitions from the version, writes them as DeepSpeed's files and converts
+them with DeepSpeed's own ``ds_to_universal``, and the load runs with ``load_universal``
+on, which reads each parameter's full fp32 value and optimizer state and keeps this
+rank's slice of today's partitioning.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import logging
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from deepspeed.checkpoint import ds_to_universal
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
     CheckpointCommitInfo,
     CheckpointEngine,
@@ -43,6 +59,8 @@ ENGINE_NAME = "RallypointCheckpointEngine"
 #: Top-level key of a version's state and rank_state that holds the tag DeepSpeed saved
 #: it under; every other key is a file.
 TAG = "tag"
+#: The version's metadata key holding the data-parallel world size that saved it.
+DP_WORLD_SIZE = "dp_world_size"
 #: Files DeepSpeed reads only on the rank that wrote them: ZeRO optimizer partitions
 #: (``zero_pp_rank_``, ``bf16_zero_pp_rank_``) and expert-parallel optimizer states.
 _PER_RANK = ("zero_pp_rank_", "expp_rank_")
@@ -50,6 +68,11 @@ _PER_RANK = ("zero_pp_rank_", "expp_rank_")
 
 def _per_rank(name: str) -> bool:
     return any(marker in name for marker in _PER_RANK)
+
+
+def _deepspeed_file(name: str) -> bool:
+    """Whether DeepSpeed's converter reads the file (not the HF Trainer's extras)."""
+    return name.endswith(("_model_states.pt", "_optim_states.pt"))
 
 
 class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
@@ -83,6 +106,14 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._blocking = False
         self._loaded: dict[str, Any] | None = None
         self._scratch: str | None = None
+        # The universal checkpoint of a reshard (its tag folder), and the node folder
+        # holding it if this rank made it.
+        self._universal: str | None = None
+        self._converted: str | None = None
+        self._load_universal = bool(engine.load_universal_checkpoint())
+        #: Seconds this rank spent on the last reshard (reading every old rank's
+        #: partitions and converting them, on the converting rank; waiting, elsewhere).
+        self.reshard_seconds: float | None = None
 
     # --- saving -------------------------------------------------------------------------
 
@@ -110,11 +141,12 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             own[file_key(name)] = pack(obj)
         self._files = {}
         step = self.step if self.step is not None else int(self.engine.global_steps)
+        dp_world_size = int(self.engine.seq_dp_world_size)
         self.last_save = self.checkpoints.save(
             shared,
             step,
             rank_state=own,
-            metadata={TAG: info.tag, "framework": "deepspeed"},
+            metadata={TAG: info.tag, "framework": "deepspeed", DP_WORLD_SIZE: dp_world_size},
             blocking=self._blocking,
             persist=self._persist,
         )
@@ -205,25 +237,65 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                 self.restored.version,
                 self.tag,
             )
+        if name not in self._loaded and self._universal is not None:
+            converted = os.path.join(self._universal, name)
+            if os.path.isfile(converted):  # another old rank's model states file
+                return torch.load(converted, map_location=map_location, weights_only=False)
         if name not in self._loaded:
             raise CheckpointError(
                 f"checkpoint v{self.restored.version} holds no {name} for rank "
-                f"{self.checkpoints.rank} (it has {sorted(self._loaded)}); DeepSpeed "
-                "cannot change its ZeRO partitioning at load"
+                f"{self.checkpoints.rank} (it has {sorted(self._loaded)})"
             )
         return unpack(self._loaded[name], map_location)
+
+    @property
+    def saved_dp_world_size(self) -> int | None:
+        """The data-parallel world size that saved the restored version (None: none)."""
+        if self.restored is None:
+            return None
+        saved = (self.restored.metadata or {}).get(DP_WORLD_SIZE)
+        return int(saved) if saved is not None else self.restored.world_size
+
+    def needs_reshard(self) -> bool:
+        """Whether the restored version's ZeRO partitions were cut for another
+        data-parallel world size than today's (see :meth:`stand_in`)."""
+        saved = self.saved_dp_world_size
+        return (
+            saved is not None
+            and bool(self.engine.zero_optimization())
+            and saved != int(self.engine.seq_dp_world_size)
+        )
 
     def stand_in(self, directory: str | None = None) -> str | None:
         """A folder DeepSpeed's own file checks accept for the restored version: empty
         files under its tag, named as the version's files, and a ``latest`` file naming
         the tag. Nothing is read from them: :meth:`load` answers by name.
 
+        If the version's ZeRO partitions were saved at another data-parallel world size,
+        the folder is a universal checkpoint of it, made once per node, and the engine's
+        next load reads it with ``load_universal`` on. Every rank must call this then
+        (it gathers the ranks of each node); ``engine.load_checkpoint(folder,
+        tag=self.tag)`` on every rank follows, as always.
+
+        Args:
+            directory: Where to make the folder; default: a temporary one (a
+                reshard's, per node, under the system's temporary directory).
+
         Returns:
             The folder, or None if the job has no checkpoint yet.
+
+        Raises:
+            CheckpointError: A reshard failed (on any rank; every rank raises).
         """
         if self.restore() is None:
             return None
         assert self._loaded is not None and self.tag is not None
+        # DeepSpeed reads load_universal only from the config given to initialize; no
+        # public call turns it on for one load, so the engine's parsed config is set.
+        reshard = self.needs_reshard()
+        self.engine._config.load_universal_checkpoint = self._load_universal or reshard
+        if reshard:
+            return self._reshard(directory)
         if directory is None:
             if self._scratch is None:
                 self._scratch = tempfile.mkdtemp(prefix="rallypoint-deepspeed-")
@@ -236,9 +308,87 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             f.write(self.tag)
         return directory
 
+    def _reshard(self, directory: str | None) -> str:
+        """The universal checkpoint of the restored version, in a folder of this node:
+        its first rank converts, the others wait for it."""
+        assert self.restored is not None and self.tag is not None
+        started = time.perf_counter()
+        node = self.checkpoints.assignment.node_id
+        nodes: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, node)
+        converts = nodes.index(node) == dist.get_rank()
+        folder = os.path.join(
+            directory or tempfile.gettempdir(),
+            f"rallypoint-deepspeed-{self.checkpoints.assignment.job_id}-{node}"
+            f"-v{self.restored.version}-g{self.checkpoints.generation}",
+        )
+        error = None
+        if converts:
+            try:
+                self._convert(folder)
+                self._converted = folder
+            except Exception as exc:  # every rank raises it, none waits forever
+                log.exception("converting v%d to a universal checkpoint", self.restored.version)
+                error = f"{type(exc).__name__}: {exc}"
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+        if failed:
+            rank, first = failed[0]
+            raise CheckpointError(
+                f"resharding checkpoint v{self.restored.version} from a data-parallel "
+                f"world of {self.saved_dp_world_size} to {self.engine.seq_dp_world_size} "
+                f"failed on rank {rank}: {first}"
+            )
+        self._universal = os.path.join(folder, self.tag)
+        self.reshard_seconds = time.perf_counter() - started
+        log.info(
+            "checkpoint v%d: ZeRO partitions of %d ranks resharded for %d in %.2f s",
+            self.restored.version,
+            self.saved_dp_world_size,
+            self.engine.seq_dp_world_size,
+            self.reshard_seconds,
+        )
+        return folder
+
+    def _convert(self, folder: str) -> None:
+        """Writes every old rank's DeepSpeed files of the restored version and converts
+        them into ``folder``/tag, a universal checkpoint."""
+        assert self.restored is not None and self.tag is not None
+        shutil.rmtree(folder, ignore_errors=True)
+        source = os.path.join(folder, "saved", self.tag)
+        os.makedirs(source)
+        every = self.checkpoints.load(self.restored.version, every_rank=True)
+        parts = [every.state, *(every.rank_states or {}).values()]
+        for part in parts:
+            for key, packed in (part or {}).items():
+                name = name_of(key)
+                if key != TAG and _deepspeed_file(name):
+                    torch.save(unpack(packed), os.path.join(source, name))
+        del every, parts
+        args = argparse.Namespace(
+            input_folder=source,
+            output_folder=os.path.join(folder, self.tag),
+            num_extract_workers=1,  # in this process: no pool of workers to fork
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            # DeepSpeed saves the universal_checkpoint_info ZeRO-1/2's converter
+            # requires only for Megatron models; the converter fills it in.
+            inject_missing_state=True,
+        )
+        report = io.StringIO()  # its progress report and bars
+        with contextlib.redirect_stdout(report), contextlib.redirect_stderr(report):
+            ds_to_universal.main(args)
+        shutil.rmtree(os.path.join(folder, "saved"), ignore_errors=True)
+
     def close(self) -> None:
-        """Waits for the save in flight and frees the manager's staging buffers."""
+        """Waits for the save in flight, frees the manager's staging buffers and removes
+        the universal checkpoint of a reshard this rank made."""
         self.checkpoints.close()
+        if self._converted is not None:
+            shutil.rmtree(self._converted, ignore_errors=True)
+            self._converted = None
 
 
 def install(

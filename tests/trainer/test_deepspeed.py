@@ -2,7 +2,8 @@
 ``DS_ACCELERATOR=cpu``): ``rallypoint.trainer.deepspeed.install`` after
 ``deepspeed.initialize``, ``engine.save_checkpoint`` as versions, and
 ``rallypoint.trainer.deepspeed.load_checkpoint`` resuming every rank from the version the
-coordinator named, through the SIGKILL of a node and a stale ``latest`` file."""
+coordinator named, through the SIGKILL of a node and a stale ``latest`` file, and at
+another world size (ZeRO's partitions resharded)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import argparse, io, json, os, time
 import torch, torch.distributed as dist
 import xxhash
 import deepspeed
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import PreemptionWatcher, SavePolicy
 import rallypoint.trainer.deepspeed as rp_deepspeed
@@ -80,6 +82,16 @@ def digests(engine):
     dist.all_gather_object(out, h.hexdigest())
     return out
 
+def full_digest(engine):
+    """The consolidated state, whatever the partitioning: each parameter's full fp32
+    value and Adam moments (gathered: every rank calls it)."""
+    h = xxhash.xxh3_64()
+    for _, p in engine.module.named_parameters():
+        for t in (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"),
+                  safe_get_full_optimizer_state(p, "exp_avg_sq")):
+            h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
 config = {
@@ -95,6 +107,8 @@ restored = checkpoints.restored
 event("resumed", version=restored.version if restored else None,
       step=engine.global_steps + 1,
       digests=digests(engine) if restored else None,
+      full=full_digest(engine) if restored else None,
+      saved_by=checkpoints.saved_dp_world_size, reshard_s=checkpoints.reshard_seconds,
       bytes_from=restored.bytes_from if restored else None,
       saves_back=saves_back(engine) if restored else None)
 
@@ -112,9 +126,9 @@ with PreemptionWatcher(client) as watcher:
             event("step", step=s, loss=round(loss.item(), 5))
         stop = watcher.should_stop()
         if s % args.every == 0 or stop:
-            d = digests(engine)
+            d, full = digests(engine), full_digest(engine)
             if rank == 0:
-                event("saving", step=s, digests=d)
+                event("saving", step=s, digests=d, full=full)
             checkpoints.save_checkpoint(os.environ["SAVE_DIR"], persist=stop, blocking=stop)
         if stop:
             event("emergency", step=s, version=checkpoints.last_save.result().version)
@@ -194,3 +208,82 @@ def test_zero3_resumes_every_rank_from_the_named_version_after_a_node_is_killed(
         assert sum(e["bytes_from"].values()) > 0
         assert e["saves_back"]
     assert (stale / "latest").read_text() == "global_step999"  # there all along
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_zero_resumes_at_another_world_size_shrunk_and_grown(
+    coordinator: Coordinator, tmp_path: Path, stage: int
+) -> None:
+    """Three one-process nodes train ZeRO with AdamW (``--nnodes 2:3``); c is SIGKILLed
+    and nobody replaces it: the two left resume at a world size of 2 from the version 3
+    ranks saved. With ZeRO-3, node d then joins and the three resume from a version the
+    two saved. Every rank resumes at the step the coordinator named, and the gathered
+    full parameters and Adam moments after the reshard are those that were saved."""
+    script = tmp_path / "ds_worker.py"
+    script.write_text(WORKER)
+    events = tmp_path / "ds.events.jsonl"
+    # ZeRO-3's two must still be training when d has started and joined (seconds).
+    steps = 60 if stage == 3 else 40
+    args = ["--stage", str(stage), "--steps", str(steps), "--every", "5", "--step-time", "0.2"]
+    job = f"reshard{stage}"
+    cluster = Cluster(
+        coordinator.url,
+        job,
+        tmp_path,
+        nnodes="2:3",
+        memory=tmp_path / "memory",
+        script=[str(script), *args, "--events", str(events)],
+    )
+    cluster.events_file = events
+
+    def add(node: str) -> None:
+        (tmp_path / node).mkdir()
+        cluster.add(node, nproc=1, env={**DS_ENV, "SAVE_DIR": str(tmp_path / node / "ckpt")})
+
+    try:
+        for node in ("a", "b", "c"):
+            add(node)
+        cluster.wait_for(
+            lambda e: e["event"] == "step" and e["step"] >= 12 and e["world_size"] == 3,
+            timeout=240,
+        )
+        cluster.kill("c")
+        if stage == 3:
+            # Grow once the two have saved a version of their own (and it committed).
+            saved = cluster.wait_for(
+                lambda e: e["event"] == "saving" and e["world_size"] == 2, timeout=240
+            )
+            cluster.wait_for(
+                lambda e: (
+                    e["event"] == "step" and e["world_size"] == 2 and e["step"] >= saved["step"] + 2
+                ),
+                timeout=60,
+            )
+            add("d")
+        codes = cluster.wait(timeout=300)
+    finally:
+        cluster.stop()
+    survivors = ("a", "b", "d") if stage == 3 else ("a", "b")
+    assert all(codes[n] == 0 for n in survivors), codes
+    log = cluster.events()
+    verdict = judge(log, status(coordinator, job)["history"])
+    assert verdict.consistent, verdict.problems
+    assert verdict.final_step == steps
+    saved_at: dict[int, tuple[str, int]] = {}  # the last save of each step, so far
+    reshards = []
+    for e in log:
+        if e["event"] == "saving":
+            saved_at[e["step"]] = (e["full"], e["world_size"])
+        if e["event"] != "resumed" or e["version"] is None:
+            continue
+        full, world = saved_at[e["step"] - 1]
+        assert e["full"] == full, e  # the consolidated state, as it was saved
+        assert e["saved_by"] == world
+        assert (e["reshard_s"] is not None) == (world != e["world_size"])
+        assert e["saves_back"]
+        if world != e["world_size"]:
+            reshards.append((world, e["world_size"]))
+    expected = [(3, 2), (2, 3)] if stage == 3 else [(3, 2)]
+    # Every rank of each resharded generation, in order.
+    assert sorted(set(reshards), key=reshards.index) == expected
+    assert len(reshards) == sum(new for _, new in expected)
