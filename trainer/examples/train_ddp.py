@@ -151,9 +151,11 @@ def main() -> None:
     )
 
     step = 0
-    restored = checkpoints.load_latest()
-    if restored is not None:
-        step = restore(restored, model, optimizer, sampler)
+    # What fails while loading is reported: a load that cannot succeed at this world
+    # size ends the generation with its reason instead of restarting forever.
+    with checkpoints.resuming() as restored:
+        if restored is not None:
+            step = restore(restored, model, optimizer, sampler)
     event(
         "resumed",
         version=restored.version if restored else None,
