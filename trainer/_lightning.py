@@ -15,22 +15,37 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, has_iterable_dataset
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.data import (
+    _get_dataloader_init_args_and_kwargs,
+    _update_dataloader,
+)
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+)
 from typing_extensions import override
 
 from rallypoint.client import ElasticClient
 
+from ._batch import BatchPlan, plan_batch
 from ._pack import BOOKKEEPING, pack_checkpoint, unpack_checkpoint
 from ._preemption import PreemptionWatcher
+from ._sampler import ElasticSampler
 from .checkpoint import CheckpointManager, Restored, SavePolicy
 
 __all__ = [
@@ -51,8 +66,94 @@ log = logging.getLogger("rallypoint.trainer")
 RESUME_SCHEME = "rallypoint://"
 
 
+#: The checkpoint dict's entry for the data position and the job's global batch.
+DATA_KEY = "rallypoint_data"
+
+
 def is_resume_path(path: object) -> bool:
     return str(path).startswith(RESUME_SCHEME)
+
+
+class _EpochSampler(ElasticSampler):
+    """An :class:`ElasticSampler` whose length also counts the batches of its epoch that
+    Lightning's batch counter already holds (``counted``).
+
+    Lightning ends an epoch when its counter reaches the loader's length, and after a
+    resume that counter starts at the batches trained before it; a loader whose length
+    were only the samples left would end the epoch early. With ``counted`` set to the
+    counter, ``len(loader)`` is the counter plus the batches left to yield.
+    """
+
+    def __init__(
+        self,
+        dataset: int,
+        *,
+        rank: int,
+        world_size: int,
+        shuffle: bool,
+        seed: int,
+        batch_size: int,
+    ) -> None:
+        super().__init__(
+            dataset,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            seed=seed,
+            batch_size=batch_size,
+        )
+        self.batch_size = batch_size
+        self.world_size = world_size
+        self.length = dataset
+        #: Batches of this epoch Lightning counted before this sampler's first sample.
+        self.counted = 0
+
+    @override
+    def __len__(self) -> int:
+        return self.counted * self.batch_size + super().__len__()
+
+    @override
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.counted = 0
+        super().set_epoch(epoch)
+
+    def consumed_after(self, batches: int, *, accumulation: int, last: bool) -> int:
+        """Samples of this epoch trained, all ranks together, once Lightning's counter
+        reads ``batches``: only those that went into an optimizer step count.
+
+        Args:
+            batches: Lightning's batch counter in this epoch (``current.ready``).
+            accumulation: Batches per optimizer step.
+            last: Whether the counter's batch was the epoch's last (Lightning steps on it
+                whatever the accumulation).
+        """
+        if last:
+            return self.length
+        stepped = batches - batches % accumulation
+        trained = max(0, stepped - self.counted) * self.batch_size * self.world_size
+        return min(self.length, self.consumed + trained)
+
+
+def resume_position(
+    saved: dict[str, Any], *, length: int, epoch: int, per_batch: int
+) -> tuple[int, int, int | None]:
+    """Where a resumed epoch starts, from a saved sampler state.
+
+    Args:
+        saved: :meth:`ElasticSampler.state_dict` as the save recorded it.
+        length: The dataset's length.
+        epoch: The epoch Lightning's restored progress says it trains next.
+        per_batch: Samples one batch of every rank holds at this world size.
+
+    Returns:
+        ``(epoch, consumed, counted)``: the sampler's position, and the batches of the
+        epoch Lightning's counter should hold, or None where the saved epoch is over
+        (the counter then reads a whole epoch, as Lightning's own end-of-epoch saves do).
+    """
+    if saved["consumed"] >= length or epoch > saved["epoch"]:
+        return max(epoch, saved["epoch"] + 1), 0, None
+    return saved["epoch"], saved["consumed"], saved["consumed"] // per_batch
 
 
 class Session:
@@ -77,6 +178,8 @@ class Session:
         self.policy = policy if policy is not None else SavePolicy(progress=False)
         #: What the last load restored (its ``state`` dropped), for reports.
         self.restored: Restored | None = None
+        #: The data position and global batch the last load restored (``DATA_KEY``).
+        self.data: dict[str, Any] | None = None
         self._saved: tuple[int, bool] | None = None
 
     @property
@@ -164,6 +267,7 @@ class Session:
             "bytes_from": dict(restored.bytes_from),
         }
         self.restored = dataclasses.replace(restored, state=None)
+        self.data = checkpoint.get(DATA_KEY)
         # A step to resume from: nothing saved since is this generation's yet.
         self._saved = (restored.step, True)
         return checkpoint
@@ -327,6 +431,19 @@ class _ResumeLauncher(_Launcher):
             self.inner.kill(signum)
 
 
+def _rebuilt(loader: DataLoader[Any], sampler: Any, batch_size: int) -> DataLoader[Any]:
+    """``loader`` with ``sampler`` and ``batch_size``, rebuilt the way Lightning injects
+    its ``DistributedSampler`` (the same class and arguments otherwise)."""
+    if sampler is loader.sampler and batch_size == loader.batch_size:
+        return loader
+    if batch_size == loader.batch_size:
+        return _update_dataloader(loader, sampler, RunningStage.TRAINING)
+    args, kwargs = _get_dataloader_init_args_and_kwargs(loader, sampler, RunningStage.TRAINING)
+    kwargs["batch_size"] = batch_size
+    rebuilt: DataLoader[Any] = _reinstantiate_wrapped_cls(loader, *args, **kwargs)
+    return rebuilt
+
+
 # The mixin's methods call the strategy's own through super(): typed as the strategies'
 # common base for mypy, a plain object at run time (the MRO puts the real base after it).
 if TYPE_CHECKING:
@@ -366,6 +483,154 @@ class _Rallypoint(_StrategyBase):
             # come before ModelCheckpoint's save of the same step.
             callbacks.insert(0, self.preemption)
 
+    def _init_data(self, elastic_data: bool, keep_global_batch: bool) -> None:
+        self.elastic_data = elastic_data
+        self.keep_global_batch = keep_global_batch
+        #: How this generation makes the job's global batch, once the loader is set up.
+        self.batch_plan: BatchPlan | None = None
+        self._global_batch: int | None = None
+        self._configured: tuple[int, int] | None = None  # the script's (batch, accumulation)
+        self._sampler: _EpochSampler | None = None
+        self._position_applied = False
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if (
+            trainer is None
+            or trainer.state.fn != TrainerFn.FITTING
+            or trainer.state.stage != RunningStage.TRAINING
+        ):
+            return dataloader
+        if (
+            not isinstance(dataloader, DataLoader)
+            or has_iterable_dataset(dataloader)
+            or dataloader.batch_size is None
+        ):
+            log.warning(
+                "rallypoint: the training data is not a map-style DataLoader with a batch_size;"
+                " neither its position nor the global batch is kept across world changes"
+            )
+            return dataloader
+        return self._elastic_loader(trainer, dataloader)
+
+    def _elastic_loader(self, trainer: pl.Trainer, loader: DataLoader[Any]) -> DataLoader[Any]:
+        """``loader`` with this generation's per-device batch and, unless ``elastic_data``
+        is off, an :class:`ElasticSampler` at the restored position; sets the Trainer's
+        accumulation and, on a resume, Lightning's batch counter to match."""
+        assert loader.batch_size is not None
+        if self._configured is None:  # the script's values, before a plan changed them
+            self._configured = (loader.batch_size, trainer.accumulate_grad_batches)
+        micro, accumulation = self._configured
+        saved = self.session.data if not self._position_applied else None
+        ranks = self.distributed_sampler_kwargs
+        world, rank = int(ranks["num_replicas"]), int(ranks["rank"])
+        plan = self._plan(saved, world, micro, accumulation)
+        trainer.accumulate_grad_batches = plan.accumulation
+        self._position_applied = True
+
+        old = loader.sampler
+        known = isinstance(old, (DistributedSampler, RandomSampler, SequentialSampler))
+        if not self.elastic_data or not known or type(loader.batch_sampler) is not BatchSampler:
+            if self.elastic_data:
+                log.warning(
+                    "rallypoint: the training loader's %s is kept; its position is its own",
+                    type(old).__name__,
+                )
+            return _rebuilt(loader, old, plan.micro_batch)
+
+        shuffle = (
+            old.shuffle
+            if isinstance(old, DistributedSampler)
+            else not isinstance(old, SequentialSampler)
+        )
+        seed = old.seed if isinstance(old, DistributedSampler) else 0
+        length = len(loader.dataset)  # type: ignore[arg-type]
+        sampler = _EpochSampler(
+            length,
+            rank=rank,
+            world_size=world,
+            shuffle=shuffle,
+            seed=seed,
+            batch_size=plan.micro_batch,
+        )
+        self._sampler = sampler
+        epoch = cast(_ProcessedTracker, trainer.fit_loop.epoch_progress.current).processed
+        state = saved.get("sampler") if saved is not None else None
+        if state is None:
+            sampler.set_epoch(epoch)
+            return _rebuilt(loader, sampler, plan.micro_batch)
+        epoch, consumed, counted = resume_position(
+            state, length=length, epoch=epoch, per_batch=plan.micro_batch * world
+        )
+        sampler.load_state_dict({**state, "epoch": epoch, "consumed": consumed})
+        sampler.counted = counted or 0
+        rebuilt = _rebuilt(loader, sampler, plan.micro_batch)
+        # Lightning's counter is in the saving world's batches; put it in this world's,
+        # at the same samples, so that the epoch ends when the data does.
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        shift = (len(rebuilt) if counted is None else counted) - progress.current.ready
+        for tracker in cast(list[_ProcessedTracker], [progress.current, progress.total]):
+            tracker.ready += shift
+            tracker.started += shift
+            tracker.processed += shift
+            tracker.completed += shift
+        log.info(
+            "rallypoint: epoch %d resumes at sample %d of %d (%d of this world's batches in)",
+            epoch,
+            consumed,
+            length,
+            sampler.counted,
+        )
+        return rebuilt
+
+    def _plan(
+        self, saved: dict[str, Any] | None, world: int, micro: int, accumulation: int
+    ) -> BatchPlan:
+        if self.batch_plan is not None:  # the loader reloaded: same generation, same plan
+            return self.batch_plan
+        mine = BatchPlan(micro * accumulation * world, world, micro, accumulation)
+        if saved is not None and "global_batch" in saved:
+            self._global_batch = int(saved["global_batch"])
+        else:  # the first generation fixes the job's global batch
+            self._global_batch = mine.global_batch
+        if self.keep_global_batch:
+            plan = plan_batch(self._global_batch, world, micro_batch=micro)
+        else:
+            plan = mine
+            if plan.global_batch != self._global_batch:
+                log.warning(
+                    "rallypoint: keep_global_batch=False: %d samples per step, not the job's %d;"
+                    " an epoch takes %.4gx the steps it did, and max_steps and step-based"
+                    " schedules count these steps",
+                    plan.global_batch,
+                    self._global_batch,
+                    self._global_batch / plan.global_batch,
+                )
+        log.info("rallypoint: %s", plan.describe())
+        self.batch_plan = plan
+        return plan
+
+    def _with_data(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """``checkpoint`` with the job's global batch and the data position."""
+        data: dict[str, Any] = {}
+        if self._global_batch is not None and self.batch_plan is not None:
+            data["global_batch"] = self._global_batch
+            data["plan"] = dataclasses.asdict(self.batch_plan)
+        module = self.lightning_module
+        if self._sampler is not None and module is not None:
+            trainer = module.trainer
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            consumed = self._sampler.consumed_after(
+                progress.current.ready,
+                accumulation=trainer.accumulate_grad_batches,
+                last=progress.is_last_batch,
+            )
+            data["sampler"] = {**self._sampler.state_dict(), "consumed": consumed}
+        return {**checkpoint, DATA_KEY: data} if data else checkpoint
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         super().on_exception(exception)
@@ -382,6 +647,16 @@ class RallypointDDPStrategy(_Rallypoint, DDPStrategy):
 
     Args:
         client, policy: See :class:`RallypointCheckpointIO`.
+        elastic_data: Replace the ``DistributedSampler`` Lightning would install with an
+            :class:`~rallypoint.trainer.ElasticSampler` whose position (epoch, samples
+            trained) is saved in every version and resumed exactly at any world size.
+            False: Lightning's sampler, and its own (world-dependent) batch counter.
+        keep_global_batch: Keep the job's global batch (per-device batch x accumulation x
+            ranks, fixed by the first generation) at every world size, through
+            :func:`~rallypoint.trainer.plan_batch`; a world that cannot split it raises
+            :class:`~rallypoint.trainer.errors.WorldSizeError` before training. False: the
+            per-device batch and accumulation as the script set them.
+        **kwargs: ``DDPStrategy``'s.
     """
 
     def __init__(
@@ -389,12 +664,15 @@ class RallypointDDPStrategy(_Rallypoint, DDPStrategy):
         client: ElasticClient | None = None,
         *,
         policy: SavePolicy | None = None,
+        elastic_data: bool = True,
+        keep_global_batch: bool = True,
         **kwargs: Any,
     ) -> None:
         io = RallypointCheckpointIO(client, policy=policy)
         super().__init__(checkpoint_io=io, **kwargs)
         self.session = io.session
         self.preemption = RallypointPreemption(self.session)
+        self._init_data(elastic_data, keep_global_batch)
 
     @property
     @override
@@ -407,6 +685,7 @@ class RallypointDDPStrategy(_Rallypoint, DDPStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         # Every rank: DCP plans the save together (and writes replicated tensors once).
+        checkpoint = self._with_data(checkpoint)
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
 
@@ -424,6 +703,8 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
             (the world changes from one generation to the next).
         tensor_parallel_size: 1 unless the model is tensor-parallel.
         client, policy: See :class:`RallypointCheckpointIO`.
+        elastic_data, keep_global_batch: See :class:`RallypointDDPStrategy` (ranks are
+            the data-parallel ones).
         **kwargs: ``ModelParallelStrategy``'s.
     """
 
@@ -434,11 +715,14 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
         client: ElasticClient | None = None,
         *,
         policy: SavePolicy | None = None,
+        elastic_data: bool = True,
+        keep_global_batch: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(data_parallel_size, tensor_parallel_size, **kwargs)
         self.session = Session(client, policy=policy)
         self.preemption = RallypointPreemption(self.session)
+        self._init_data(elastic_data, keep_global_batch)
 
     @override
     def setup_environment(self) -> None:
@@ -452,7 +736,7 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         persist = bool(isinstance(storage_options, dict) and storage_options.get("persist"))
-        self.session.save(checkpoint, filepath, persist=persist)
+        self.session.save(self._with_data(checkpoint), filepath, persist=persist)
 
     @override
     def load_checkpoint(

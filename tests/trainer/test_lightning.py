@@ -4,7 +4,10 @@ synthetic CIFAR-shaped data), and failures.
 
 Each run checks that every rank resumed from the version the coordinator named, that the
 state it resumed with hashes like the state saved at that step, and that a folder with
-a newer-looking ``last.ckpt`` changed nothing.
+a newer-looking ``last.ckpt`` changed nothing. The elastic-data runs count, from the
+indices every rank logged for every batch it trained, which samples of each epoch were
+trained and how often, across a shrink and a growth of the world; and a run through a
+node's SIGKILL with a replacement must end bit-for-bit where an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +25,48 @@ import pytest
 import torch
 
 from rallypoint.cli.fake_imds import FakeImds
-from rallypoint.cli.processes import Cluster, Coordinator, example_script, judge
+from rallypoint.cli.processes import Cluster, Coordinator, Event, example_script, judge
+from rallypoint.trainer._lightning import _EpochSampler, resume_position
 
 from .._support import status
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 STEPS = 30
 
 
+def test_a_resumed_sampler_counts_the_batches_lightning_already_did() -> None:
+    # 480 samples, 2 ranks of 8: 30 batches an epoch, 10 of them counted before a resume.
+    sampler = _EpochSampler(480, rank=1, world_size=2, shuffle=True, seed=3, batch_size=8)
+    sampler.load_state_dict({**sampler.state_dict(), "consumed": 160})
+    sampler.counted = 10
+    assert len(sampler) == 240  # 10 counted batches of 8 + the 160 samples left to this rank
+    assert len(list(sampler)) == 160
+    full = _EpochSampler(480, rank=1, world_size=2, shuffle=True, seed=3, batch_size=8)
+    assert list(sampler) == list(full)[80:]  # the epoch's order, from where it stood
+    # 3 batches a step: at 15, 5 batches of 2 ranks x 8 past the counted ones went into
+    # steps; at 14, only 2 (the batches of an unfinished step do not count).
+    assert sampler.consumed_after(15, accumulation=3, last=False) == 160 + 5 * 16
+    assert sampler.consumed_after(14, accumulation=3, last=False) == 160 + 2 * 16
+    assert sampler.consumed_after(17, accumulation=3, last=True) == 480
+    sampler.set_epoch(1)
+    assert (sampler.counted, sampler.consumed, len(sampler)) == (0, 0, 240)
+
+
+def test_resume_position_puts_lightnings_counter_in_this_worlds_batches() -> None:
+    saved = {"epoch": 2, "consumed": 144}
+    # Saved by 3 ranks of 8 (6 batches in); 2 ranks of 8 are 9 batches in.
+    assert resume_position(saved, length=480, epoch=2, per_batch=16) == (2, 144, 9)
+    # The epoch was over: the next one from its start, the counter at a whole epoch.
+    assert resume_position({"epoch": 2, "consumed": 480}, length=480, epoch=2, per_batch=16) == (
+        3,
+        0,
+        None,
+    )
+    assert resume_position(saved, length=480, epoch=3, per_batch=16) == (3, 0, None)
+
+
+@pytest.mark.e2e
 def test_importing_the_trainer_package_imports_no_framework() -> None:
     code = 'import sys, rallypoint.trainer; assert "lightning" not in sys.modules'
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -56,8 +94,8 @@ def lightning_cluster(
     events = tmp_path / f"{job}.events.jsonl"
     script = [
         str(example_script().with_name("train_lightning.py")),
-        *("--strategy", strategy, "--steps", str(STEPS), "--batch-size", "16"),
-        *("--samples", "1024", "--checkpoint-every", "4", "--step-time", "0.05"),
+        *("--strategy", strategy, "--steps", str(STEPS), "--batch-size", "12"),
+        *("--samples", "960", "--checkpoint-every", "4", "--step-time", "0.05"),
         *("--events", str(events), "--digests"),
         *("--checkpoint-dir", str(stale_folder(tmp_path / "stale"))),
         *extra,
@@ -103,18 +141,21 @@ def kill_a_node_mid_run(coordinator: Coordinator, tmp_path: Path, strategy: str)
     assert 4 <= pointer["step"] < STEPS  # resumed mid-run, not from the stale 10,000
 
 
+@pytest.mark.e2e
 def test_lightning_ddp_resumes_from_the_coordinator_after_a_node_is_killed(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
     kill_a_node_mid_run(coordinator, tmp_path, "ddp")
 
 
+@pytest.mark.e2e
 def test_lightning_fsdp2_resumes_resharded_after_a_node_is_killed(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
     kill_a_node_mid_run(coordinator, tmp_path, "model-parallel")
 
 
+@pytest.mark.e2e
 def test_lightning_cifar_miniature_loses_no_step_to_a_preemption_notice(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
@@ -152,3 +193,178 @@ def test_lightning_cifar_miniature_loses_no_step_to_a_preemption_notice(
     assert [e["digest"] for e in resumed] == [saved[pointer["step"]]] * 2
     versions = httpx.get(f"{coordinator.url}/v1/jobs/lit-preempt/checkpoints", timeout=10).json()
     assert "memory" in {v["durability"] for v in versions}  # routine ones stayed in memory
+
+
+SAMPLES = 480  # 10 steps an epoch of the global batch below
+GLOBAL_BATCH = 48  # the first generation's 3 ranks x 8 per device x 2 accumulation steps
+ELASTIC_STEPS = 30  # 3 epochs
+
+
+def elastic_cluster(
+    coordinator: Coordinator, job: str, tmp_path: Path, nnodes: str, steps: int, *extra: str
+) -> Cluster:
+    events = tmp_path / f"{job}.events.jsonl"
+    script = [
+        str(example_script().with_name("train_lightning.py")),
+        *("--steps", str(steps), "--batch-size", "8", "--accumulate", "2"),
+        *("--samples", str(SAMPLES), "--checkpoint-every", "3", "--step-time", "0.05"),
+        *("--events", str(events), "--digests", "--log-samples", *extra),
+    ]
+    cluster = Cluster(coordinator.url, job, tmp_path, nnodes=nnodes, script=script)
+    cluster.events_file = events
+    return cluster
+
+
+def kept_batches(log: Sequence[Event]) -> tuple[list[Event], list[Event]]:
+    """The batches whose steps the run kept, and those of steps a restart rolled back
+    (trained after the version the next generation resumed from)."""
+    resumed_at = {e["generation"]: e["step"] for e in log if e["event"] == "resumed"}
+    kept, lost = [], []
+    for e in (e for e in log if e["event"] == "batch"):
+        later = [step for g, step in resumed_at.items() if g > e["generation"]]
+        (lost if later and e["step"] >= min(later) else kept).append(e)
+    return kept, lost
+
+
+def sample_counts(batches: Sequence[Event]) -> dict[int, Counter[int]]:
+    """How often each sample was trained, by epoch."""
+    counts: dict[int, Counter[int]] = {}
+    for e in batches:
+        counts.setdefault(e["epoch"], Counter()).update(e["indices"])
+    return counts
+
+
+def first_step(cluster: Cluster, generation: int, step: int) -> None:
+    cluster.wait_for(
+        lambda e: e["event"] == "step" and e["generation"] >= generation and e["step"] >= step,
+        timeout=150,
+    )
+
+
+def shrink_then_grow(
+    coordinator: Coordinator, tmp_path: Path, strategy: str, *extra: str
+) -> tuple[list[Event], list[dict[str, Any]], dict[str, int]]:
+    """3 nodes of one process, one SIGKILLed mid-epoch 0, a new one mid-epoch 1: the
+    events, the job's history and the agents' exit statuses."""
+    job = f"lit-elastic-{strategy}"
+    # Paced so that node d's agent starts and joins while there are steps left to train.
+    pace = ("--strategy", strategy, "--step-time", "0.3", *extra)
+    cluster = elastic_cluster(coordinator, job, tmp_path, "2:3", ELASTIC_STEPS, *pace)
+    try:
+        for node in ("a", "b", "c"):
+            cluster.add(node)
+        first_step(cluster, 1, 5)
+        cluster.kill("c")  # 3 ranks -> 2, no replacement
+        first_step(cluster, 2, 8)
+        cluster.add("d")  # 2 -> 3
+        cluster.wait_for(lambda e: e["event"] == "resumed" and e["generation"] == 3)
+        codes = cluster.wait(timeout=200)
+    finally:
+        cluster.stop()
+    return cluster.events(), status(coordinator, job)["history"], codes
+
+
+def check_elastic_run(
+    log: list[Event], history: list[dict[str, Any]], codes: dict[str, int]
+) -> None:
+    steps = ELASTIC_STEPS
+    assert [g["world_size"] for g in history] == [3, 2, 3], history
+    verdict = judge(log, history)
+    assert verdict.consistent, verdict.problems
+    assert verdict.final_step == steps, codes
+    assert all(code == 0 for node, code in codes.items() if node != "c"), codes
+    saved = {e["step"]: e["digest"] for e in log if e["event"] == "saving"}
+    resumed = [e for e in log if e["event"] == "resumed"]
+    for generation, world, accumulation in ((1, 3, 2), (2, 2, 3), (3, 3, 2)):
+        mine = [e for e in resumed if e["generation"] == generation]
+        assert len(mine) == world
+        for e in mine:  # the global batch kept: more accumulation steps on fewer ranks
+            assert e["plan"] == {
+                "global_batch": GLOBAL_BATCH,
+                "world_size": world,
+                "micro_batch": 8,
+                "accumulation": accumulation,
+            }
+            assert e["batches"] == 10 * accumulation  # the same 10 steps an epoch
+            if generation > 1:
+                pointer = history[generation - 1]["checkpoint"]
+                assert (e["version"], e["step"]) == (pointer["version"], pointer["step"])
+                assert e["digest"] == saved[pointer["step"]]
+                assert pointer["step"] % 10, "the test means to resume mid-epoch"
+    kept, lost = kept_batches(log)
+    counts = sample_counts(kept)
+    assert sorted(counts) == [0, 1, 2]
+    for epoch, count in counts.items():
+        repeated = sum(n - 1 for n in count.values() if n > 1)
+        never = SAMPLES - len(count)
+        print(f"epoch {epoch}: {repeated} repeated, {never} never trained")
+        assert (repeated, never) == (0, 0), epoch
+    by_step: dict[int, int] = Counter()
+    for e in kept:
+        by_step[e["step"]] += len(e["indices"])
+    assert by_step == dict.fromkeys(range(steps), GLOBAL_BATCH)  # every step 48 samples
+    epochs = {e["step"]: e["epoch"] for e in kept}
+    assert [list(epochs.values()).count(epoch) for epoch in (0, 1, 2)] == [10, 10, 10]
+    print(f"{len(lost)} batches of rolled-back steps re-done")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_ddp_trains_each_sample_once_an_epoch_through_a_shrink_and_a_growth(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    check_elastic_run(*shrink_then_grow(coordinator, tmp_path, "ddp"))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_ddp_through_a_node_kill_ends_bit_identical_to_an_uninterrupted_run(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    steps = 20
+    clean = elastic_cluster(coordinator, "lit-clean", tmp_path, "2:2", steps)
+    killed = elastic_cluster(coordinator, "lit-killed", tmp_path, "2:2", steps)
+    try:
+        for node in ("u", "v"):
+            clean.add(node)
+        for node in ("a", "b"):
+            killed.add(node)
+        first_step(killed, 1, 8)
+        killed.kill("b")
+        killed.add("b2")  # a replacement: the same world size
+        codes = {**killed.wait(timeout=200), **clean.wait(timeout=200)}
+    finally:
+        killed.stop()
+        clean.stop()
+    assert codes == {"a": 0, "b": -9, "b2": 0, "u": 0, "v": 0}
+    history = status(coordinator, "lit-killed")["history"]
+    assert [g["world_size"] for g in history] == [2, 2], history
+    runs = {}
+    for name, cluster in (("clean", clean), ("killed", killed)):
+        log = cluster.events()
+        kept, lost = kept_batches(log)
+        finished = {e["digest"] for e in log if e["event"] == "finished"}
+        assert len(finished) == 1  # every rank alike
+        runs[name] = (
+            {(e["rank"], e["step"], e["batch"]): (e["indices"], e["loss"]) for e in kept},
+            lost,
+            finished,
+        )
+    (clean_batches, _, clean_digest), (killed_batches, lost, killed_digest) = (
+        runs["clean"],
+        runs["killed"],
+    )
+    assert lost, "the kill rolled no step back"
+    assert len(clean_batches) == steps * 2 * 2  # 2 ranks x 2 accumulation steps
+    assert killed_batches == clean_batches  # every batch's samples and loss, bit for bit
+    for e in lost:  # the rolled-back steps, trained again alike
+        assert clean_batches[(e["rank"], e["step"], e["batch"])] == (e["indices"], e["loss"])
+    assert killed_digest == clean_digest  # the final model and optimizer state
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_fsdp2_trains_each_sample_once_an_epoch_through_a_shrink_and_a_growth(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    check_elastic_run(*shrink_then_grow(coordinator, tmp_path, "model-parallel"))

@@ -8,12 +8,19 @@ strategy resumes from the coordinator's version and saves through its tiers::
 
 ``--strategy model-parallel`` shards the same network with FSDP2 (``fully_shard`` in
 ``configure_model``) under ``RallypointModelParallelStrategy``. The data is synthetic
-(random 32x32x3 images around a pattern per class): nothing is downloaded.
+(random 32x32x3 images around a pattern per class): nothing is downloaded. Each item
+carries its index, which ``--log-samples`` writes down for every batch a rank trains: the
+tests count from it which samples of each epoch were trained, and how often.
+
+The loader is a plain ``DataLoader(..., shuffle=True)``: the strategy replaces its
+sampler with an ``ElasticSampler`` and keeps the global batch (``--batch-size`` x
+``--accumulate`` x the first generation's ranks) at every world size.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -26,11 +33,24 @@ import xxhash
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 from rallypoint.trainer import SavePolicy
 from rallypoint.trainer.examples.train_ddp import SmallCNN, synthetic_cifar
 from rallypoint.trainer.lightning import RallypointDDPStrategy, RallypointModelParallelStrategy
+
+
+class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """Images and labels, each item with its own index."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
+        self.images, self.labels = images, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.images[i], self.labels[i], i
 
 
 class Classifier(L.LightningModule):
@@ -50,8 +70,10 @@ class Classifier(L.LightningModule):
                     fully_shard(layer, mesh=mesh)
             fully_shard(self.model, mesh=mesh)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
-        x, y = batch
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], index: int
+    ) -> torch.Tensor:
+        x, y, _ = batch
         loss: torch.Tensor = nn.functional.cross_entropy(self.model(x), y)
         return loss
 
@@ -103,8 +125,11 @@ def saves_back(state: Any) -> bool:
 class Events(L.Callback):
     """Appends what happened to a JSON-lines file (the tests' ``judge`` reads it)."""
 
-    def __init__(self, path: str | None, digests: bool, step_time: float) -> None:
+    def __init__(self, path: str | None, digests: bool, step_time: float, samples: bool) -> None:
         self.path, self.digests, self.step_time = path, digests, step_time
+        self.samples = samples
+        self.step = 0
+        self.final: str | None = None  # the digest when training ended
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.generation = int(os.environ.get("RALLYPOINT_GENERATION", "0"))
@@ -125,8 +150,11 @@ class Events(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         restored = getattr(trainer.strategy, "restored", None)
+        plan = getattr(trainer.strategy, "batch_plan", None)
         self.event(
             "resumed",
+            plan=dataclasses.asdict(plan) if plan is not None else None,
+            batches=trainer.num_training_batches,
             version=restored.version if restored else None,
             step=trainer.global_step,  # the next step to run
             saved_by=restored.world_size if restored else None,
@@ -152,14 +180,34 @@ class Events(L.Callback):
             if self.rank == 0:
                 self.event("saving", step=checkpoint["global_step"], digest=value)
 
+    def on_train_batch_start(
+        self, trainer: L.Trainer, module: L.LightningModule, batch: Any, i: int
+    ) -> None:
+        self.step = trainer.global_step  # the optimizer step this batch goes into
+
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
-        self.loss = round(float(outputs["loss"]), 4)
+        loss = float(outputs["loss"])
+        self.loss = round(loss, 4)
+        if self.samples:
+            self.event(
+                "batch",
+                step=self.step,
+                epoch=trainer.current_epoch,
+                batch=i,
+                indices=batch[2].tolist(),
+                accumulation=trainer.accumulate_grad_batches,
+                loss=loss.hex(),  # exact, for bit-for-bit comparisons
+            )
         if self.step_time:
             time.sleep(self.step_time)  # paces a tiny model so that a test can act mid-run
         if self.rank == 0:
             self.event("step", step=trainer.global_step - 1, loss=self.loss)
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if self.digests:  # every rank: gathering a DTensor is a collective
+            self.final = self.state_digest(trainer)
 
     def on_exception(
         self, trainer: L.Trainer, module: L.LightningModule, exception: BaseException
@@ -188,22 +236,40 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
     parser.add_argument("--events", help="append JSON lines of what happened to this file")
     parser.add_argument("--digests", action="store_true", help="hash the state at saves/loads")
+    parser.add_argument("--log-samples", action="store_true", help="log each batch's indices")
+    parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
+    parser.add_argument("--num-workers", type=int, default=0, help="the DataLoader's")
+    parser.add_argument(
+        "--no-elastic-data", action="store_true", help="keep Lightning's DistributedSampler"
+    )
+    parser.add_argument(
+        "--keep-per-device-batch",
+        action="store_true",
+        help="keep --batch-size and --accumulate at every world size (not the global batch)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     torch.manual_seed(0)  # the same initial weights on every rank
     policy = SavePolicy(persist_every=args.persist_every, progress=False)
     strategy: L.pytorch.strategies.Strategy
+    elastic, keep = not args.no_elastic_data, not args.keep_per_device_batch
     if args.strategy == "ddp":
-        strategy = RallypointDDPStrategy(policy=policy)
+        strategy = RallypointDDPStrategy(
+            policy=policy, elastic_data=elastic, keep_global_batch=keep
+        )
     else:
-        strategy = RallypointModelParallelStrategy(policy=policy)
-    events = Events(args.events, args.digests, args.step_time)
+        strategy = RallypointModelParallelStrategy(
+            policy=policy, elastic_data=elastic, keep_global_batch=keep
+        )
+    events = Events(args.events, args.digests, args.step_time, args.log_samples)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         strategy=strategy,
         max_steps=args.steps,
+        max_epochs=-1,  # max_steps alone ends the run
+        accumulate_grad_batches=args.accumulate,
         callbacks=[
             events,
             ModelCheckpoint(
@@ -218,10 +284,15 @@ def main() -> None:
         logger=False,
     )
     images, labels = synthetic_cifar(args.samples, 0)
-    data = DataLoader(TensorDataset(images, labels), batch_size=args.batch_size, shuffle=True)
+    loader = DataLoader(
+        Indexed(images, labels),
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.num_workers,
+    )
     module = Classifier(args.lr, shard=args.strategy == "model-parallel")
-    trainer.fit(module, data, ckpt_path=args.ckpt_path)
-    events.event("finished", step=trainer.global_step, loss=events.loss)
+    trainer.fit(module, loader, ckpt_path=args.ckpt_path)
+    events.event("finished", step=trainer.global_step, loss=events.loss, digest=events.final)
 
 
 if __name__ == "__main__":
