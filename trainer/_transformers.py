@@ -13,36 +13,204 @@ in the same version.
 The Trainer's own loaders still read two small files, so a restore writes them into a
 scratch folder it then names as the checkpoint: ``trainer_state.json`` and this rank's
 ``rng_state_R.pth``, both from the version.
+
+The data position and the global batch are part of the version too (issue 33). The
+Trainer resumes data by skipping ``global_step`` batches per rank of the *new* world
+(``skip_first_batches``, which iterates them), so a job that resumes on fewer nodes
+trains samples twice and moves ``max_steps`` and the schedule with the world. Here the
+Trainer's sampler is a global :class:`ElasticSampler` over whole global batches, which
+starts at the saved sample position (accelerate deals its batches round-robin to the
+ranks, so every optimizer step takes the next ``global_batch`` samples of the epoch's
+order at any world size), and the per-device batch and accumulation steps are planned
+(:func:`plan_batch`) so that the global batch, the steps per epoch and ``max_steps``
+stay what the job started with.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
+import math
 import os
 import random
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.utils.data import IterableDataset, Sampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from rallypoint.client import ElasticClient
 
+from ._batch import BatchPlan, plan_batch
 from ._pack import pack, unpack
 from ._preemption import PreemptionWatcher
+from ._sampler import ElasticSampler
 from .checkpoint import CheckpointManager, Restored, SaveHandle, SavePolicy
 
-__all__ = ["PreemptionCallback", "RallypointTrainer"]
+__all__ = [
+    "EpochSampler",
+    "PreemptionCallback",
+    "RallypointTrainer",
+    "horizon_steps",
+    "job_batch_plan",
+]
 
 log = logging.getLogger("rallypoint.trainer")
 
 TRAINER_STATE = "trainer_state.json"
 SCHEDULER = "scheduler.pt"
+#: The version's data part: the sampler's position, the job's global batch, the samples
+#: trained and the job's horizon in samples (JSON).
+DATA = "rallypoint_data.json"
+#: The Trainer's sampling strategies the elastic sampler replaces; the others
+#: (``group_by_length``, ``batch_rebalance``) order batches by length and keep theirs.
+_ELASTIC_STRATEGIES = ("random", "sequential")
+
+
+class EpochSampler(Sampler[int]):
+    """The Trainer's *global* sampler: an epoch's order, from a saved position, in
+    whole global batches.
+
+    Wraps ``ElasticSampler(length, rank=0, world_size=1, batch_size=global_batch)``:
+    accelerate's ``BatchSamplerShard`` cuts what it yields into per-device batches and
+    deals them round-robin to the ranks, so the ``k``-th optimizer step at any world size
+    trains samples ``[k * global_batch, (k + 1) * global_batch)`` of what remains, and
+    :meth:`advance` after each step keeps the position in samples, world-independent.
+
+    An epoch is ``length // global_batch`` steps of exactly ``global_batch`` samples:
+    the last ``length % global_batch`` samples of each epoch's order are not trained (as
+    ``drop_last``), so the steps per epoch do not depend on how the world splits the
+    batch. ``len()`` is the whole epoch's, wherever the position is, because the Trainer
+    derives the steps per epoch and ``max_steps`` from it.
+
+    Args:
+        length: The dataset's length.
+        global_batch: Samples per optimizer step, all ranks together.
+        shuffle: A seeded permutation per epoch rather than ``0, 1, ...``.
+        seed: The shuffle seed (epoch ``e`` uses ``seed + e``).
+
+    Raises:
+        ValueError: The dataset is smaller than one global batch.
+    """
+
+    def __init__(self, length: int, *, global_batch: int, shuffle: bool, seed: int) -> None:
+        super().__init__()
+        if length < global_batch:
+            raise ValueError(
+                f"the training set has {length} samples, fewer than one global batch "
+                f"({global_batch})"
+            )
+        self.global_batch = global_batch
+        self.epoch_samples = length // global_batch * global_batch
+        self.position = ElasticSampler(
+            length, rank=0, world_size=1, shuffle=shuffle, seed=seed, batch_size=global_batch
+        )
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self.position.epoch
+
+    @property
+    def consumed(self) -> int:
+        """Samples of this epoch's order trained, all ranks together."""
+        return self.position.consumed
+
+    @property
+    def finished(self) -> bool:
+        """Whether this epoch has no whole global batch left."""
+        return self.position.consumed + self.global_batch > self.epoch_samples
+
+    def __len__(self) -> int:
+        """The whole epoch's samples (what the Trainer counts steps per epoch from)."""
+        return self.epoch_samples
+
+    def __iter__(self) -> Iterator[int]:
+        """Yields the epoch's samples from the position, up to the last whole batch."""
+        left = max(0, self.epoch_samples - self.position.consumed)
+        # ElasticSampler slices the permutation at the position: O(1) in it.
+        return itertools.islice(iter(self.position), left)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Moves to ``epoch``'s start, or keeps the position if it is the current one."""
+        self.position.set_epoch(epoch)
+
+    def advance(self) -> None:
+        """Records one optimizer step: ``global_batch`` more samples trained."""
+        self.position.advance(1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (:meth:`ElasticSampler.state_dict`), the same at any world."""
+        return self.position.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a position saved at any world size; moves past a finished epoch.
+
+        Raises:
+            ValueError: ``state`` is of another dataset, seed or order.
+        """
+        self.position.load_state_dict(state)
+        if self.finished:
+            self.position.set_epoch(self.position.epoch + 1)
+
+
+def job_batch_plan(
+    world_size: int,
+    *,
+    micro_batch: int,
+    accumulation: int,
+    keep_global_batch: bool = True,
+    global_batch: int | None = None,
+    saved_global_batch: int | None = None,
+) -> BatchPlan:
+    """The batch plan of one generation of a job.
+
+    The job's global batch is ``global_batch`` if given, else the one saved in the
+    version being resumed, else the configuration's at this (the first) generation:
+    ``micro_batch x accumulation x world_size``.
+
+    Args:
+        world_size: Data-parallel ranks of this generation.
+        micro_batch: The configured per-device batch: the most a device takes.
+        accumulation: The configured accumulation steps.
+        keep_global_batch: Keep the job's global batch (:func:`plan_batch`); False:
+            keep ``micro_batch`` and ``accumulation``, and the global batch follows
+            the world.
+        global_batch: An explicit global batch.
+        saved_global_batch: The global batch of the version being resumed.
+
+    Returns:
+        The plan.
+
+    Raises:
+        WorldSizeError: ``keep_global_batch`` and ``world_size`` cannot split the
+            job's global batch.
+    """
+    if not keep_global_batch:
+        return BatchPlan(
+            micro_batch * accumulation * world_size, world_size, micro_batch, accumulation
+        )
+    target = global_batch or saved_global_batch or micro_batch * accumulation * world_size
+    if global_batch and saved_global_batch and global_batch != saved_global_batch:
+        log.warning(
+            "global_batch_size=%d, but the job was training with %d: the schedule's "
+            "steps per epoch change",
+            global_batch,
+            saved_global_batch,
+        )
+    return plan_batch(target, world_size, micro_batch=micro_batch)
+
+
+def horizon_steps(step: int, *, samples: int, horizon: int, global_batch: int) -> int:
+    """``max_steps`` that trains the job's ``horizon`` samples, ``samples`` of them done
+    by ``step``, at ``global_batch`` samples a step from here on."""
+    return step + max(0, math.ceil((horizon - samples) / global_batch))
 
 
 class PreemptionCallback(TrainerCallback):
@@ -85,6 +253,20 @@ class RallypointTrainer(Trainer):
             ``persist_every``, ``if_busy``, ...).
         watch_preemption: Watch for a preemption notice (Scheduled Events, SIGTERM) and
             take an emergency version at the next step, then leave.
+        elastic_data: Install the elastic sampler (:class:`EpochSampler`): the data
+            position is saved in samples and a resume at any world size trains the
+            rest of the epoch, in its order, once. False: the Trainer's own sampler
+            and its batch skipping (exact only at the same world size).
+        keep_global_batch: Keep the job's global batch at every world size, planning
+            ``per_device_train_batch_size`` (at most the configured one) and
+            ``gradient_accumulation_steps`` per generation; a world that cannot split
+            it raises :class:`~rallypoint.trainer.errors.WorldSizeError` before
+            training. False: keep the per-device batch; the global batch follows the
+            world and ``max_steps`` is recomputed at a resume to train the same number
+            of samples (logged as a warning).
+        global_batch_size: The job's global batch; default: the configuration's at the
+            first generation (per-device batch x accumulation x world), saved in every
+            version and read back at a resume.
 
     Attributes:
         checkpoints: The manager.
@@ -92,6 +274,9 @@ class RallypointTrainer(Trainer):
         emergency: The next save (or the one in progress, while callbacks' ``on_save``
             runs) is the emergency one.
         last_save: The last save's handle (its ``blocked`` time and the version).
+        batch_plan: This generation's plan (set by ``train()``).
+        sampler: The elastic sampler of this generation's loader; None with
+            ``elastic_data=False`` or a dataset it does not fit.
     """
 
     def __init__(
@@ -100,6 +285,9 @@ class RallypointTrainer(Trainer):
         rallypoint_client: ElasticClient | None = None,
         checkpoint_policy: SavePolicy | None = None,
         watch_preemption: bool = True,
+        elastic_data: bool = True,
+        keep_global_batch: bool = True,
+        global_batch_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -111,6 +299,20 @@ class RallypointTrainer(Trainer):
         self.emergency = False
         self.last_save: SaveHandle | None = None
         self._scratch: str | None = None
+        self.elastic_data = elastic_data
+        self.keep_global_batch = keep_global_batch
+        self.global_batch_size = global_batch_size
+        # The configured batch: each generation plans from it, not from the args the
+        # last generation's plan wrote.
+        self._micro_batch = self.args.per_device_train_batch_size
+        self._accumulation = self.args.gradient_accumulation_steps
+        self.batch_plan: BatchPlan | None = None
+        self.sampler: EpochSampler | None = None
+        self._data: dict[str, Any] | None = None  # the restored version's DATA
+        self._samples = 0  # samples the job trained, all generations
+        self._horizon: int | None = None  # samples the job trains in all
+        self._rng_from: str | None = None  # the deferred RNG restore's folder
+        self.add_callback(_DataCallback(self))
         self.watcher: PreemptionWatcher | None = None
         if watch_preemption:
             if self.args.enable_jit_checkpoint:
@@ -148,7 +350,7 @@ class RallypointTrainer(Trainer):
             from ._deepspeed import install
 
             ours = install(self.model_wrapped, checkpoints=self.checkpoints)
-            ours.extra = {TRAINER_STATE: trainer_state}
+            ours.extra = {TRAINER_STATE: trainer_state, DATA: self._data_state()}
             if not _deepspeed_scheduler(scheduler):
                 ours.extra[SCHEDULER] = scheduler.state_dict()
             ours.extra_rank = {"rng_state.pth": rng}
@@ -172,6 +374,7 @@ class RallypointTrainer(Trainer):
                 "optimizer": pack(optimizer.state_dict()),
                 "scheduler": pack(scheduler.state_dict()),
                 "trainer_state": pack(trainer_state),
+                "data": pack(self._data_state()),
             }
             self.last_save = self.checkpoints.save(
                 state,
@@ -202,6 +405,10 @@ class RallypointTrainer(Trainer):
         coordinator's version for this generation, or starts afresh if it names none."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = self._restore()
+        elif resume_from_checkpoint:
+            # A Trainer folder holds no sample position: the Trainer's own skipping.
+            self._data = None
+        self._plan(resumed=bool(resume_from_checkpoint))
         return super().train(
             resume_from_checkpoint=resume_from_checkpoint,
             trial=trial,
@@ -216,6 +423,7 @@ class RallypointTrainer(Trainer):
         if self.restored is None:
             return None
         files = self._files()
+        self._data = json.loads(files[DATA]) if files.get(DATA) else None
         self._scratch = tempfile.mkdtemp(prefix="rallypoint-trainer-")
         with open(os.path.join(self._scratch, TRAINER_STATE), "w", encoding="utf-8") as f:
             f.write(files[TRAINER_STATE])
@@ -239,12 +447,15 @@ class RallypointTrainer(Trainer):
 
             return {
                 TRAINER_STATE: unpack(state[file_key(TRAINER_STATE)]),
+                DATA: unpack(state[file_key(DATA)]) if file_key(DATA) in state else None,
                 "rng": unpack(own[file_key("rng_state.pth")])
                 if file_key("rng_state.pth") in own
                 else None,
             }
         return {
             TRAINER_STATE: unpack(state["trainer_state"]),
+            # Versions saved before the data position was: the Trainer's own skipping.
+            DATA: unpack(state["data"]) if "data" in state else None,
             "rng": unpack(own["rng"]) if "rng" in own else None,
         }
 
@@ -297,6 +508,164 @@ class RallypointTrainer(Trainer):
                 optimizer.load_state_dict(unpack(self.restored.state["optimizer"]))
                 scheduler.load_state_dict(unpack(self.restored.state["scheduler"]))
         return model, train_dataloader
+
+    # --- data and batch -----------------------------------------------------------------
+
+    def _plan(self, *, resumed: bool) -> None:
+        """Sets this generation's per-device batch and accumulation steps in the args,
+        before the Trainer builds its loader and computes ``max_steps`` from them."""
+        args, saved = self.args, self._data if resumed else None
+        plan = job_batch_plan(
+            args.world_size,
+            micro_batch=self._micro_batch,
+            accumulation=self._accumulation,
+            keep_global_batch=self.keep_global_batch,
+            global_batch=self.global_batch_size,
+            saved_global_batch=saved["global_batch"] if saved else None,
+        )
+        self.batch_plan = plan
+        args.per_device_train_batch_size = plan.micro_batch
+        args.gradient_accumulation_steps = plan.accumulation
+        # The Trainer copied the per-device batch at __init__.
+        self._train_batch_size = args.train_batch_size
+        if self.is_deepspeed_enabled:
+            # TrainingArguments filled DeepSpeed's batch keys at their creation, and
+            # the engine checks micro x accumulation x world against train_batch_size.
+            config = self.accelerator.state.deepspeed_plugin.hf_ds_config.config
+            config["train_micro_batch_size_per_gpu"] = plan.micro_batch
+            config["gradient_accumulation_steps"] = plan.accumulation
+            config["train_batch_size"] = plan.global_batch
+        self._samples = int(saved["samples"]) if saved else 0
+        self._horizon = saved.get("horizon") if saved else None
+        log.info("%s", plan.describe())
+        if saved and self._horizon and plan.global_batch != saved["global_batch"]:
+            state = json.loads(cast(str, self._files()[TRAINER_STATE]))
+            new = horizon_steps(
+                int(state["global_step"]),
+                samples=self._samples,
+                horizon=int(self._horizon),
+                global_batch=plan.global_batch,
+            )
+            log.warning(
+                "keep_global_batch=False: the global batch changes from %d to %d samples "
+                "with the world; max_steps (the schedule's horizon) changes from %d to %d "
+                "to train the job's %d samples",
+                saved["global_batch"],
+                plan.global_batch,
+                state["max_steps"],
+                new,
+                self._horizon,
+            )
+            args.max_steps = new
+
+    def _data_state(self) -> str:
+        """The version's :data:`DATA` part."""
+        assert self.batch_plan is not None
+        return json.dumps(
+            {
+                "sampler": self.sampler.state_dict() if self.sampler is not None else None,
+                "global_batch": self.batch_plan.global_batch,
+                "samples": self._samples,
+                "horizon": self._horizon,
+            }
+        )
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        """See base class. The elastic sampler, at the restored position."""
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        strategy = self.args.train_sampling_strategy
+        self.sampler = None
+        if not self.elastic_data or self.batch_plan is None:
+            return super()._get_train_sampler(train_dataset)
+        if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
+            log.warning(
+                "elastic_data: the training set has no length; the Trainer's own data order"
+            )
+            return super()._get_train_sampler(train_dataset)
+        if strategy not in _ELASTIC_STRATEGIES:
+            log.warning(
+                "elastic_data: train_sampling_strategy=%r keeps the Trainer's sampler, which "
+                "resumes exactly only at the same world size",
+                strategy,
+            )
+            return super()._get_train_sampler(train_dataset)
+        args = self.args
+        self.sampler = EpochSampler(
+            len(dataset),
+            global_batch=self.batch_plan.global_batch,
+            shuffle=strategy == "random",
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+        )
+        saved = self._data["sampler"] if self._data else None
+        if saved is not None:
+            self.sampler.load_state_dict(saved)
+        return self.sampler
+
+    def _init_training_state(
+        self,
+        max_steps: Any,
+        num_update_steps_per_epoch: Any,
+        num_train_epochs: Any,
+        resume_from_checkpoint: Any,
+        trial: Any,
+    ) -> tuple[int, int]:
+        """See base class. With the elastic sampler, the epoch is the sampler's and no
+        batch is skipped: the sampler starts at the position."""
+        init = cast(Callable[..., tuple[int, int]], super()._init_training_state)
+        epochs, skipped = init(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if self._horizon is None and self.batch_plan is not None:
+            self._horizon = int(max_steps) * self.batch_plan.global_batch
+        if self.sampler is None:
+            return epochs, skipped
+        return self.sampler.epoch, 0
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """See base class. With the elastic sampler the Trainer restores the RNG before
+        it creates the epoch's iterator, which draws its seed from the global RNG; the
+        uninterrupted run drew it at the epoch's start. Mid-epoch, deferred to
+        :meth:`get_batch_samples`, so the next step starts from the saved RNG; at an
+        epoch's start the uninterrupted run draws after it too."""
+        if (
+            self.sampler is not None
+            and self.sampler.consumed > 0
+            and checkpoint is not None
+            and checkpoint == self._scratch
+        ):
+            self._rng_from = checkpoint
+            return
+        super()._load_rng_state(checkpoint)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        """See base class. Restores a deferred RNG state once the loader has drawn."""
+        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._rng_from is not None:
+            folder, self._rng_from = self._rng_from, None
+            super()._load_rng_state(folder)
+        return batches
+
+
+class _DataCallback(TrainerCallback):
+    """Counts each optimizer step's samples into the position, before the Trainer
+    decides to save after the step."""
+
+    def __init__(self, trainer: RallypointTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        plan = self.trainer.batch_plan
+        if plan is not None:
+            log.info("%s; %d optimizer steps in all", plan.describe(), state.max_steps)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        plan, sampler = self.trainer.batch_plan, self.trainer.sampler
+        if plan is not None:
+            self.trainer._samples += plan.global_batch
+        if sampler is not None:
+            sampler.advance()
+            # The Trainer counts the epoch from this generation's first batch.
+            state.epoch = sampler.epoch + sampler.consumed / sampler.epoch_samples
 
 
 def _deepspeed_scheduler(scheduler: Any) -> bool:

@@ -8,6 +8,11 @@ preemption notice, never from the stale ``checkpoint-999`` (and DeepSpeed ``late
 
 The worker logs, on every save, the hash of each rank's model and optimizer state
 (gathered to rank 0), and on every start the same hash as loaded: the test compares them.
+Each item carries its own index, and every rank logs the indices it trained at each
+optimizer step: the tests count from them which samples were trained, and how often.
+
+The unit tests at the top need no processes: the elastic sampler under accelerate's own
+batch sharding, and the batch plan.
 """
 
 from __future__ import annotations
@@ -18,13 +23,99 @@ from typing import Any
 
 import httpx
 import pytest
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler
 
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
+from rallypoint.trainer import ElasticSampler, WorldSizeError
+from rallypoint.trainer._transformers import EpochSampler, horizon_steps, job_batch_plan
 
 from .._support import status
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+# --- no processes ---------------------------------------------------------------------------
+
+
+def _shards(sampler: EpochSampler, world: int, micro: int) -> list[list[list[int]]]:
+    """Each rank's batches, as accelerate's ``prepare_data_loader`` deals the Trainer's
+    global sampler under DDP: a ``BatchSampler`` of per-device batches, round-robin."""
+    return [
+        list(BatchSamplerShard(BatchSampler(sampler, micro, False), world, rank))
+        for rank in range(world)
+    ]
+
+
+def _steps(shards: list[list[list[int]]], accumulation: int) -> list[list[int]]:
+    """The samples of each optimizer step, all ranks together."""
+    count = len(shards[0]) // accumulation
+    return [
+        sorted(
+            i
+            for rank in shards
+            for batch in rank[k * accumulation : (k + 1) * accumulation]
+            for i in batch
+        )
+        for k in range(count)
+    ]
+
+
+def test_epoch_sampler_deals_the_rest_of_the_epoch_once_at_another_world_size() -> None:
+    """3 steps at world 3 (4 per device), the position saved, then the rest at world 2
+    (3 per device x 2 accumulation): each step takes the next 12 samples of the epoch's
+    order, none twice, none skipped; 8 steps per epoch at both (100 // 12: the last 4 of
+    the order are not trained), and the loader's length is the whole epoch's at both."""
+    order = list(ElasticSampler(100, rank=0, world_size=1, seed=7))
+    first = EpochSampler(100, global_batch=12, shuffle=True, seed=7)
+    shards = _shards(first, 3, 4)
+    assert [len(s) for s in shards] == [8, 8, 8]  # the Trainer's steps per epoch x 1
+    before = _steps([s[:3] for s in shards], 1)
+    for _ in before:
+        first.advance()
+    resumed = EpochSampler(100, global_batch=12, shuffle=True, seed=7)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert resumed.consumed == 36 and len(resumed) == 96
+    assert len(BatchSampler(resumed, 3, False)) // 2 == 16  # world 2: 16 batches, 8 steps
+    after = _steps(_shards(resumed, 2, 3), 2)
+    steps = before + after
+    assert len(steps) == 8
+    assert steps == [sorted(order[k * 12 : (k + 1) * 12]) for k in range(8)]
+
+
+def test_epoch_sampler_moves_past_a_finished_epoch_and_refuses_a_tiny_dataset() -> None:
+    """A version saved at an epoch's last step resumes at the next epoch's start; a
+    training set smaller than one global batch is refused, not trained as nothing."""
+    sampler = EpochSampler(30, global_batch=12, shuffle=False, seed=0)
+    sampler.advance()
+    sampler.advance()
+    assert sampler.finished and sampler.consumed == 24
+    resumed = EpochSampler(30, global_batch=12, shuffle=False, seed=0)
+    resumed.load_state_dict(sampler.state_dict())
+    assert (resumed.epoch, resumed.consumed, list(resumed)[:3]) == (1, 0, [0, 1, 2])
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        EpochSampler(11, global_batch=12, shuffle=True, seed=0)
+
+
+def test_job_batch_plan_keeps_the_first_generations_global_batch() -> None:
+    """The job's global batch is the first generation's configuration's (4 x 1 x 3) and
+    then the version's; a world that cannot split it is refused naming those that can;
+    ``keep_global_batch=False`` keeps the per-device batch and recomputes the horizon."""
+    first = job_batch_plan(3, micro_batch=4, accumulation=1)
+    assert (first.global_batch, first.micro_batch, first.accumulation) == (12, 4, 1)
+    shrunk = job_batch_plan(2, micro_batch=4, accumulation=1, saved_global_batch=12)
+    assert (shrunk.global_batch, shrunk.micro_batch, shrunk.accumulation) == (12, 3, 2)
+    assert shrunk.describe() == "global batch 12 = 2 ranks x 3 per device x 2 accumulation steps"
+    with pytest.raises(WorldSizeError, match="1, 2, 3, 4, 6, 12") as caught:
+        job_batch_plan(5, micro_batch=4, accumulation=1, saved_global_batch=12)
+    assert caught.value.valid == [1, 2, 3, 4, 6, 12]
+    explicit = job_batch_plan(4, micro_batch=8, accumulation=1, global_batch=24)
+    assert (explicit.micro_batch, explicit.accumulation) == (6, 1)
+    kept = job_batch_plan(2, micro_batch=4, accumulation=1, keep_global_batch=False)
+    assert (kept.global_batch, kept.micro_batch, kept.accumulation) == (8, 4, 1)
+    # 168 steps of 24 planned; 40 done; at 16 a step, the rest is 192 steps, not 128.
+    assert horizon_steps(40, samples=960, horizon=168 * 24, global_batch=16) == 232
+
+
+# --- under torchrun -------------------------------------------------------------------------
 
 #: DeepSpeed on CPU: its accelerator, and gloo under it; one thread per process.
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -47,6 +138,12 @@ p.add_argument("--step-time", type=float, default=0.0)
 p.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage; 0: DDP")
 p.add_argument("--model", choices=("llama", "bert"), default="llama")
 p.add_argument("--persist-every", type=int, default=1)
+p.add_argument("--items", type=int, default=512)
+p.add_argument("--batch", type=int, default=2, help="per-device batch, as configured")
+p.add_argument("--epochs", type=int, default=0, help="num_train_epochs instead of --steps")
+p.add_argument("--dropout", type=float, default=0.0)
+p.add_argument("--workers", type=int, default=0)
+p.add_argument("--hold", default="", help="WORLD:STEP: a generation of WORLD ranks waits after STEP until its agent restarts it (a node joined)")
 a = p.parse_args()
 
 client = ElasticClient.from_env(); assignment = client.join()
@@ -55,22 +152,40 @@ torch.manual_seed(0)
 V, L = 64, 16
 if a.model == "llama":
     from transformers import LlamaConfig, LlamaForCausalLM
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=L))
-    data = [{"input_ids": torch.arange(i, i + L) % V, "labels": torch.arange(i, i + L) % V} for i in range(512)]
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=L, attention_dropout=a.dropout))
+    # "idx": the item's own index, which the trainer below records per optimizer step
+    item = lambda i: {"idx": i, "input_ids": torch.arange(i, i + L) % V, "labels": torch.arange(i, i + L) % V}
 else:  # masked-LM pretraining of a tiny BERT: every 4th token masked (id 1)
     from transformers import BertConfig, BertForMaskedLM
     model = BertForMaskedLM(BertConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=L))
-    data = []
-    for i in range(512):
+    def item(i):
         ids = (torch.arange(L) * (i % 7 + 1) + i) % (V - 2) + 2
         masked = torch.arange(L) % 4 == i % 4
-        data.append({"input_ids": torch.where(masked, 1, ids), "labels": torch.where(masked, ids, -100)})
+        return {"idx": i, "input_ids": torch.where(masked, 1, ids), "labels": torch.where(masked, ids, -100)}
+
+class Items(torch.utils.data.Dataset):
+    def __len__(self): return a.items
+    def __getitem__(self, i): return item(i)
+data = Items()
 ds = None
 if a.zero:
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True}},
           "zero_optimization": {"stage": a.zero}, "steps_per_print": 10**9}
-args = TrainingArguments(output_dir=a.out, use_cpu=True, max_steps=a.steps, save_steps=a.save_steps, per_device_train_batch_size=2, logging_steps=1, report_to=[], learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=0, deepspeed=ds)
+steps = dict(max_steps=-1, num_train_epochs=a.epochs) if a.epochs else dict(max_steps=a.steps)
+# `rallypoint run` starts this script from a forkserver, which loader workers would
+# inherit: they would run this script again as their __main__.
+context = "fork" if a.workers else None
+args = TrainingArguments(output_dir=a.out, use_cpu=True, save_steps=a.save_steps, per_device_train_batch_size=a.batch, logging_steps=1, report_to=[], learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=a.workers, dataloader_multiprocessing_context=context, deepspeed=ds, remove_unused_columns=False, **steps)
+
+class Recording(RallypointTrainer):
+    # A user's subclass: takes the item indices out of each micro-batch (the model has no
+    # "idx" input) and keeps them, and the exact loss, for the optimizer step's event.
+    trained, losses = [], []
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.trained += inputs.pop("idx").tolist()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.losses.append(float(loss)); return loss
 
 def tensors(value, out):
     if isinstance(value, torch.Tensor):
@@ -108,12 +223,17 @@ class Log(TrainerCallback):
         with open(a.events, "a") as fh: fh.write(json.dumps(line) + "\n")
     def on_train_begin(self, args, state, control, **kw):
         r = trainer.restored
-        self.ev("resumed", version=r.version if r else None, step=state.global_step + 1, digests=digests() if r else None, bytes_from=r.bytes_from if r else None, saves_back=saves_back() if r else None)
+        self.ev("resumed", version=r.version if r else None, step=state.global_step + 1, digests=digests() if r else None, bytes_from=r.bytes_from if r else None, saves_back=saves_back() if r else None, max_steps=state.max_steps, plan=trainer.batch_plan.describe())
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs: self.loss = round(float(logs["loss"]), 5)
     def on_step_end(self, args, state, control, **kw):
         if a.step_time: time.sleep(a.step_time)  # paces a tiny model so that a test can act mid-run
+        self.ev("trained", step=state.global_step, indices=trainer.trained, losses=trainer.losses, micro=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps)
+        trainer.trained, trainer.losses = [], []
         if dist.get_rank() == 0: self.ev("step", step=state.global_step, loss=self.loss)
+        if a.hold and [dist.get_world_size(), state.global_step] == [int(x) for x in a.hold.split(":")]:
+            while True:  # the test's cue to add a node; the agent's SIGTERM ends this
+                time.sleep(0.05)
     def on_save(self, args, state, control, **kw):
         d = digests()
         if dist.get_rank() == 0:
@@ -121,9 +241,9 @@ class Log(TrainerCallback):
             if trainer.emergency:
                 self.ev("emergency", step=state.global_step, version=trainer.last_save.result().version)
     def on_train_end(self, args, state, control, **kw):
-        self.ev("finished", step=state.global_step, loss=self.loss)
+        self.ev("finished", step=state.global_step, loss=self.loss, max_steps=state.max_steps, digests=digests())
 
-trainer = RallypointTrainer(model=model, args=args, train_dataset=data, callbacks=[Log()], checkpoint_policy=SavePolicy(progress=False, persist_every=a.persist_every))
+trainer = Recording(model=model, args=args, train_dataset=data, callbacks=[Log()], checkpoint_policy=SavePolicy(progress=False, persist_every=a.persist_every))
 trainer.train(resume_from_checkpoint=True)
 trainer.checkpoints.close()
 """
@@ -181,6 +301,8 @@ def check_resumes(log: list[Event], history: list[dict[str, Any]], steps: int) -
     return resumed
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
 def test_trainer_ddp_resumes_every_rank_from_the_named_version_after_a_node_is_killed(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
@@ -190,8 +312,9 @@ def test_trainer_ddp_resumes_every_rank_from_the_named_version_after_a_node_is_k
     ``output_dir`` holds a ``checkpoint-999`` ``get_last_checkpoint`` would take."""
     steps = 24
     cluster, _ = hf_cluster(
-        coordinator, "hf-ddp", tmp_path, "2:3", "--steps", str(steps), "--step-time", "0.1"
-    )
+        coordinator, "hf-ddp", tmp_path, "2:3", "--steps", str(steps), "--step-time", "0.1",
+        "--batch", "3",  # global batch 12: 4 ranks x 3, then 3 ranks x 2 x 2 accumulation
+    )  # fmt: skip
     try:
         cluster.add("a", nproc=2, env=ENV)
         cluster.add("b", env=ENV)
@@ -210,6 +333,8 @@ def test_trainer_ddp_resumes_every_rank_from_the_named_version_after_a_node_is_k
     assert sorted(e["rank"] for e in resumed) == [0, 1, 2]
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
 def test_trainer_deepspeed_zero2_resumes_every_rank_after_a_node_is_killed(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
@@ -249,6 +374,8 @@ def test_trainer_deepspeed_zero2_resumes_every_rank_after_a_node_is_killed(
     assert (out / "deepspeed" / "latest").read_text() == "global_step999"  # there all along
 
 
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
 def test_trainer_deepspeed_bert_pretraining_miniature_loses_no_step_to_a_preemption_notice(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
@@ -286,3 +413,150 @@ def test_trainer_deepspeed_bert_pretraining_miniature_loses_no_step_to_a_preempt
     assert emergency == {pointer["version"]} and pointer["durable"]
     versions = httpx.get(f"{coordinator.url}/v1/jobs/hf-preempt/checkpoints", timeout=10).json()
     assert "memory" in {v["durability"] for v in versions}  # routine ones stayed in memory
+
+
+def trained_steps(log: list[Event]) -> tuple[dict[int, list[int]], dict[int, Event], list[int]]:
+    """What each optimizer step trained, all ranks together, as the run kept it (a step
+    trained again after a restart counts as its last generation trained it); the events
+    of those steps (the first rank's); and every index recorded, re-done steps' twice.
+
+    A node killed during a step's end leaves that step recorded by some ranks only; the
+    step is then trained again, completely, by the next generation."""
+    records: dict[int, dict[int, dict[int, Event]]] = {}
+    every: list[int] = []
+    for e in log:
+        if e["event"] == "trained":
+            records.setdefault(e["step"], {}).setdefault(e["generation"], {})[e["rank"]] = e
+            every += e["indices"]
+    kept: dict[int, list[int]] = {}
+    first: dict[int, Event] = {}
+    for step, generations in sorted(records.items()):
+        ranks = generations[max(generations)]
+        assert sorted(ranks) == list(range(ranks[0]["world_size"])), (step, generations.keys())
+        kept[step] = sorted(i for e in ranks.values() for i in e["indices"])
+        first[step] = ranks[0]
+        for earlier in generations.values():  # re-done on the same samples
+            assert {i for e in earlier.values() for i in e["indices"]} <= set(kept[step])
+    return kept, first, every
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_trainer_ddp_keeps_the_global_batch_and_trains_each_sample_once_through_a_shrink_and_a_grow(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """One epoch of 360 items at global batch 12, configured as 3 nodes x 4 per device
+    (``num_train_epochs=1``: 30 steps), two dataloader workers a rank. Node c is
+    SIGKILLed and not replaced: a and b go on at 3 per device x 2 accumulation steps;
+    later d joins and the job is back at 3 x 4. Every optimizer step trains the next 12
+    items of the epoch's order at every world size; each of the 360 items is trained
+    exactly once in the run's final history, apart from the lost steps' items, trained
+    again at the same steps; the run ends at step 30 (max_steps did not move), and every
+    rank of the last generation resumed at the named step with the saved state."""
+    items, batch, steps = 360, 12, 30
+    cluster, _ = hf_cluster(
+        coordinator, "hf-elastic", tmp_path, "2:3", "--items", str(items), "--batch", "4",
+        "--epochs", "1", "--workers", "2", "--save-steps", "3", "--step-time", "0.1",
+        "--hold", "2:12",  # world 2 trains up to step 12 and waits there for d
+    )  # fmt: skip
+    try:
+        for node in "abc":
+            cluster.add(node, env=ENV)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5, timeout=150)
+        cluster.kill("c")
+        cluster.wait_for(
+            lambda e: e["event"] == "saving" and e["world_size"] == 2 and e["step"] >= 9,
+            timeout=150,
+        )
+        cluster.add("d", env=ENV)
+        codes = cluster.wait(timeout=150)
+    finally:
+        cluster.stop()
+    assert codes["a"] == 0 and codes["b"] == 0 and codes["d"] == 0, codes
+    history = status(coordinator, "hf-elastic")["history"]
+    assert [g["world_size"] for g in history] == [3, 2, 3], history
+    log = cluster.events()
+    check_resumes(log, history, steps)
+    kept, first, every = trained_steps(log)
+    # The epoch's order (the Trainer's seed, 42), 12 items a step, whatever the world.
+    order = list(ElasticSampler(items, rank=0, world_size=1, seed=42))
+    assert sorted(kept) == list(range(1, steps + 1))
+    assert all(kept[k] == sorted(order[(k - 1) * batch : k * batch]) for k in kept)
+    assert sorted(i for k in kept for i in kept[k]) == list(range(items))  # each once
+    # Trained more than once: only the lost steps' items (the killed rank's share of
+    # its last step may be unrecorded), and none never trained.
+    lost = judge(log, history).steps_lost
+    redone = {i for k, g in _trained_by(log).items() if len(g) > 1 for i in kept[k]}
+    repeated = {i for i in every if every.count(i) > 1}
+    assert repeated <= redone and len(redone) == batch * sum(lost.values()), (lost, redone)
+    assert set(every) == set(range(items))
+    print(
+        f"hf-elastic: lost steps {lost}; {len(every) - items} trainings of "
+        f"{len(repeated)} items repeated, {items - len(set(every))} never trained"
+    )
+    # Every step trained 12 items, as 3 x 4 x 1 or 2 x 3 x 2.
+    plans = {(e["world_size"], e["micro"], e["accumulation"]) for e in first.values()}
+    assert plans == {(3, 4, 1), (2, 3, 2)}, plans
+    resumed = [e for e in log if e["event"] == "resumed"]
+    assert {e["max_steps"] for e in resumed} == {steps}
+    finished = [e for e in log if e["event"] == "finished"]
+    assert {(e["step"], e["max_steps"]) for e in finished} == {(steps, steps)}
+
+
+def _trained_by(log: list[Event]) -> dict[int, set[int]]:
+    """The generations that trained each step."""
+    out: dict[int, set[int]] = {}
+    for e in log:
+        if e["event"] == "trained":
+            out.setdefault(e["step"], set()).add(e["generation"])
+    return out
+
+
+def _losses(log: list[Event]) -> dict[tuple[int, int], list[float]]:
+    """Each (step, rank)'s exact micro-batch losses, as the run kept them."""
+    out: dict[tuple[int, int], list[float]] = {}
+    for e in sorted((e for e in log if e["event"] == "trained"), key=lambda e: e["generation"]):
+        out[(e["step"], e["rank"])] = e["losses"]
+    return out
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_trainer_ddp_run_through_a_node_kill_ends_bit_identical_to_the_uninterrupted_run(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """The same tiny Llama (attention dropout 0.1, so the RNG matters) twice on two
+    nodes: once uninterrupted, once with b SIGKILLed mid-epoch and replaced by c. Every
+    step's losses on every rank, and the final model and Adam state, are bit-identical:
+    the resumed run trains the same samples from the same RNG state."""
+    flags = ("--items", "96", "--batch", "3", "--epochs", "1", "--dropout", "0.1",
+             "--save-steps", "4")  # fmt: skip
+    runs: dict[str, list[Event]] = {}
+    for job, kill in (("hf-ref", False), ("hf-kill", True)):
+        work = tmp_path / job
+        work.mkdir()
+        extra = ("--step-time", "0.15") if kill else ()
+        cluster, _ = hf_cluster(coordinator, job, work, "2:2", *flags, *extra)
+        try:
+            cluster.add("a", env=ENV)
+            cluster.add("b", env=ENV)
+            if kill:
+                cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 6, timeout=150)
+                cluster.kill("b")
+                cluster.add("c", env=ENV)
+            codes = cluster.wait(timeout=150)
+        finally:
+            cluster.stop()
+        assert all(code == 0 for node, code in codes.items() if node != "b" or not kill), codes
+        runs[job] = cluster.events()
+    history = status(coordinator, "hf-kill")["history"]
+    assert [g["world_size"] for g in history] == [2, 2], history
+    check_resumes(runs["hf-kill"], history, 16)
+    assert judge(runs["hf-kill"], history).steps_lost[2] >= 0
+    ref, resumed = _losses(runs["hf-ref"]), _losses(runs["hf-kill"])
+    assert len(ref) == 32 and resumed == ref
+    final = {
+        job: sorted(e["digests"] for e in log if e["event"] == "finished")
+        for job, log in runs.items()
+    }
+    assert len(final["hf-ref"]) == 2 and final["hf-kill"] == final["hf-ref"]
