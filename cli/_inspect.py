@@ -9,6 +9,7 @@ They need only the client (httpx and pydantic), so they run from any laptop.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -337,6 +338,10 @@ def _checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     # ``checkpoints JOB`` lists; ``checkpoints quarantine|unquarantine JOB VERSION`` acts
     # (a job may be named "quarantine": with one word it is a job).
     words = args.words
+    if words and words[0] == "export" and len(words) in (2, 3):
+        return _export(args, parser, words[1], words[2] if len(words) == 3 else "latest")
+    if any(getattr(args, name) is not None for name in _EXPORT_OPTIONS):
+        parser.error("--out, --format, --dtype, --only and --max-shard-size go with export")
     if len(words) == 3 and words[0] in _ACTIONS:
         action, job, version = words
         if not version.isdigit() or int(version) < 1:
@@ -350,6 +355,51 @@ def _checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         parser.error("--reason and --restart go with quarantine JOB VERSION")
     with client_for(args, words[0]) as client:
         return _show(args, lambda: _render(args, client.checkpoints(), print_checkpoints))
+
+
+_EXPORT_OPTIONS = ("out", "format", "dtype", "only", "max_shard_size")
+
+
+def _export(args: argparse.Namespace, parser: argparse.ArgumentParser, job: str, which: str) -> int:
+    """Writes a version's tensors to ``--out`` (see :func:`rallypoint.trainer.export`)."""
+    if which != "latest" and not (which.isdigit() and int(which) >= 1):
+        parser.error(f"VERSION must be a version number or latest, not {which!r}")
+    if args.out is None:
+        parser.error("export needs --out PATH")
+    if args.watch:
+        parser.error("--watch does not go with export")
+    try:
+        from rallypoint.trainer import RallypointTrainerError, export
+    except ImportError as exc:  # the trainer extra (torch) is not installed
+        print(f"rallypoint checkpoints export: needs rallypoint[trainer]: {exc}", file=sys.stderr)
+        return 2
+    options: dict[str, Any] = {
+        "format": args.format or "safetensors",
+        "dtype": args.dtype or "keep",
+    }
+    if args.only is not None:
+        options["only"] = args.only
+    if args.max_shard_size is not None:
+        options["max_shard_size"] = args.max_shard_size << 20
+    with client_for(args, job) as client:
+        try:
+            done = export(
+                client, args.out, "latest" if which == "latest" else int(which), **options
+            )
+        except (RallypointError, RallypointTrainerError) as exc:
+            print(f"rallypoint checkpoints export: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        sys.stdout.write(
+            json.dumps({**dataclasses.asdict(done), "files": [str(f) for f in done.files]}) + "\n"
+        )
+        return 0
+    print(
+        f"v{done.version} (step {done.step}): {done.tensors} tensors, "
+        f"{done.bytes / (1 << 20):,.1f} MiB in {done.seconds:.1f} s -> "
+        + ", ".join(str(f) for f in done.files)
+    )
+    return 0
 
 
 def _quarantine(args: argparse.Namespace, action: str, job: str, version: int) -> int:
@@ -432,10 +482,15 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
         usage="rallypoint checkpoints [options] JOB\n"
         "       rallypoint checkpoints [options] quarantine JOB VERSION [--reason R] "
         "[--restart]\n"
-        "       rallypoint checkpoints [options] unquarantine JOB VERSION",
+        "       rallypoint checkpoints [options] unquarantine JOB VERSION\n"
+        "       rallypoint checkpoints [options] export JOB [VERSION|latest] --out PATH "
+        "[--format safetensors|hf|torch] [--dtype keep|bf16|fp16|fp32] [--only PREFIX]",
         description="Lists a job's versions. quarantine (the admin token) marks a "
         "committed version bad: no generation resumes from it, and if it was the latest "
-        "the pointer moves back to the newest good version; unquarantine undoes it.",
+        "the pointer moves back to the newest good version; unquarantine undoes it. "
+        "export writes a committed version's tensors, consolidated into full tensors, to "
+        "one safetensors file, a Hugging Face folder (hf) or a torch.save file (a reader "
+        "token may export).",
     )
     checkpoints.add_argument(
         "words", nargs="+", metavar="JOB", help="the job id (after the action, if any)"
@@ -446,5 +501,18 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
         action="store_true",
         help="quarantine: end the running generation, so every rank reloads now "
         "(else the next generation is the first to skip the version)",
+    )
+    checkpoints.add_argument("--out", help="export: the file (a folder with --format hf)")
+    checkpoints.add_argument(
+        "--format", choices=["safetensors", "hf", "torch"], help="export: [safetensors]"
+    )
+    checkpoints.add_argument(
+        "--dtype", choices=["keep", "bf16", "fp16", "fp32"], help="export: cast floats [keep]"
+    )
+    checkpoints.add_argument(
+        "--only", help="export: only tensors whose name starts with this (e.g. model.)"
+    )
+    checkpoints.add_argument(
+        "--max-shard-size", type=int, metavar="MIB", help="export --format hf: MiB per shard [5120]"
     )
     checkpoints.set_defaults(run=lambda args: _checkpoints(args, checkpoints))

@@ -31,12 +31,15 @@ from .agent import (
 )
 from .checkpoint import (
     CheckpointManager,
+    Exported,
+    ExportFormat,
     RallypointReader,
     RallypointWriter,
     Restored,
     SaveHandle,
     SavePolicy,
     download,
+    export,
     upload,
 )
 from .errors import (
@@ -61,6 +64,8 @@ __all__ = [
     "CheckpointManager",
     "CoordinatorStore",
     "ElasticSampler",
+    "ExportFormat",
+    "Exported",
     "Follower",
     "Generation",
     "GenerationEnded",
@@ -82,6 +87,7 @@ __all__ = [
     "TransferNotFound",
     "WorldSizeError",
     "download",
+    "export",
     "generations",
     "plan_batch",
     "run",

@@ -8,17 +8,21 @@ Runs in every training process. The memory tier it writes through is
 """
 
 from ._dcp import RallypointReader, RallypointWriter
+from ._export import Exported, ExportFormat, export
 from ._manager import CheckpointManager, Restored, SaveHandle
 from ._policy import SavePolicy
 from ._transfer import download, upload
 
 __all__ = [
     "CheckpointManager",
+    "ExportFormat",
+    "Exported",
     "RallypointReader",
     "RallypointWriter",
     "Restored",
     "SaveHandle",
     "SavePolicy",
     "download",
+    "export",
     "upload",
 ]
