@@ -12,9 +12,12 @@ node's SIGKILL with a replacement must end bit-for-bit where an uninterrupted on
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +29,10 @@ import torch
 
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, Event, example_script, judge
+from rallypoint.trainer import BatchPlan
 from rallypoint.trainer._lightning import _EpochSampler, resume_position
+from rallypoint.trainer.errors import WorldSizeError
+from rallypoint.trainer.lightning import RallypointDDPStrategy
 
 from .._support import status
 
@@ -64,6 +70,31 @@ def test_resume_position_puts_lightnings_counter_in_this_worlds_batches() -> Non
         None,
     )
     assert resume_position(saved, length=480, epoch=3, per_batch=16) == (3, 0, None)
+
+
+def test_a_world_that_cannot_split_the_jobs_global_batch_is_refused_before_training() -> None:
+    strategy = RallypointDDPStrategy()  # joins nothing until it saves or loads
+    with pytest.raises(WorldSizeError) as refused:
+        strategy._plan({"global_batch": 16}, world=3, micro=8, accumulation=1)
+    assert refused.value.valid == [1, 2, 4, 8, 16]
+    assert strategy.batch_plan is None
+
+
+def test_the_global_batch_is_kept_or_by_choice_follows_the_world(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    kept = RallypointDDPStrategy()._plan({"global_batch": 48}, world=2, micro=8, accumulation=2)
+    assert kept == BatchPlan(48, 2, 8, 3)
+    caplog.set_level(logging.INFO, "rallypoint.trainer")
+    own = RallypointDDPStrategy(keep_global_batch=False)
+    assert own._plan({"global_batch": 48}, world=2, micro=8, accumulation=2) == BatchPlan(
+        32, 2, 8, 2
+    )
+    assert "32 samples per step, not the job's 48; an epoch takes 1.5x the steps" in caplog.text
+    assert "global batch 32 = 2 ranks x 8 per device x 2 accumulation steps" in caplog.text
+    # The first generation fixes the job's global batch from the script's values.
+    first = RallypointDDPStrategy()._plan(None, world=3, micro=8, accumulation=2)
+    assert first == BatchPlan(48, 3, 8, 2)
 
 
 @pytest.mark.e2e
@@ -313,7 +344,22 @@ def check_elastic_run(
 def test_lightning_ddp_trains_each_sample_once_an_epoch_through_a_shrink_and_a_growth(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    check_elastic_run(*shrink_then_grow(coordinator, tmp_path, "ddp"))
+    # A loader worker: its iterator deals from the sampler while the loops restore.
+    check_elastic_run(*shrink_then_grow(coordinator, tmp_path, "ddp", "--num-workers", "1"))
+
+
+def committed(coordinator: Coordinator, job: str, step: int, timeout: float = 150) -> None:
+    """Waits until the job has a committed version of ``step``."""
+    end = time.monotonic() + timeout
+    url = f"{coordinator.url}/v1/jobs/{job}/checkpoints"
+    while time.monotonic() < end:
+        with contextlib.suppress(httpx.HTTPError):
+            answer = httpx.get(url, timeout=5)
+            versions = answer.json() if answer.status_code == 200 else []  # 404: no job yet
+            if any(v["step"] == step and v["state"] == "committed" for v in versions):
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"no committed version of step {step} within {timeout} s")
 
 
 @pytest.mark.e2e
@@ -321,15 +367,18 @@ def test_lightning_ddp_trains_each_sample_once_an_epoch_through_a_shrink_and_a_g
 def test_lightning_ddp_through_a_node_kill_ends_bit_identical_to_an_uninterrupted_run(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    steps = 20
-    clean = elastic_cluster(coordinator, "lit-clean", tmp_path, "2:2", steps)
-    killed = elastic_cluster(coordinator, "lit-killed", tmp_path, "2:2", steps)
+    # 2 ranks x 8 x 2: 15 steps an epoch. Versions every 5 steps; the kill comes once the
+    # one of step 15, the end of epoch 0, is committed: the resume starts epoch 1.
+    steps, boundary = 20, 15
+    paced = ("--checkpoint-every", "5", "--step-time", "0.2")
+    clean = elastic_cluster(coordinator, "lit-clean", tmp_path, "2:2", steps, *paced)
+    killed = elastic_cluster(coordinator, "lit-killed", tmp_path, "2:2", steps, *paced)
     try:
         for node in ("u", "v"):
             clean.add(node)
         for node in ("a", "b"):
             killed.add(node)
-        first_step(killed, 1, 8)
+        committed(coordinator, "lit-killed", boundary)
         killed.kill("b")
         killed.add("b2")  # a replacement: the same world size
         codes = {**killed.wait(timeout=200), **clean.wait(timeout=200)}
@@ -339,6 +388,7 @@ def test_lightning_ddp_through_a_node_kill_ends_bit_identical_to_an_uninterrupte
     assert codes == {"a": 0, "b": -9, "b2": 0, "u": 0, "v": 0}
     history = status(coordinator, "lit-killed")["history"]
     assert [g["world_size"] for g in history] == [2, 2], history
+    assert history[1]["checkpoint"]["step"] == boundary
     runs = {}
     for name, cluster in (("clean", clean), ("killed", killed)):
         log = cluster.events()
