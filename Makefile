@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 STORAGE ?= local:.rallypoint
 PORT ?= 8080
 
-.PHONY: setup venv dev frameworks azurite browser balancer test test-fast test-frameworks lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers bench-resume clean
+.PHONY: setup venv dev frameworks azurite browser balancer test test-fast test-frameworks lint typecheck serve demo bench-storage bench-rendezvous bench-checkpoint bench-recovery bench-tiers bench-resume bench-export clean
 
 # What `make test` needs: everything below.
 setup: dev frameworks azurite browser balancer
@@ -108,6 +108,9 @@ bench-tiers: venv
 
 bench-resume: venv
 	$(BIN)/python bench/resume_position.py
+
+bench-export: venv
+	$(BIN)/python bench/export.py
 
 clean:
 	rm -rf $(VENV) node_modules build .rallypoint .pytest_cache .mypy_cache .ruff_cache
