@@ -15,8 +15,10 @@ Two lines after ``deepspeed.initialize``, on every rank::
 
 ``engine.save_checkpoint`` returns once this rank's tensors are staged; the version is
 uploaded to this node's memory tier, a peer's and (``persist_every``) blob storage in the
-background. On a preemption notice, ``checkpoints.save_checkpoint(dir, persist=True,
-blocking=True)`` then ``PreemptionWatcher.finish()``. See docs/frameworks/deepspeed.md.
+background. A restart at another data-parallel world size (a node lost, or one added)
+reshards ZeRO's partitions through DeepSpeed's universal checkpoint. On a preemption
+notice, ``checkpoints.save_checkpoint(dir, persist=True, blocking=True)`` then
+``PreemptionWatcher.finish()``. See docs/frameworks/deepspeed.md.
 
 Importing this module imports DeepSpeed; ``import rallypoint.trainer`` does not.
 """
