@@ -312,6 +312,7 @@ class RallypointTrainer(Trainer):
         self._samples = 0  # samples the job trained, all generations
         self._horizon: int | None = None  # samples the job trains in all
         self._rng_from: str | None = None  # the deferred RNG restore's folder
+        self._foreign = False  # resuming from a Trainer folder, not a version
         self.add_callback(_DataCallback(self))
         self.watcher: PreemptionWatcher | None = None
         if watch_preemption:
@@ -402,11 +403,18 @@ class RallypointTrainer(Trainer):
         **kwargs: Any,
     ) -> Any:
         """See base class. ``resume_from_checkpoint=True`` resumes from the
-        coordinator's version for this generation, or starts afresh if it names none."""
+        coordinator's version for this generation, or starts afresh if it names none.
+
+        Raises:
+            WorldSizeError: This generation's world cannot split the job's global
+                batch (``keep_global_batch``); raised before anything trains.
+        """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = self._restore()
-        elif resume_from_checkpoint:
-            # A Trainer folder holds no sample position: the Trainer's own skipping.
+        # A Trainer folder holds no sample position: the Trainer's own sampler and
+        # skipping for it.
+        self._foreign = bool(resume_from_checkpoint) and resume_from_checkpoint != self._scratch
+        if self._foreign:
             self._data = None
         self._plan(resumed=bool(resume_from_checkpoint))
         return super().train(
@@ -537,7 +545,6 @@ class RallypointTrainer(Trainer):
             config["train_batch_size"] = plan.global_batch
         self._samples = int(saved["samples"]) if saved else 0
         self._horizon = saved.get("horizon") if saved else None
-        log.info("%s", plan.describe())
         if saved and self._horizon and plan.global_batch != saved["global_batch"]:
             state = json.loads(cast(str, self._files()[TRAINER_STATE]))
             new = horizon_steps(
@@ -575,7 +582,7 @@ class RallypointTrainer(Trainer):
         dataset = train_dataset if train_dataset is not None else self.train_dataset
         strategy = self.args.train_sampling_strategy
         self.sampler = None
-        if not self.elastic_data or self.batch_plan is None:
+        if not self.elastic_data or self._foreign or self.batch_plan is None:
             return super()._get_train_sampler(train_dataset)
         if isinstance(dataset, IterableDataset) or not isinstance(dataset, Sized):
             log.warning(

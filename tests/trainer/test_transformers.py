@@ -329,8 +329,12 @@ def test_trainer_ddp_resumes_every_rank_from_the_named_version_after_a_node_is_k
     assert codes["a"] == 0 and codes["b"] == 0, codes
     history = status(coordinator, "hf-ddp")["history"]
     assert [g["world_size"] for g in history] == [3, 2], history  # nodes
-    resumed = check_resumes(cluster.events(), history, steps)
+    log = cluster.events()
+    resumed = check_resumes(log, history, steps)
     assert sorted(e["rank"] for e in resumed) == [0, 1, 2]
+    first = check_samples(log, steps, 12)
+    plans = {(e["world_size"], e["micro"], e["accumulation"]) for e in first.values()}
+    assert plans == {(4, 3, 1), (3, 2, 2)}, plans
 
 
 @pytest.mark.e2e
@@ -368,8 +372,10 @@ def test_trainer_deepspeed_zero2_resumes_every_rank_after_a_node_is_killed(
     assert codes["a"] == 0 and codes["c"] == 0, codes
     history = status(coordinator, "hf-zero2")["history"]
     assert [g["world_size"] for g in history] == [2, 2], history
-    resumed = check_resumes(cluster.events(), history, steps)
+    log = cluster.events()
+    resumed = check_resumes(log, history, steps)
     assert sorted(e["rank"] for e in resumed) == [0, 1, 2]
+    check_samples(log, steps, 6)  # the same data position under DeepSpeed
     assert len(set(resumed[0]["digests"])) == 3  # three partitions, each rank its own
     assert (out / "deepspeed" / "latest").read_text() == "global_step999"  # there all along
 
@@ -477,11 +483,8 @@ def test_trainer_ddp_keeps_the_global_batch_and_trains_each_sample_once_through_
     assert [g["world_size"] for g in history] == [3, 2, 3], history
     log = cluster.events()
     check_resumes(log, history, steps)
-    kept, first, every = trained_steps(log)
-    # The epoch's order (the Trainer's seed, 42), 12 items a step, whatever the world.
-    order = list(ElasticSampler(items, rank=0, world_size=1, seed=42))
-    assert sorted(kept) == list(range(1, steps + 1))
-    assert all(kept[k] == sorted(order[(k - 1) * batch : k * batch]) for k in kept)
+    first = check_samples(log, steps, batch, items)
+    kept, _, every = trained_steps(log)
     assert sorted(i for k in kept for i in kept[k]) == list(range(items))  # each once
     # Trained more than once: only the lost steps' items (the killed rank's share of
     # its last step may be unrecorded), and none never trained.
@@ -501,6 +504,16 @@ def test_trainer_ddp_keeps_the_global_batch_and_trains_each_sample_once_through_
     assert {e["max_steps"] for e in resumed} == {steps}
     finished = [e for e in log if e["event"] == "finished"]
     assert {(e["step"], e["max_steps"]) for e in finished} == {(steps, steps)}
+
+
+def check_samples(log: list[Event], steps: int, batch: int, items: int = 512) -> dict[int, Event]:
+    """Every step 1..``steps`` of the kept history trained the next ``batch`` items of
+    the epoch's order (the Trainer's seed, 42), whatever the world; the steps' events."""
+    kept, first, _ = trained_steps(log)
+    order = list(ElasticSampler(items, rank=0, world_size=1, seed=42))
+    assert sorted(kept) == list(range(1, steps + 1))
+    assert all(kept[k] == sorted(order[(k - 1) * batch : k * batch]) for k in kept)
+    return first
 
 
 def _trained_by(log: list[Event]) -> dict[int, set[int]]:
