@@ -524,7 +524,9 @@ class _Rallypoint(_StrategyBase):
         if self._configured is None:  # the script's values, before a plan changed them
             self._configured = (loader.batch_size, trainer.accumulate_grad_batches)
         micro, accumulation = self._configured
-        saved = self.session.data if not self._position_applied else None
+        # A reloaded loader (reload_dataloaders_every_n_epochs) starts its epoch afresh.
+        resumed = self.session.restored is not None and not self._position_applied
+        saved = self.session.data if resumed else None
         ranks = self.distributed_sampler_kwargs
         world, rank = int(ranks["num_replicas"]), int(ranks["rank"])
         plan = self._plan(saved, world, micro, accumulation)
@@ -560,6 +562,12 @@ class _Rallypoint(_StrategyBase):
         epoch = cast(_ProcessedTracker, trainer.fit_loop.epoch_progress.current).processed
         state = saved.get("sampler") if saved is not None else None
         if state is None:
+            if resumed:
+                log.warning(
+                    "rallypoint: the version holds no data position (saved with another"
+                    " sampler); epoch %d starts its order over",
+                    epoch,
+                )
             sampler.set_epoch(epoch)
             return _rebuilt(loader, sampler, plan.micro_batch)
         epoch, consumed, counted = resume_position(

@@ -367,9 +367,10 @@ def committed(coordinator: Coordinator, job: str, step: int, timeout: float = 15
 def test_lightning_ddp_through_a_node_kill_ends_bit_identical_to_an_uninterrupted_run(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    # 2 ranks x 8 x 2: 15 steps an epoch. Versions every 5 steps; the kill comes once the
-    # one of step 15, the end of epoch 0, is committed: the resume starts epoch 1.
-    steps, boundary = 20, 15
+    # 2 ranks x 8 x 2: 15 steps an epoch, a version every 5. A node is killed once the
+    # version of step 10 is committed (the resume is mid-epoch), and its replacement once
+    # that of step 15, the end of epoch 0, is (Lightning moves to epoch 1 itself).
+    steps = 20
     paced = ("--checkpoint-every", "5", "--step-time", "0.2")
     clean = elastic_cluster(coordinator, "lit-clean", tmp_path, "2:2", steps, *paced)
     killed = elastic_cluster(coordinator, "lit-killed", tmp_path, "2:2", steps, *paced)
@@ -378,17 +379,18 @@ def test_lightning_ddp_through_a_node_kill_ends_bit_identical_to_an_uninterrupte
             clean.add(node)
         for node in ("a", "b"):
             killed.add(node)
-        committed(coordinator, "lit-killed", boundary)
-        killed.kill("b")
-        killed.add("b2")  # a replacement: the same world size
+        for victim, replacement, step in (("b", "b2", 10), ("b2", "b3", 15)):
+            committed(coordinator, "lit-killed", step)
+            killed.kill(victim)
+            killed.add(replacement)  # the same world size
         codes = {**killed.wait(timeout=200), **clean.wait(timeout=200)}
     finally:
         killed.stop()
         clean.stop()
-    assert codes == {"a": 0, "b": -9, "b2": 0, "u": 0, "v": 0}
+    assert codes == {"a": 0, "b": -9, "b2": -9, "b3": 0, "u": 0, "v": 0}
     history = status(coordinator, "lit-killed")["history"]
-    assert [g["world_size"] for g in history] == [2, 2], history
-    assert history[1]["checkpoint"]["step"] == boundary
+    assert [g["world_size"] for g in history] == [2, 2, 2], history
+    assert [g["checkpoint"]["step"] for g in history[1:]] == [10, 15]
     runs = {}
     for name, cluster in (("clean", clean), ("killed", killed)):
         log = cluster.events()
