@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import io
 import logging
 import os
@@ -317,13 +318,17 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         nodes: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, node)
         converts = nodes.index(node) == dist.get_rank()
-        folder = os.path.join(
+        prefix = os.path.join(
             directory or tempfile.gettempdir(),
-            f"rallypoint-deepspeed-{self.checkpoints.assignment.job_id}-{node}"
-            f"-v{self.restored.version}-g{self.checkpoints.generation}",
+            f"rallypoint-deepspeed-{self.checkpoints.assignment.job_id}-{node}-",
         )
+        folder = f"{prefix}v{self.restored.version}-g{self.checkpoints.generation}"
         error = None
         if converts:
+            # An earlier generation's reshard on this node, its processes gone (killed
+            # before close() removed it).
+            for old in glob.glob(glob.escape(prefix) + "v*-g*"):
+                shutil.rmtree(old, ignore_errors=True)
             try:
                 self._convert(folder)
                 self._converted = folder
@@ -384,11 +389,12 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     def close(self) -> None:
         """Waits for the save in flight, frees the manager's staging buffers and removes
-        the universal checkpoint of a reshard this rank made."""
+        the stand-in folder and the universal checkpoint of a reshard this rank made."""
         self.checkpoints.close()
-        if self._converted is not None:
-            shutil.rmtree(self._converted, ignore_errors=True)
-            self._converted = None
+        for folder in (self._scratch, self._converted):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._scratch = self._converted = None
 
 
 def install(

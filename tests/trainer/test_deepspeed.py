@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,5 @@ def test_zero_resumes_at_another_world_size_shrunk_and_grown(
     # Every rank of each resharded generation, in order.
     assert sorted(set(reshards), key=reshards.index) == expected
     assert len(reshards) == sum(new for _, new in expected)
+    # The universal checkpoints were removed (at close(), or by the next reshard).
+    assert not list(Path(tempfile.gettempdir()).glob(f"rallypoint-deepspeed-{job}-*"))
