@@ -573,3 +573,38 @@ def test_trainer_ddp_run_through_a_node_kill_ends_bit_identical_to_the_uninterru
         for job, log in runs.items()
     }
     assert len(final["hf-ref"]) == 2 and final["hf-kill"] == final["hf-ref"]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_trainer_deepspeed_zero2_keeps_the_global_batch_when_the_world_shrinks(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """``deepspeed=`` ZeRO-2, one epoch of 108 items at global batch 6 (3 nodes x 2 per
+    device: 18 steps); c is SIGKILLed and not replaced. The partitions reshard at load
+    (trainer/_deepspeed.py) and DeepSpeed's batch keys follow the plan, 2 ranks x 1 per
+    device x 3 accumulation steps: every step still trains the next 6 items of the
+    epoch's order, and the run ends at step 18."""
+    items, batch, steps = 108, 6, 18
+    cluster, _ = hf_cluster(
+        coordinator, "hf-zero2-shrink", tmp_path, "2:3", "--zero", "2", "--items", str(items),
+        "--epochs", "1", "--save-steps", "3", "--step-time", "0.1",
+    )  # fmt: skip
+    try:
+        for node in "abc":
+            cluster.add(node, env=ENV)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5, timeout=150)
+        cluster.kill("c")
+        codes = cluster.wait(timeout=150)
+    finally:
+        cluster.stop()
+    assert codes["a"] == 0 and codes["b"] == 0, codes
+    history = status(coordinator, "hf-zero2-shrink")["history"]
+    assert [g["world_size"] for g in history] == [3, 2], history
+    log = cluster.events()
+    verdict = judge(log, history)
+    assert verdict.consistent and verdict.final_step == steps, verdict
+    first = check_samples(log, steps, batch, items)
+    plans = {(e["world_size"], e["micro"], e["accumulation"]) for e in first.values()}
+    assert plans == {(3, 2, 1), (2, 1, 3)}, plans
+    assert {e["max_steps"] for e in log if e["event"] in ("resumed", "finished")} == {steps}
