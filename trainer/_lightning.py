@@ -86,7 +86,7 @@ class _EpochSampler(ElasticSampler):
 
     def __init__(
         self,
-        dataset: int,
+        length: int,
         *,
         rank: int,
         world_size: int,
@@ -95,7 +95,7 @@ class _EpochSampler(ElasticSampler):
         batch_size: int,
     ) -> None:
         super().__init__(
-            dataset,
+            length,
             rank=rank,
             world_size=world_size,
             shuffle=shuffle,
@@ -104,7 +104,7 @@ class _EpochSampler(ElasticSampler):
         )
         self.batch_size = batch_size
         self.world_size = world_size
-        self.length = dataset
+        self.length = length
         #: Batches of this epoch Lightning counted before this sampler's first sample.
         self.counted = 0
 

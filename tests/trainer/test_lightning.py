@@ -26,11 +26,12 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, Event, example_script, judge
 from rallypoint.trainer import BatchPlan
-from rallypoint.trainer._lightning import _EpochSampler, resume_position
+from rallypoint.trainer._lightning import _EpochSampler, _rebuilt, resume_position
 from rallypoint.trainer.errors import WorldSizeError
 from rallypoint.trainer.lightning import RallypointDDPStrategy
 
@@ -57,6 +58,15 @@ def test_a_resumed_sampler_counts_the_batches_lightning_already_did() -> None:
     assert sampler.consumed_after(17, accumulation=3, last=True) == 480
     sampler.set_epoch(1)
     assert (sampler.counted, sampler.consumed, len(sampler)) == (0, 0, 240)
+
+
+def test_the_loader_is_rebuilt_with_the_plans_batch_keeping_its_other_options() -> None:
+    loader = DataLoader(list(range(96)), batch_size=8, shuffle=True, drop_last=True)
+    sampler = _EpochSampler(96, rank=0, world_size=2, shuffle=True, seed=0, batch_size=4)
+    rebuilt = _rebuilt(loader, sampler, 4)
+    assert (rebuilt.batch_size, rebuilt.sampler, rebuilt.drop_last) == (4, sampler, True)
+    assert len(rebuilt) == 12  # 48 samples of this rank's share in batches of 4
+    assert [len(b) for b in rebuilt] == [4] * 12
 
 
 def test_resume_position_puts_lightnings_counter_in_this_worlds_batches() -> None:
