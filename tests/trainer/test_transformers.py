@@ -577,17 +577,18 @@ def test_trainer_ddp_run_through_a_node_kill_ends_bit_identical_to_the_uninterru
 
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
-def test_trainer_deepspeed_zero2_keeps_the_global_batch_when_the_world_shrinks(
-    coordinator: Coordinator, tmp_path: Path
+@pytest.mark.parametrize("zero", [2, 3])
+def test_trainer_deepspeed_keeps_the_global_batch_when_the_world_shrinks(
+    coordinator: Coordinator, tmp_path: Path, zero: int
 ) -> None:
-    """``deepspeed=`` ZeRO-2, one epoch of 108 items at global batch 6 (3 nodes x 2 per
+    """``deepspeed=`` ZeRO-2 and ZeRO-3, one epoch of 108 items at global batch 6 (3 nodes x 2 per
     device: 18 steps); c is SIGKILLed and not replaced. The partitions reshard at load
     (trainer/_deepspeed.py) and DeepSpeed's batch keys follow the plan, 2 ranks x 1 per
     device x 3 accumulation steps: every step still trains the next 6 items of the
     epoch's order, and the run ends at step 18."""
     items, batch, steps = 108, 6, 18
     cluster, _ = hf_cluster(
-        coordinator, "hf-zero2-shrink", tmp_path, "2:3", "--zero", "2", "--items", str(items),
+        coordinator, f"hf-zero{zero}-shrink", tmp_path, "2:3", "--zero", str(zero), "--items", str(items),
         "--epochs", "1", "--save-steps", "3", "--step-time", "0.1",
     )  # fmt: skip
     try:
@@ -599,7 +600,7 @@ def test_trainer_deepspeed_zero2_keeps_the_global_batch_when_the_world_shrinks(
     finally:
         cluster.stop()
     assert codes["a"] == 0 and codes["b"] == 0, codes
-    history = status(coordinator, "hf-zero2-shrink")["history"]
+    history = status(coordinator, f"hf-zero{zero}-shrink")["history"]
     assert [g["world_size"] for g in history] == [3, 2], history
     log = cluster.events()
     verdict = judge(log, history)
