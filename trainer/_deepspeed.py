@@ -479,8 +479,10 @@ def load_checkpoint(engine: Any, **kwargs: Any) -> tuple[str | None, dict[str, A
         ``(None, None)`` if the job has no checkpoint yet (a fresh start).
     """
     ours = installed(engine)
-    folder = ours.stand_in()
-    if folder is None:
-        return None, None
-    load_path, client_state = engine.load_checkpoint(folder, tag=ours.tag, **kwargs)
+    # What fails (a reshard, DeepSpeed's own checks) is reported: the job does not loop.
+    with ours.checkpoints.loading():
+        folder = ours.stand_in()
+        if folder is None:
+            return None, None
+        load_path, client_state = engine.load_checkpoint(folder, tag=ours.tag, **kwargs)
     return load_path, client_state

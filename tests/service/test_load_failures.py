@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from rallypoint.cli._inspect import print_jobs, print_status
 from rallypoint.cli.processes import Cluster, Coordinator
@@ -31,10 +32,10 @@ from rallypoint.service.errors import (
     StaleGeneration,
     UnknownNode,
 )
-from rallypoint.trainer import upload
+from rallypoint.trainer import CheckpointCorrupt, CheckpointManager, TransferError, upload
 
 from .._rules import commit, end, seal
-from .._support import FILE, TOKEN, clients, join_all, status
+from .._support import FILE, TOKEN, clients, join_all, managers, status
 from ..conftest import Start
 
 ZERO = "ZeRORuntimeException: The checkpoint being loaded used a DP world size of 3"
@@ -330,3 +331,27 @@ def test_a_job_that_can_load_at_no_size_fails_loudly_at_its_join_timeout(
     for node in ("a", "b"):
         text = (tmp_path / f"hopeless.{node}.log").read_text()
         assert "did not seal within 20 s; " + info["blocked"] in text
+
+
+def test_a_framework_load_that_raises_in_loading_is_reported(start: Start) -> None:
+    """``CheckpointManager.loading()``, around a framework's own load (DeepSpeed's
+    ``load_checkpoint``, the Trainer's): what raises is reported against the version the
+    generation was named; a corrupt version and a storage error are not (they are the
+    version's or storage's, not the loader's)."""
+    url = start().url
+    (m,) = managers(url, ["a"], 1, 1)
+    m.save({"w": torch.ones(2)}, 1, blocking=True)
+    for error in (CheckpointCorrupt("a file fails its checksum"), TransferError("503")):
+        m.client.join("127.0.0.1", 30000)  # a restart: the next generation, named v1
+        m = CheckpointManager(m.client, progress=False)
+        with pytest.raises(type(error)), m.loading():
+            raise error
+        assert m.client.membership().status == "sealed"  # nothing reported, nothing ended
+    m.client.join("127.0.0.1", 30000)
+    m = CheckpointManager(m.client, progress=False)
+    with pytest.raises(ValueError, match="boom"), m.loading():
+        raise ValueError("boom\nmore lines")
+    info = m.client.membership()
+    assert info.status == "open"
+    assert info.history[-1].ended_reason == "rank 0 could not load v1: ValueError: boom"
+    m.close()

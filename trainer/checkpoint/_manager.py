@@ -590,20 +590,24 @@ class CheckpointManager:
         Yields:
             The restored version, or None if the job has no checkpoint yet.
         """
+        with self.loading():
+            yield self.load_latest(state)
+
+    @contextlib.contextmanager
+    def loading(self) -> Iterator[None]:
+        """Reports what the block raises as a failure to load the version this
+        generation was named (:meth:`report_load_failure`), then raises it on: wrap a
+        framework's own load of it in this (the integrations do). A version no copy of
+        can be read (``CheckpointCorrupt``, reported by :meth:`load` as unreadable) and
+        storage errors (``TransferError``) are not reported."""
         pointer = self.assignment.checkpoint
         try:
-            restored = self.load_latest(state)
+            yield
         except (CheckpointCorrupt, TransferError):
             raise  # the version's copies (reported by load) or storage: not the loader
         except Exception as exc:
             if pointer is not None:
                 self.report_load_failure(pointer.version, exc)
-            raise
-        try:
-            yield restored
-        except Exception as exc:
-            if restored is not None:
-                self.report_load_failure(restored.version, exc)
             raise
 
     def report_load_failure(self, version: int, error: BaseException | str) -> None:
