@@ -289,6 +289,7 @@ def main() -> None:
         batch_size=args.batch_size,
         shuffle=True,
         num_workers=args.num_workers,
+        persistent_workers=args.num_workers > 0,  # not a process start every epoch
     )
     module = Classifier(args.lr, shard=args.strategy == "model-parallel")
     trainer.fit(module, loader, ckpt_path=args.ckpt_path)
