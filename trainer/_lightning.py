@@ -492,6 +492,7 @@ class _Rallypoint(_StrategyBase):
         self._configured: tuple[int, int] | None = None  # the script's (batch, accumulation)
         self._sampler: _EpochSampler | None = None
         self._position_applied = False
+        self._counter_at: int | None = None  # Lightning's batch counter, once restored
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -576,15 +577,9 @@ class _Rallypoint(_StrategyBase):
         sampler.load_state_dict({**state, "epoch": epoch, "consumed": consumed})
         sampler.counted = counted or 0
         rebuilt = _rebuilt(loader, sampler, plan.micro_batch)
-        # Lightning's counter is in the saving world's batches; put it in this world's,
-        # at the same samples, so that the epoch ends when the data does.
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        shift = (len(rebuilt) if counted is None else counted) - progress.current.ready
-        for tracker in cast(list[_ProcessedTracker], [progress.current, progress.total]):
-            tracker.ready += shift
-            tracker.started += shift
-            tracker.processed += shift
-            tracker.completed += shift
+        # Lightning's counter is in the saving world's batches: on_train_start puts it in
+        # this world's, at the same sample, so that the epoch ends when the data does.
+        self._counter_at = len(rebuilt) if counted is None else counted
         log.info(
             "rallypoint: epoch %d resumes at sample %d of %d (%d of this world's batches in)",
             epoch,
@@ -593,6 +588,23 @@ class _Rallypoint(_StrategyBase):
             sampler.counted,
         )
         return rebuilt
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # Here, not where the loader is set up: a configure_optimizers that reads
+        # trainer.estimated_stepping_batches sets it up before the loops are restored,
+        # and the epoch loop reads its counter only after this hook.
+        if self._counter_at is None or self.lightning_module is None:
+            return
+        progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress
+        shift = self._counter_at - progress.current.ready
+        for tracker in cast(list[_ProcessedTracker], [progress.current, progress.total]):
+            tracker.ready += shift
+            tracker.started += shift
+            tracker.processed += shift
+            tracker.completed += shift
+        self._counter_at = None
 
     def _plan(
         self, saved: dict[str, Any] | None, world: int, micro: int, accumulation: int

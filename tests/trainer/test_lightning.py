@@ -354,8 +354,11 @@ def check_elastic_run(
 def test_lightning_ddp_trains_each_sample_once_an_epoch_through_a_shrink_and_a_growth(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    # A loader worker: its iterator deals from the sampler while the loops restore.
-    check_elastic_run(*shrink_then_grow(coordinator, tmp_path, "ddp", "--num-workers", "1"))
+    # A loader worker: its iterator deals from the sampler while the loops restore. A
+    # schedule over trainer.estimated_stepping_batches: Lightning then sets the loader up
+    # in configure_optimizers, before the loops are restored.
+    extra = ("--num-workers", "1", "--schedule", "--epochs", "3")
+    check_elastic_run(*shrink_then_grow(coordinator, tmp_path, "ddp", *extra))
 
 
 def committed(coordinator: Coordinator, job: str, step: int, timeout: float = 150) -> None:

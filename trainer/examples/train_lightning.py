@@ -54,10 +54,10 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, lr: float, shard: bool) -> None:
+    def __init__(self, lr: float, shard: bool, schedule: bool = False) -> None:
         super().__init__()
         self.model = SmallCNN()
-        self.lr, self.shard = lr, shard
+        self.lr, self.shard, self.schedule = lr, shard, schedule
 
     def configure_model(self) -> None:
         if self.shard:
@@ -77,8 +77,15 @@ class Classifier(L.LightningModule):
         loss: torch.Tensor = nn.functional.cross_entropy(self.model(x), y)
         return loss
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.model.parameters(), lr=self.lr)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.model.parameters(), lr=self.lr)
+        if not self.schedule:
+            return optimizer
+        # Lightning sets up the training loader here, before a resume restores the loops.
+        steps = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, self.lr, total_steps=steps)
+        schedule = {"scheduler": scheduler, "interval": "step"}
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
 
 def digest(state: Any) -> str:
@@ -237,6 +244,10 @@ def main() -> None:
     parser.add_argument("--events", help="append JSON lines of what happened to this file")
     parser.add_argument("--digests", action="store_true", help="hash the state at saves/loads")
     parser.add_argument("--log-samples", action="store_true", help="log each batch's indices")
+    parser.add_argument("--epochs", type=int, default=-1, help="max_epochs (-1: --steps alone)")
+    parser.add_argument(
+        "--schedule", action="store_true", help="OneCycleLR over estimated_stepping_batches"
+    )
     parser.add_argument("--accumulate", type=int, default=1, help="batches per optimizer step")
     parser.add_argument("--num-workers", type=int, default=0, help="the DataLoader's")
     parser.add_argument(
@@ -268,7 +279,7 @@ def main() -> None:
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         strategy=strategy,
         max_steps=args.steps,
-        max_epochs=-1,  # max_steps alone ends the run
+        max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
         callbacks=[
             events,
@@ -291,7 +302,7 @@ def main() -> None:
         num_workers=args.num_workers,
         persistent_workers=args.num_workers > 0,  # not a process start every epoch
     )
-    module = Classifier(args.lr, shard=args.strategy == "model-parallel")
+    module = Classifier(args.lr, args.strategy == "model-parallel", args.schedule)
     trainer.fit(module, loader, ckpt_path=args.ckpt_path)
     events.event("finished", step=trainer.global_step, loss=events.loss, digest=events.final)
 
