@@ -32,7 +32,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import os
 import random
 import tempfile
@@ -132,8 +131,11 @@ class EpochSampler(Sampler[int]):
         return self.epoch_samples
 
     def __iter__(self) -> Iterator[int]:
-        """Yields the epoch's samples from the position, up to the last whole batch."""
+        """Yields the epoch's whole global batches from the position."""
+        # Whole batches from the position: with keep_global_batch=False the position
+        # was counted in another world's global batch.
         left = max(0, self.epoch_samples - self.position.consumed)
+        left -= left % self.global_batch
         # ElasticSampler slices the permutation at the position: O(1) in it.
         return itertools.islice(iter(self.position), left)
 
@@ -208,9 +210,9 @@ def job_batch_plan(
 
 
 def horizon_steps(step: int, *, samples: int, horizon: int, global_batch: int) -> int:
-    """``max_steps`` that trains the job's ``horizon`` samples, ``samples`` of them done
-    by ``step``, at ``global_batch`` samples a step from here on."""
-    return step + max(0, math.ceil((horizon - samples) / global_batch))
+    """``max_steps`` that trains at most the job's ``horizon`` samples, ``samples`` of
+    them done by ``step``, at ``global_batch`` samples a step from here on."""
+    return step + max(0, (horizon - samples) // global_batch)
 
 
 class PreemptionCallback(TrainerCallback):

@@ -91,6 +91,10 @@ def test_epoch_sampler_moves_past_a_finished_epoch_and_refuses_a_tiny_dataset() 
     resumed = EpochSampler(30, global_batch=12, shuffle=False, seed=0)
     resumed.load_state_dict(sampler.state_dict())
     assert (resumed.epoch, resumed.consumed, list(resumed)[:3]) == (1, 0, [0, 1, 2])
+    # Counted in another world's global batch (keep_global_batch=False): whole batches.
+    other = EpochSampler(30, global_batch=8, shuffle=False, seed=0)
+    other.load_state_dict({**sampler.state_dict(), "consumed": 12, "epoch": 0})
+    assert list(other) == list(range(12, 20)) and len(other) == 24  # 12 + 8 of 24
     with pytest.raises(ValueError, match="fewer than one global batch"):
         EpochSampler(11, global_batch=12, shuffle=True, seed=0)
 
@@ -111,8 +115,10 @@ def test_job_batch_plan_keeps_the_first_generations_global_batch() -> None:
     assert (explicit.micro_batch, explicit.accumulation) == (6, 1)
     kept = job_batch_plan(2, micro_batch=4, accumulation=1, keep_global_batch=False)
     assert (kept.global_batch, kept.micro_batch, kept.accumulation) == (8, 4, 1)
-    # 168 steps of 24 planned; 40 done; at 16 a step, the rest is 192 steps, not 128.
+    # 168 steps of 24 planned; 40 done; at 16 a step, the rest is 192 steps, not 128;
+    # never more samples than planned: 3 steps of 12 done, 324 left at 8 is 40 steps.
     assert horizon_steps(40, samples=960, horizon=168 * 24, global_batch=16) == 232
+    assert horizon_steps(3, samples=36, horizon=360, global_batch=8) == 43
 
 
 # --- under torchrun -------------------------------------------------------------------------
@@ -143,6 +149,7 @@ p.add_argument("--batch", type=int, default=2, help="per-device batch, as config
 p.add_argument("--epochs", type=int, default=0, help="num_train_epochs instead of --steps")
 p.add_argument("--dropout", type=float, default=0.0)
 p.add_argument("--workers", type=int, default=0)
+p.add_argument("--keep-per-device", action="store_true", help="keep_global_batch=False")
 p.add_argument("--hold", type=int, default=0, help="a generation of this many ranks waits, one step after its first save, until its agent restarts it (a node joined)")
 a = p.parse_args()
 
@@ -244,7 +251,7 @@ class Log(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         self.ev("finished", step=state.global_step, loss=self.loss, max_steps=state.max_steps, digests=digests())
 
-trainer = Recording(model=model, args=args, train_dataset=data, callbacks=[Log()], checkpoint_policy=SavePolicy(progress=False, persist_every=a.persist_every))
+trainer = Recording(keep_global_batch=not a.keep_per_device, model=model, args=args, train_dataset=data, callbacks=[Log()], checkpoint_policy=SavePolicy(progress=False, persist_every=a.persist_every))
 trainer.train(resume_from_checkpoint=True)
 trainer.checkpoints.close()
 """
@@ -422,13 +429,16 @@ def test_trainer_deepspeed_bert_pretraining_miniature_loses_no_step_to_a_preempt
     assert "memory" in {v["durability"] for v in versions}  # routine ones stayed in memory
 
 
-def trained_steps(log: list[Event]) -> tuple[dict[int, list[int]], dict[int, Event], list[int]]:
+def trained_steps(
+    log: list[Event], *, same_batch: bool = True
+) -> tuple[dict[int, list[int]], dict[int, Event], list[int]]:
     """What each optimizer step trained, all ranks together, as the run kept it (a step
     trained again after a restart counts as its last generation trained it); the events
     of those steps (the first rank's); and every index recorded, re-done steps' twice.
 
     A node killed during a step's end leaves that step recorded by some ranks only; the
-    step is then trained again, completely, by the next generation."""
+    step is then trained again, completely, by the next generation; on the same items
+    if the global batch stayed the same (``same_batch``)."""
     records: dict[int, dict[int, dict[int, Event]]] = {}
     every: list[int] = []
     for e in log:
@@ -442,7 +452,7 @@ def trained_steps(log: list[Event]) -> tuple[dict[int, list[int]], dict[int, Eve
         assert sorted(ranks) == list(range(ranks[0]["world_size"])), (step, generations.keys())
         kept[step] = sorted(i for e in ranks.values() for i in e["indices"])
         first[step] = ranks[0]
-        for earlier in generations.values():  # re-done on the same samples
+        for earlier in generations.values() if same_batch else ():
             assert {i for e in earlier.values() for i in e["indices"]} <= set(kept[step])
     return kept, first, every
 
@@ -512,6 +522,47 @@ def check_samples(log: list[Event], steps: int, batch: int, items: int = 512) ->
     assert sorted(kept) == list(range(1, steps + 1))
     assert all(kept[k] == sorted(order[(k - 1) * batch : k * batch]) for k in kept)
     return first
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_trainer_keep_global_batch_false_recomputes_max_steps_and_says_so(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """The opt-out: ``keep_global_batch=False``, 360 items at 3 nodes x 4 per device
+    (global batch 12, 30 steps); c is SIGKILLed. At world 2 the global batch is 8, and
+    ``max_steps`` becomes the step of the version plus the whole steps of 8 that the
+    job's 360 samples leave; a warning in the log gives the old and new horizon. No item
+    is trained twice in the kept history."""
+    items = 360
+    cluster, _ = hf_cluster(
+        coordinator, "hf-optout", tmp_path, "2:3", "--items", str(items), "--batch", "4",
+        "--epochs", "1", "--save-steps", "3", "--step-time", "0.1", "--keep-per-device",
+    )  # fmt: skip
+    try:
+        for node in "abc":
+            cluster.add(node, env=ENV)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5, timeout=150)
+        cluster.kill("c")
+        codes = cluster.wait(timeout=150)
+    finally:
+        cluster.stop()
+    assert codes["a"] == 0 and codes["b"] == 0, codes
+    history = status(coordinator, "hf-optout")["history"]
+    assert [g["world_size"] for g in history] == [3, 2], history
+    log = cluster.events()
+    assert judge(log, history).consistent
+    at = history[1]["checkpoint"]["step"]
+    horizon = at + (items - 12 * at) // 8
+    resumed = {e["max_steps"] for e in log if e["event"] == "resumed" and e["generation"] == 2}
+    finished = {(e["step"], e["max_steps"]) for e in log if e["event"] == "finished"}
+    assert resumed == {horizon} and finished == {(horizon, horizon)}, (at, resumed, finished)
+    kept, _, _ = trained_steps(log, same_batch=False)
+    assert [len(kept[k]) for k in sorted(kept)] == [12] * at + [8] * (horizon - at)
+    every = [i for k in kept for i in kept[k]]
+    assert len(every) == len(set(every))
+    warned = cluster.agents["a"].log.read_text()
+    assert f"max_steps (the schedule's horizon) changes from 30 to {horizon}" in warned
 
 
 def _trained_by(log: list[Event]) -> dict[int, set[int]]:
