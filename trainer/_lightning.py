@@ -496,6 +496,8 @@ class _Rallypoint(_StrategyBase):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
+        """See base class. The training loader of ``fit`` gets this generation's batch
+        plan and, unless ``elastic_data`` is off, the elastic sampler."""
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
         trainer = module.trainer if module is not None else None
