@@ -10,11 +10,12 @@ through alike (a Lightning checkpoint dict packed by :func:`._pack.pack_checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -196,6 +197,14 @@ class Session:
             self._manager = CheckpointManager(self.client, policy=self.policy)
         return self._manager
 
+    def loading(self) -> contextlib.AbstractContextManager[None]:
+        """:meth:`CheckpointManager.loading` once this process restored a version (what
+        fails in the block is reported against it); else nothing: a fresh start, or a
+        strategy that never joined, has no version to report on."""
+        if self.restored is None or self._manager is None:
+            return contextlib.nullcontext()
+        return self._manager.loading()
+
     def resume_path(self) -> str | None:
         """The version the coordinator named for this generation, as a path for
         Lightning; None if the job has no checkpoint yet."""
@@ -251,14 +260,17 @@ class Session:
             log.warning("loading %s, the coordinator's version, not %s", expected, path)
         if template is not None:
             template = {**template, BOOKKEEPING: ""}
-        restored = self.manager.load_latest(template)
-        assert restored is not None
-        state: dict[str, Any] = restored.state
-        if apply is not None:
-            apply(state)
-        if isinstance(restored.rank_state, dict) and "torch_rng" in restored.rank_state:
-            torch.set_rng_state(restored.rank_state["torch_rng"])
-        checkpoint = unpack_checkpoint(state, weights_only)
+        # What fails here is reported: a load that cannot succeed at this world size
+        # ends the generation with its reason instead of restarting forever.
+        with self.manager.loading():
+            restored = self.manager.load_latest(template)
+            assert restored is not None
+            state: dict[str, Any] = restored.state
+            if apply is not None:
+                apply(state)
+            if isinstance(restored.rank_state, dict) and "torch_rng" in restored.rank_state:
+                torch.set_rng_state(restored.rank_state["torch_rng"])
+            checkpoint = unpack_checkpoint(state, weights_only)
         checkpoint["rallypoint"] = {
             "version": restored.version,
             "step": restored.step,
@@ -465,6 +477,13 @@ class _Rallypoint(_StrategyBase):
         return self.session.restored
 
     @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # Lightning applies the restored state here: a model that does not take it is
+        # reported as a failed load of the version (a fresh start has none to report).
+        with self.session.loading():
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         assert self.cluster_environment is not None
@@ -619,7 +638,10 @@ class _Rallypoint(_StrategyBase):
         else:  # the first generation fixes the job's global batch
             self._global_batch = mine.global_batch
         if self.keep_global_batch:
-            plan = plan_batch(self._global_batch, world, micro_batch=micro)
+            # A world that cannot split the job's global batch cannot resume it: reported
+            # as a failed load, so the job waits for a world of another size, no loop.
+            with self.session.loading():
+                plan = plan_batch(self._global_batch, world, micro_batch=micro)
         else:
             plan = mine
             if plan.global_batch != self._global_batch:
