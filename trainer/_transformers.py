@@ -28,6 +28,7 @@ stay what the job started with.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -411,14 +412,18 @@ class RallypointTrainer(Trainer):
             WorldSizeError: This generation's world cannot split the job's global
                 batch (``keep_global_batch``); raised before anything trains.
         """
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = self._restore()
-        # A Trainer folder holds no sample position: the Trainer's own sampler and
-        # skipping for it.
-        self._foreign = bool(resume_from_checkpoint) and resume_from_checkpoint != self._scratch
-        if self._foreign:
-            self._data = None
-        self._plan(resumed=bool(resume_from_checkpoint))
+        ours = resume_from_checkpoint is True
+        # What fails while resuming the coordinator's version (its restore, a world that
+        # cannot split the job's global batch) is reported: no restart loop.
+        with self.checkpoints.loading() if ours else contextlib.nullcontext():
+            if resume_from_checkpoint is True:
+                resume_from_checkpoint = self._restore()
+            # A Trainer folder holds no sample position: the Trainer's own sampler and
+            # skipping for it.
+            self._foreign = bool(resume_from_checkpoint) and resume_from_checkpoint != self._scratch
+            if self._foreign:
+                self._data = None
+            self._plan(resumed=bool(resume_from_checkpoint))
         return super().train(
             resume_from_checkpoint=resume_from_checkpoint,
             trial=trial,
@@ -477,7 +482,8 @@ class RallypointTrainer(Trainer):
         assert self.restored is not None
         target = model if model is not None else self.model
         assert target is not None
-        target.load_state_dict(unpack(self.restored.state["model"]))
+        with self.checkpoints.loading():  # a model that does not take it: reported
+            target.load_state_dict(unpack(self.restored.state["model"]))
 
     def _prepare_for_training(
         self, max_steps: Any, train_dataloader: Any, resume_from_checkpoint: Any
@@ -497,27 +503,30 @@ class RallypointTrainer(Trainer):
 
             ours = install(self.model_wrapped, checkpoints=self.checkpoints)
         if ours_to_load:
-            assert self.restored is not None
-            optimizer, scheduler = self.optimizer, self.lr_scheduler
-            assert optimizer is not None and scheduler is not None
-            if ours is not None:
-                ours.restore(self.restored)
-                folder = ours.stand_in()
-                # model_wrapped is annotated as a Module; with DeepSpeed it is the engine.
-                engine: Any = self.model_wrapped
-                load_path, _ = engine.load_checkpoint(
-                    folder, tag=ours.tag, load_optimizer_states=True, load_lr_scheduler_states=True
-                )
-                if load_path is None:
-                    raise RuntimeError(
-                        f"DeepSpeed could not load checkpoint v{self.restored.version}"
-                    )
-                if not _deepspeed_scheduler(scheduler):
-                    scheduler.load_state_dict(ours.load(SCHEDULER))
-            else:
-                optimizer.load_state_dict(unpack(self.restored.state["optimizer"]))
-                scheduler.load_state_dict(unpack(self.restored.state["scheduler"]))
+            with self.checkpoints.loading():  # a ZeRO reshard, DeepSpeed's checks: reported
+                self._load_rest(ours)
         return model, train_dataloader
+
+    def _load_rest(self, ours: Any) -> None:
+        """Loads the restored optimizer and scheduler, or with DeepSpeed everything."""
+        assert self.restored is not None
+        optimizer, scheduler = self.optimizer, self.lr_scheduler
+        assert optimizer is not None and scheduler is not None
+        if ours is None:
+            optimizer.load_state_dict(unpack(self.restored.state["optimizer"]))
+            scheduler.load_state_dict(unpack(self.restored.state["scheduler"]))
+            return
+        ours.restore(self.restored)
+        folder = ours.stand_in()
+        # model_wrapped is annotated as a Module; with DeepSpeed it is the engine.
+        engine: Any = self.model_wrapped
+        load_path, _ = engine.load_checkpoint(
+            folder, tag=ours.tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint v{self.restored.version}")
+        if not _deepspeed_scheduler(scheduler):
+            scheduler.load_state_dict(ours.load(SCHEDULER))
 
     # --- data and batch -----------------------------------------------------------------
 
