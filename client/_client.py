@@ -758,14 +758,18 @@ class ElasticClient:
             UnknownCheckpoint: No such version (or it was collected since).
             CheckpointConflict: The version is not committed.
         """
-        body = RestoreFailure(
+        body = self._failure(reason, rank, generation)
+        reply = self._request("POST", f"{self._job}/checkpoints/{version}/failures", body)
+        return CheckpointInfo.model_validate_json(reply.content)
+
+    def _failure(self, reason: str, rank: int, generation: int | None) -> RestoreFailure:
+        """What a rank reports of a version it could not read or load (cut to fit)."""
+        return RestoreFailure(
             node_id=self.node_id,
             generation=self._generation(generation),
             rank=rank,
             reason=reason[:MAX_FAILURE_REASON] or "unknown",
         )
-        reply = self._request("POST", f"{self._job}/checkpoints/{version}/failures", body)
-        return CheckpointInfo.model_validate_json(reply.content)
 
     def report_load_failure(
         self, version: int, reason: str, *, rank: int, generation: int | None = None
@@ -793,12 +797,7 @@ class ElasticClient:
                 member died).
             CheckpointConflict: The generation was not named ``version``.
         """
-        body = RestoreFailure(
-            node_id=self.node_id,
-            generation=self._generation(generation),
-            rank=rank,
-            reason=reason[:MAX_FAILURE_REASON] or "unknown",
-        )
+        body = self._failure(reason, rank, generation)
         reply = self._request("POST", f"{self._job}/checkpoints/{version}/load-failures", body)
         return LoadFailure.model_validate_json(reply.content)
 

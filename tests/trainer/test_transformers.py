@@ -285,6 +285,25 @@ def hf_cluster(
     return cluster, out
 
 
+def shrink_by_one(
+    coordinator: Coordinator, cluster: Cluster, job: str
+) -> tuple[list[Event], list[dict[str, Any]]]:
+    """Nodes a, b and c train; c is SIGKILLed past step 5 and not replaced; a and b
+    finish at world 2. The events and the job's generations."""
+    try:
+        for node in "abc":
+            cluster.add(node, env=ENV)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5, timeout=150)
+        cluster.kill("c")
+        codes = cluster.wait(timeout=150)
+    finally:
+        cluster.stop()
+    assert codes["a"] == 0 and codes["b"] == 0, codes
+    history = status(coordinator, job)["history"]
+    assert [g["world_size"] for g in history] == [3, 2], history
+    return cluster.events(), history
+
+
 def check_resumes(log: list[Event], history: list[dict[str, Any]], steps: int) -> list[Event]:
     """The checks every run shares; the resumed events of the last generation."""
     verdict = judge(log, history)
@@ -539,18 +558,7 @@ def test_trainer_keep_global_batch_false_recomputes_max_steps_and_says_so(
         coordinator, "hf-optout", tmp_path, "2:3", "--items", str(items), "--batch", "4",
         "--epochs", "1", "--save-steps", "3", "--step-time", "0.1", "--keep-per-device",
     )  # fmt: skip
-    try:
-        for node in "abc":
-            cluster.add(node, env=ENV)
-        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5, timeout=150)
-        cluster.kill("c")
-        codes = cluster.wait(timeout=150)
-    finally:
-        cluster.stop()
-    assert codes["a"] == 0 and codes["b"] == 0, codes
-    history = status(coordinator, "hf-optout")["history"]
-    assert [g["world_size"] for g in history] == [3, 2], history
-    log = cluster.events()
+    log, history = shrink_by_one(coordinator, cluster, "hf-optout")
     assert judge(log, history).consistent
     at = history[1]["checkpoint"]["step"]
     horizon = at + (items - 12 * at) // 8
@@ -640,18 +648,7 @@ def test_trainer_deepspeed_keeps_the_global_batch_when_the_world_shrinks(
         coordinator, f"hf-zero{zero}-shrink", tmp_path, "2:3", "--zero", str(zero), "--items", str(items),
         "--epochs", "1", "--save-steps", "3", "--step-time", "0.1",
     )  # fmt: skip
-    try:
-        for node in "abc":
-            cluster.add(node, env=ENV)
-        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5, timeout=150)
-        cluster.kill("c")
-        codes = cluster.wait(timeout=150)
-    finally:
-        cluster.stop()
-    assert codes["a"] == 0 and codes["b"] == 0, codes
-    history = status(coordinator, f"hf-zero{zero}-shrink")["history"]
-    assert [g["world_size"] for g in history] == [3, 2], history
-    log = cluster.events()
+    log, history = shrink_by_one(coordinator, cluster, f"hf-zero{zero}-shrink")
     verdict = judge(log, history)
     assert verdict.consistent and verdict.final_step == steps, verdict
     first = check_samples(log, steps, batch, items)
