@@ -207,7 +207,7 @@ def test_what_is_not_a_good_committed_version_is_refused(start: Start, tmp_path:
     m.save({"w": torch.ones(2)}, 2, blocking=True)
     client = m.client
     client.quarantine(2, "diverged")
-    pending = client.begin_checkpoint(3, ["rank-00000/data.distcp"]).version
+    pending = client.begin_checkpoint(3, ["data.distcp"]).version
     exporter = ElasticClient(url, "job", "exporter")
     with pytest.raises(CheckpointError, match="v2 is quarantined: diverged"):
         export(exporter, tmp_path / "x.safetensors", 2, progress=False)
