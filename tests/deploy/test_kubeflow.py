@@ -492,11 +492,14 @@ def test_rallypoint_run_trains_elastically_under_the_trainers_pet_variables(
     assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
     launched = next(x for x in logs[0].splitlines() if x.startswith("rallypoint run: torchrun"))
     assert "--nnodes=2:3" in launched and "--nproc-per-node" not in launched
+    # A node's workers share its log: two prints can land on one line, "WORKER {..}WORKER {..}".
     seen = [
-        json.loads(line.removeprefix("WORKER "))
+        json.loads(part)
         for text in logs
         for line in text.splitlines()
         if line.startswith("WORKER ")
+        for part in line.split("WORKER ")
+        if part.strip()
     ]
     assert sorted(int(w["RANK"]) for w in seen) == [0, 1, 2, 3]
     for worker in seen:
