@@ -1212,12 +1212,7 @@ class Rendezvous:
         """Why the job's open round holds back from sealing with the size that keeps
         failing to load its checkpoint (:func:`._seal.load_blocked`); None when it does
         not."""
-        streak = job.load_failure
-        if job.status != "open" or streak is None:
-            return None
-        if streak.count < seal.LOAD_FAILURES_BEFORE_BLOCK:
-            return None
-        return seal.blocked_reason(streak)
+        return seal.held_back(job.load_failure) if job.status == "open" else None
 
     def status(self, job_id: str) -> JobStatus:
         """Everything a person wants to see about a job."""

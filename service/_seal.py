@@ -43,6 +43,7 @@ __all__ = [
     "LOAD_FAILURES_BEFORE_BLOCK",
     "alive",
     "blocked_reason",
+    "held_back",
     "join_ends",
     "load_blocked",
     "load_streak",
@@ -195,12 +196,17 @@ def load_blocked(
     failed to load that very version at that very size, so a third would only fail the
     same way and the job would loop. A round of another size, or one that resumes from
     another version, seals as usual."""
-    if (
-        streak is None
-        or streak.count < LOAD_FAILURES_BEFORE_BLOCK
-        or resume is None
-        or (resume.version, world_size) != (streak.version, streak.world_size)
-    ):
+    if streak is None or resume is None:
+        return None
+    if (resume.version, world_size) != (streak.version, streak.world_size):
+        return None
+    return held_back(streak)
+
+
+def held_back(streak: LoadFailure | None) -> str | None:
+    """Why a round of the run's world size that resumes from its version waits (None:
+    the run is too short to hold anything back): what ``status`` shows as ``blocked``."""
+    if streak is None or streak.count < LOAD_FAILURES_BEFORE_BLOCK:
         return None
     return blocked_reason(streak)
 
