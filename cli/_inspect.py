@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta, timezone
-from typing import Any, TextIO, TypeVar
+from typing import Any, Literal, TextIO, TypeVar
 
 from pydantic import BaseModel
 
@@ -238,11 +238,28 @@ def print_timeline(timeline: Timeline, out: TextIO) -> None:
     )
 
 
+def _pointers(v: CheckpointInfo) -> str | None:
+    names = [
+        *(["latest"] if v.latest else []),
+        *(["durable"] if v.latest_durable else []),
+        *(["best"] if v.best_place == 1 else []),
+        *([f"best#{v.best_place}"] if v.best_place is not None and v.best_place > 1 else []),
+    ]
+    return ",".join(names) or None
+
+
+def _metrics(v: CheckpointInfo) -> str | None:
+    return " ".join(f"{k}={value:.6g}" for k, value in sorted(v.metrics.items())) or None
+
+
 def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
-    """One row per version; POINTER marks the job's ``latest`` and its newest
-    ``durable`` version (what it falls back to if the memory copies of newer ones go);
-    STATE says QUARANTINED for a version an operator marked bad and UNRECOVERABLE for
-    one a rank could not load, and a line under the table says when and why."""
+    """One row per version; POINTER marks the job's ``latest``, its newest ``durable``
+    version (what it falls back to if the memory copies of newer ones go) and its
+    ``best`` (``best#2``... for the others its ``keep_best`` rule keeps); STATE says
+    QUARANTINED for a version an operator marked bad and UNRECOVERABLE for one a rank
+    could not load, and a line under the table says when and why. METRICS, when any
+    version carries some."""
+    with_metrics = any(v.metrics for v in versions)
     rows = [
         (
             v.version,
@@ -251,15 +268,16 @@ def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
             "QUARANTINED" if v.quarantined else "UNRECOVERABLE" if v.unrecoverable else v.state,
             v.durability,
             f"{v.reported}/{v.world_size}",
-            ",".join(p for p, on in (("latest", v.latest), ("durable", v.latest_durable)) if on)
-            or None,
+            _pointers(v),
             _when(v.created_at),
             _when(v.committed_at),
+            *([_metrics(v)] if with_metrics else []),
         )
         for v in versions
     ]
     header = ["VERSION", "STEP", "GEN", "STATE", "DURABILITY", "RANKS", "POINTER"]
-    _table([*header, "CREATED", "COMMITTED"], rows, out)
+    extra = ["METRICS"] if with_metrics else []
+    _table([*header, "CREATED", "COMMITTED", *extra], rows, out)
     for v in versions:
         if v.quarantined:
             why = f": {v.quarantine_reason}" if v.quarantine_reason else ""
@@ -362,8 +380,8 @@ _EXPORT_OPTIONS = ("out", "format", "dtype", "only", "max_shard_size")
 
 def _export(args: argparse.Namespace, parser: argparse.ArgumentParser, job: str, which: str) -> int:
     """Writes a version's tensors to ``--out`` (see :func:`rallypoint.trainer.export`)."""
-    if which != "latest" and not (which.isdigit() and int(which) >= 1):
-        parser.error(f"VERSION must be a version number or latest, not {which!r}")
+    if which not in ("latest", "best") and not (which.isdigit() and int(which) >= 1):
+        parser.error(f"VERSION must be a version number, latest or best, not {which!r}")
     if args.out is None:
         parser.error("export needs --out PATH")
     if args.watch:
@@ -383,9 +401,10 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser, job: str,
         options["max_shard_size"] = args.max_shard_size << 20
     with client_for(args, job) as client:
         try:
-            done = export(
-                client, args.out, "latest" if which == "latest" else int(which), **options
+            named: int | Literal["latest", "best"] = (
+                int(which) if which.isdigit() else "best" if which == "best" else "latest"
             )
+            done = export(client, args.out, named, **options)
         except (RallypointError, RallypointTrainerError) as exc:
             print(f"rallypoint checkpoints export: {exc}", file=sys.stderr)
             return 1
@@ -483,7 +502,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
         "       rallypoint checkpoints [options] quarantine JOB VERSION [--reason R] "
         "[--restart]\n"
         "       rallypoint checkpoints [options] unquarantine JOB VERSION\n"
-        "       rallypoint checkpoints [options] export JOB [VERSION|latest] --out PATH "
+        "       rallypoint checkpoints [options] export JOB [VERSION|latest|best] --out PATH "
         "[--format safetensors|hf|torch] [--dtype keep|bf16|fp16|fp32] [--only PREFIX]",
         description="Lists a job's versions. quarantine (the admin token) marks a "
         "committed version bad: no generation resumes from it, and if it was the latest "

@@ -36,6 +36,7 @@ from .models import (
     JobSummary,
     JoinReply,
     JoinRequest,
+    KeepBest,
     LeaveRequest,
     LoadFailure,
     MemberInfo,
@@ -662,6 +663,9 @@ class ElasticClient:
         rank: int | None = None,
         storage: bool = True,
         memory: Sequence[str] = (),
+        metrics: Mapping[str, float] | None = None,
+        keep_best: KeepBest | None = None,
+        keep_last: int | None = None,
     ) -> CheckpointInfo:
         """Reports this rank's uploaded files of ``version``; the last rank's report
         commits it. Safe to retry.
@@ -675,6 +679,10 @@ class ElasticClient:
             rank: The global rank given to :meth:`begin_checkpoint`, if any.
             storage: Whether the files were uploaded to blob storage.
             memory: The nodes whose memory tier holds them (this one, its replica).
+            metrics: Rank 0's become the version's (finite values).
+            keep_best: Rank 0's: the rule the job keeps its best versions by.
+            keep_last: Rank 0's: how many of its newest good versions the job keeps
+                (None: the coordinator's setting).
 
         Raises:
             StaleGeneration: The generation ended: this version will never commit.
@@ -690,6 +698,9 @@ class ElasticClient:
             rank=rank,
             storage=storage,
             memory=list(memory),
+            metrics=None if metrics is None else dict(metrics),
+            keep_best=keep_best,
+            keep_last=keep_last,
         )
         reply = self._request("POST", f"{self._job}/checkpoints/{version}/shards", body)
         return CheckpointInfo.model_validate_json(reply.content)
@@ -801,12 +812,13 @@ class ElasticClient:
         reply = self._request("POST", f"{self._job}/checkpoints/{version}/load-failures", body)
         return LoadFailure.model_validate_json(reply.content)
 
-    def checkpoint(self, version: int | None = None) -> CheckpointInfo:
-        """A version with read URLs for its manifest and files; the authoritative latest
-        if ``version`` is None.
+    def checkpoint(self, version: int | Literal["latest", "best"] | None = None) -> CheckpointInfo:
+        """A version with read URLs for its manifest and files: by number, the
+        authoritative ``"latest"`` (also if ``version`` is None), or the job's ``"best"``
+        by the ``keep_best`` rule it saves under.
 
         Raises:
-            UnknownCheckpoint: No such version, or none committed yet.
+            UnknownCheckpoint: No such version, none committed yet, or no best.
         """
         path = f"{self._job}/checkpoints/{'latest' if version is None else version}"
         return CheckpointInfo.model_validate_json(self._request("GET", path).content)

@@ -23,6 +23,7 @@ __all__ = [
     "ID_PATTERN",
     "ID_SCHEMA_PATTERN",
     "MAX_METADATA_BYTES",
+    "MAX_METRICS",
     "MAX_NODES_LIMIT",
     "MAX_RANKS",
     "MAX_SHARD_FILES",
@@ -45,6 +46,7 @@ __all__ = [
     "JobSummary",
     "JoinReply",
     "JoinRequest",
+    "KeepBest",
     "LeaveRequest",
     "LoadFailure",
     "Manifest",
@@ -323,6 +325,27 @@ class ShardFile(_Model):
     checksum: str = Field(min_length=1, max_length=160)
 
 
+#: Metrics one version may carry.
+MAX_METRICS = 32
+#: A metric's name: what the frameworks log (``eval_loss``, ``val/acc``, ``epoch``).
+MetricName = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_./:@-]+$")]
+#: A metric's value: finite (a NaN loss makes a version no candidate for best; the
+#: trainer leaves it out).
+MetricValue = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class KeepBest(_Model):
+    """Which versions a job keeps for a metric, whatever the retention of the newest:
+    the ``count`` best good versions by ``metric``; the first of them is the job's
+    ``best`` (ties go to the older version: the first to reach the value)."""
+
+    metric: MetricName
+    #: ``min`` (a loss) or ``max`` (an accuracy).
+    mode: Literal["min", "max"] = "min"
+    #: How many of the best to keep (Lightning's ``save_top_k``).
+    count: int = Field(1, ge=1, le=100)
+
+
 class ReportShard(_Model):
     """A rank's files of a version, reported after they were uploaded."""
 
@@ -335,6 +358,13 @@ class ReportShard(_Model):
     metadata: dict[str, Any] | None = None
     #: This rank's own metadata (its rank-specific state).
     rank_metadata: dict[str, Any] | None = None
+    #: Rank 0's become the version's metrics (an evaluation's ``eval_loss``).
+    metrics: dict[MetricName, MetricValue] | None = Field(None, max_length=MAX_METRICS)
+    #: Rank 0's: the rule the job keeps its best versions by, from this version on.
+    keep_best: KeepBest | None = None
+    #: Rank 0's: how many of its newest good versions the job keeps from this version
+    #: on (an HF Trainer's ``save_total_limit``); None: the coordinator's setting.
+    keep_last: int | None = Field(None, ge=1, le=1000)
     #: Whether the files were uploaded to blob storage.
     storage: bool = True
     #: The nodes whose memory tier holds the files: the reporter's own and its
@@ -385,6 +415,11 @@ class CheckpointInfo(_Model):
     unrecoverable: bool = False
     unrecoverable_at: float | None = None
     unrecoverable_reason: str | None = None
+    #: What the version's rank 0 reported with it (an evaluation's ``eval_loss``).
+    metrics: dict[str, float] = Field(default_factory=dict)
+    #: Its place among the job's best versions by the job's ``keep_best`` rule (1: the
+    #: job's ``best``), if it is one of the ``count`` kept; None otherwise.
+    best_place: int | None = None
     urls: dict[str, str] = Field(default_factory=dict)
     #: Global rank (as a string) to the live nodes whose memory holds its files; with
     #: ``urls``, for a committed version.
@@ -467,6 +502,8 @@ class Manifest(_Model):
     world_size: int
     created_at: float
     metadata: dict[str, Any] | None = None
+    #: What rank 0 reported with the version (see :attr:`ReportShard.metrics`).
+    metrics: dict[str, float] | None = None
     shards: list[ManifestShard]
 
 

@@ -49,7 +49,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -60,6 +60,7 @@ from rallypoint.client.models import (
     CheckpointBegun,
     CheckpointInfo,
     CheckpointPointer,
+    KeepBest,
     LoadFailure,
     Manifest,
     ManifestFile,
@@ -73,6 +74,7 @@ from rallypoint.client.models import (
     TimelineVersion,
 )
 
+from . import _retention as retention
 from ._packed import MAX_PACKED, pack, unpack
 from ._rendezvous import Generation, Job, Member, Rendezvous
 from ._timeline import as_entry
@@ -134,6 +136,13 @@ class Version:
     #: When a rank reported it could not load it (None: none did), and why.
     unrecoverable_at: float | None = None
     unrecoverable_reason: str | None = None
+    #: What rank 0 reported with it (set at the commit).
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    #: The rule the job keeps its best versions by, as this version was saved under.
+    keep_best: KeepBest | None = None
+    #: How many of its newest good versions the job keeps, as this version was saved
+    #: with (None: the coordinator's ``keep``).
+    keep_last: int | None = None
 
     @property
     def quarantined(self) -> bool:
@@ -176,6 +185,9 @@ class Report:
     metadata: dict[str, Any] | None
     rank_metadata: dict[str, Any] | None
     holding: Holding
+    metrics: dict[str, float] | None = None
+    keep_best: KeepBest | None = None
+    keep_last: int | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +250,7 @@ def _version(job_id: str, e: Entity) -> Version:
     persist, durable = d.get("persist"), d.get("durable")
     quarantined_at, reason = d.get("quarantined_at"), d.get("quarantine_reason")
     unrecoverable_at, unreadable = d.get("unrecoverable_at"), d.get("unrecoverable_reason")
+    metrics, keep_best, keep_last = d.get("metrics"), d.get("keep_best"), d.get("keep_last")
     state = str(d["state"])
     if state not in ("pending", "committed", "deleting"):
         raise TypeError(f"stored checkpoint state {state!r} is unknown")
@@ -258,6 +271,9 @@ def _version(job_id: str, e: Entity) -> Version:
         quarantine_reason=None if reason is None else str(reason),
         unrecoverable_at=None if unrecoverable_at is None else float(str(unrecoverable_at)),
         unrecoverable_reason=None if unreadable is None else str(unreadable),
+        metrics={} if metrics is None else json.loads(str(metrics)),
+        keep_best=None if keep_best is None else KeepBest.model_validate_json(str(keep_best)),
+        keep_last=None if keep_last is None else int(str(keep_last)),
     )
 
 
@@ -281,6 +297,10 @@ def _entity(v: Version) -> Entity:
             "quarantine_reason": v.quarantine_reason,
             "unrecoverable_at": v.unrecoverable_at,
             "unrecoverable_reason": v.unrecoverable_reason,
+            # JSON: a table row holds no maps (rows from before metrics have neither).
+            "metrics": json.dumps(dict(v.metrics)) if v.metrics else None,
+            "keep_best": None if v.keep_best is None else v.keep_best.model_dump_json(),
+            "keep_last": v.keep_last,
         },
     )
 
@@ -295,6 +315,7 @@ def _log_entity(v: Version, collected_at: float) -> Entity:
 
 def _report(data: Mapping[str, Value | None]) -> Report:
     payload = unpack(data)
+    keep = payload.get("keep_best")
     return Report(
         rank=int(str(data["rank"])),
         node_id=str(data["node_id"]),
@@ -302,6 +323,9 @@ def _report(data: Mapping[str, Value | None]) -> Report:
         metadata=payload.get("metadata"),
         rank_metadata=payload.get("rank_metadata"),
         holding=_holding(data),
+        metrics=payload.get("metrics"),
+        keep_best=None if keep is None else KeepBest.model_validate(keep),
+        keep_last=payload.get("keep_last"),
     )
 
 
@@ -636,6 +660,12 @@ class Checkpoints:
             "files": [f.model_dump() for f in request.files],
             "metadata": request.metadata if rank == 0 else None,
             "rank_metadata": request.rank_metadata,
+            # Rank 0's become the version's, like its metadata.
+            **(
+                request.model_dump(include={"metrics", "keep_best", "keep_last"})
+                if rank == 0
+                else {}
+            ),
         }
         size = len(json.dumps(payload, separators=(",", ":")))
         if size > MAX_METADATA_BYTES:
@@ -682,7 +712,19 @@ class Checkpoints:
 
     def _commit(self, version: Version, reports: dict[int, Report]) -> Version:
         durable = all(r.holding.storage for r in reports.values())
-        version = replace(version, durable=durable)
+        first = reports[0]
+
+        def ruled(v: Version) -> Version:
+            # Rank 0's metrics and rules become the version's (see _retention.py).
+            return replace(
+                v,
+                durable=durable,
+                metrics=first.metrics or {},
+                keep_best=first.keep_best,
+                keep_last=first.keep_last,
+            )
+
+        version = ruled(version)
         manifest = Manifest(
             job_id=version.job_id,
             version=version.version,
@@ -691,6 +733,7 @@ class Checkpoints:
             world_size=version.world_size,
             created_at=version.created_at,
             metadata=reports[0].metadata,
+            metrics=first.metrics or None,
             shards=[
                 ManifestShard(
                     rank=r.rank,
@@ -726,8 +769,9 @@ class Checkpoints:
                     raise CheckpointConflict(
                         f"version {version.version} was collected before it committed"
                     ) from None
-                # The row read back is the pending one: it does not know the tier yet.
-                version = replace(version, durable=durable)
+                # The row read back is the pending one: it knows neither the tier nor
+                # the metrics yet.
+                version = ruled(version)
                 continue  # the job entity changed: judge the pointer again
             entity = stored[0]
             committed = replace(committed, etag=entity.etag if entity and entity.etag else "")
@@ -1031,11 +1075,34 @@ class Checkpoints:
         # A quarantined version keeps its read URLs here, by number: whoever investigates
         # it may read it, and a worker restarted within a generation that was told to
         # resume from it loads what its generation's other ranks loaded.
-        info = self._info(job, version)
+        info = self._info(job, version, places=retention.places(self._rows(job_id)))
         if urls and version.state == "committed":
             grant = self.blobs.grant(version.folder, None, access="read", ttl=self.read_ttl)
             info = info.model_copy(update={"urls": grant, **self._copies(job, version)})
         return info
+
+    def best(self, job_id: str, *, urls: bool = True) -> CheckpointInfo:
+        """The job's best version by its ``keep_best`` rule (see ``_best.py``), with read
+        URLs.
+
+        Raises:
+            UnknownJob: No such job.
+            UnknownCheckpoint: The job keeps no best (its newest version was saved
+                without ``keep_best``), or no good version carries the metric yet.
+        """
+        self.rdzv.get_job(job_id)
+        rows = self._rows(job_id)
+        keep = retention.rule(rows)
+        if keep is None:
+            raise UnknownCheckpoint(
+                f"job {job_id!r} keeps no best version: its newest was saved without keep_best"
+            )
+        ranked = retention.best(rows, keep)
+        if not ranked:
+            raise UnknownCheckpoint(
+                f"job {job_id!r} has no best version yet: no good version carries {keep.metric!r}"
+            )
+        return self.get(job_id, ranked[0].version, urls=urls)
 
     def _copies(self, job: Job, version: Version) -> dict[str, Any]:
         """Where a committed version's files are: ranks in storage, and the live holders
@@ -1085,7 +1152,9 @@ class Checkpoints:
     def versions(self, job_id: str) -> list[CheckpointInfo]:
         """Every version not being collected, oldest first (no URLs)."""
         job = self.rdzv.get_job(job_id)
-        return [self._info(job, v) for v in self._rows(job_id) if v.state != "deleting"]
+        rows = self._rows(job_id)
+        places = retention.places(rows)
+        return [self._info(job, v, places=places) for v in rows if v.state != "deleting"]
 
     def collected(self, job_id: str) -> list[TimelineVersion]:
         """The committed versions collected lately (the last :data:`LOG_SLOTS`), as
@@ -1111,10 +1180,15 @@ class Checkpoints:
         return counts
 
     def _info(
-        self, job: Job, version: Version, reports: Mapping[int, Report] | None = None
+        self,
+        job: Job,
+        version: Version,
+        reports: Mapping[int, Report] | None = None,
+        places: Mapping[int, int] | None = None,
     ) -> CheckpointInfo:
         """``reports`` if the caller read them already; read here only while pending (a
-        committed version has all of them)."""
+        committed version has all of them). ``places``: the job's best versions' places
+        (:func:`._retention.places`), where the caller read every row."""
         if reports is None and version.state != "committed":
             reports = self._reports(version)
         return CheckpointInfo(
@@ -1135,6 +1209,8 @@ class Checkpoints:
             unrecoverable=version.unrecoverable,
             unrecoverable_at=version.unrecoverable_at,
             unrecoverable_reason=version.unrecoverable_reason,
+            metrics=dict(version.metrics),
+            best_place=None if places is None else places.get(version.version),
         )
 
     def _get(self, job_id: str, number: int) -> Version:
@@ -1169,9 +1245,11 @@ class Checkpoints:
 
     def collect(self, job_id: str) -> list[int]:
         """Deletes unfinished versions past their timeout and committed ones beyond the
-        last ``keep`` good (neither quarantined nor unrecoverable) ones; never the latest
-        or the durable one. Marked versions are kept while they are among the last
-        ``keep`` committed, for whoever investigates them, and never push a good one out.
+        last ``keep`` good (neither quarantined nor unrecoverable) ones (the job's own
+        ``keep_last`` if its newest version carries one: :func:`._retention.keep_last`);
+        never the latest, the durable one or the job's best (:func:`._retention.best`).
+        Marked versions are kept while they are among the last ``keep`` committed, for
+        whoever investigates them, and never push a good one out.
 
         Returns:
             The versions deleted.
@@ -1182,11 +1260,14 @@ class Checkpoints:
         durable = job.durable.version if job.durable else None
         committed = [v for v in versions if v.state == "committed"]
         good = [v.version for v in committed if v.good]
-        suspect = {v.version for v in committed[-self.keep :] if not v.good}
+        last = retention.keep_last(versions, self.keep)
+        suspect = {v.version for v in committed[-last:] if not v.good}
         # The durable pointer is what a job falls back to when memory copies are lost.
         # (A quarantine that moves a pointer back rewrites the row it moves to, so a
         # collect that read the pointer before fails to mark that row deleting.)
-        keep = set(good[-self.keep :]) | suspect | {latest, durable}
+        # The best by the job's rule stay too, however old (see _retention.py).
+        best = {v.version for v in retention.best(versions)}
+        keep = set(good[-last:]) | suspect | best | {latest, durable}
         doomed = [
             v
             for v in versions

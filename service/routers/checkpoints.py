@@ -163,6 +163,14 @@ async def latest(job_id: JobId, checkpoints: CheckpointsDep) -> CheckpointInfo:
     return await anyio.to_thread.run_sync(checkpoints.get, job_id, None)
 
 
+@router.get("/best", responses=errors(UnknownJob, UnknownCheckpoint))
+async def best(job_id: JobId, checkpoints: CheckpointsDep) -> CheckpointInfo:
+    """The job's best version by the ``keep_best`` rule its newest version was saved
+    under (``metric``, ``min`` or ``max``), with read URLs: 404 ``unknown_checkpoint``
+    while it keeps none or no good version carries the metric."""
+    return await anyio.to_thread.run_sync(checkpoints.best, job_id)
+
+
 @router.get("/peer-key", responses=errors(UnknownJob))
 async def peer_key(job_id: JobId, checkpoints: CheckpointsDep) -> PeerKey:
     """The public key nodes' replica servers check peer grants with."""

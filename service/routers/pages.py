@@ -332,6 +332,7 @@ async def job_page(
                 "durability",
                 "ranks reported",
                 "committed",
+                "metrics",
                 "marked bad",
             ],
             [
@@ -346,9 +347,16 @@ async def job_page(
                         *([("unrecoverable", "quarantined")] if v.unrecoverable else []),
                         *([("latest", "pointer latest")] if v.latest else []),
                         *([("newest durable", "pointer fallback")] if v.latest_durable else []),
+                        *([("best", "pointer best")] if v.best_place == 1 else []),
+                        *(
+                            [(f"best #{v.best_place}", "pointer best")]
+                            if v.best_place is not None and v.best_place > 1
+                            else []
+                        ),
                     ),
                     f"{v.reported}/{v.world_size}",
                     _when(v.committed_at),
+                    " ".join(f"{k}={x:.6g}" for k, x in sorted(v.metrics.items())) or "-",
                     _marked(v),
                 )
                 for v in reversed(versions)

@@ -33,7 +33,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +60,7 @@ from rallypoint.client import (
     CheckpointBegun,
     CheckpointInfo,
     ElasticClient,
+    KeepBest,
     Manifest,
     ShardFile,
     UnknownCheckpoint,
@@ -204,6 +205,10 @@ class RallypointWriter(StorageWriter):
         step: The training step the version holds.
         generation: Defaults to the client's.
         metadata: Small JSON values kept in the manifest (rank 0's are kept).
+        metrics: Finite numbers the version carries (rank 0's are kept).
+        keep_best: The rule the job keeps its best versions by (rank 0's is kept).
+        keep_last: How many of its newest good versions the job keeps (rank 0's; None:
+            the coordinator's setting).
         progress: Show progress of uploads that take more than a second.
         attempts: Tries per upload before giving up.
         memory: This node's memory tier: each file lands there first, and is copied to
@@ -224,6 +229,9 @@ class RallypointWriter(StorageWriter):
         *,
         generation: int | None = None,
         metadata: dict[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        keep_best: KeepBest | None = None,
+        keep_last: int | None = None,
         progress: bool = False,
         attempts: int = 3,
         memory: NodeMemory | None = None,
@@ -240,6 +248,9 @@ class RallypointWriter(StorageWriter):
         self.step = step
         self.generation = generation
         self.metadata = metadata
+        self.metrics = metrics
+        self.keep_best = keep_best
+        self.keep_last = keep_last
         self.progress = progress
         self.attempts = attempts
         self.memory = memory
@@ -548,6 +559,9 @@ class RallypointWriter(StorageWriter):
             self._version,
             files,
             metadata={"user": metadata} if self.rank == 0 else None,
+            metrics=self.metrics if self.rank == 0 else None,
+            keep_best=self.keep_best if self.rank == 0 else None,
+            keep_last=self.keep_last if self.rank == 0 else None,
             generation=self.generation,
             rank=self.rank,
             storage=self.storage,

@@ -110,7 +110,7 @@ class _Tensor:
 def export(
     client: ElasticClient,
     out: str | os.PathLike[str],
-    version: int | Literal["latest"] = "latest",
+    version: int | Literal["latest", "best"] = "latest",
     *,
     format: ExportFormat = "safetensors",
     dtype: Literal["keep", "bf16", "fp16", "fp32"] = "keep",
@@ -126,7 +126,8 @@ def export(
         out: A file (``safetensors``, ``torch``) or a folder (``hf``: ``model.safetensors``,
             or shards ``model-0000k-of-0000n.safetensors`` and their index past
             ``max_shard_size``).
-        version: A version number, or ``"latest"``: the job's authoritative latest.
+        version: A version number, ``"latest"`` (the job's authoritative latest) or
+            ``"best"`` (its best by the ``keep_best`` rule it saves under).
         format: ``safetensors`` (default), ``hf`` or ``torch`` (one ``torch.save`` file).
         dtype: ``keep``, or a floating dtype every floating tensor is cast to.
         only: Export only the tensors whose saved name starts with this (e.g. ``model.``,
@@ -142,7 +143,7 @@ def export(
     Raises:
         CheckpointError: The version is not committed, is quarantined or unrecoverable,
             or holds no tensor to export (``only`` matched none).
-        UnknownCheckpoint: No such version, or it was collected.
+        UnknownCheckpoint: No such version, it was collected, or the job has no best.
         CheckpointCorrupt: A file fails its checksum in every copy.
     """
     if format not in ("safetensors", "hf", "torch"):
@@ -150,7 +151,7 @@ def export(
     if dtype not in _CASTS:
         raise ValueError(f"dtype must be one of {', '.join(_CASTS)}, not {dtype!r}")
     started = time.monotonic()
-    info = client.checkpoint(None if version == "latest" else version)
+    info = client.checkpoint(version)
     _check_exportable(info)
     reader = RallypointReader(client, info.version, progress=False)
     metadata = reader.read_metadata()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import pickle
 import time
 import warnings
@@ -42,7 +43,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, RallypointError
+from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, KeepBest, RallypointError
 
 from .._bytes import tensor_bytes
 from .._regroup import Generation, generations
@@ -171,8 +172,9 @@ class CheckpointManager:
         policy: When versions reach blob storage and how a save treats training
             (:class:`SavePolicy`); the same fields may be given one by one instead:
         if_busy, progress, attempts, verify_replicated, persist_every, persist_after,
-            overlap: :class:`SavePolicy`'s fields, when no ``policy`` is given
-            (``persist_after`` may be seconds).
+            overlap, keep_best, keep_last: :class:`SavePolicy`'s fields, when no ``policy`` is
+            given (``persist_after`` may be seconds; ``keep_best`` a
+            ``(metric, "min"|"max"[, count])`` tuple).
         fence: Modules and optimizers whose state the saves hold: their
             ``load_state_dict`` waits for the copy too (every optimizer's ``step`` and
             ``load_state_dict`` wait anyway, once it has stepped).
@@ -196,9 +198,13 @@ class CheckpointManager:
         persist_every: int | None = None,
         persist_after: float | timedelta | None = None,
         overlap: bool | None = None,
+        keep_best: KeepBest | tuple[Any, ...] | None = None,
+        keep_last: int | None = None,
         fence: Iterable[torch.nn.Module | torch.optim.Optimizer] = (),
     ) -> None:
         fields = {
+            "keep_best": keep_best,
+            "keep_last": keep_last,
             "if_busy": if_busy,
             "progress": progress,
             "attempts": attempts,
@@ -253,6 +259,7 @@ class CheckpointManager:
         *,
         rank_state: Any = None,
         metadata: dict[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
         blocking: bool = False,
         persist: bool = False,
     ) -> SaveHandle | None:
@@ -274,6 +281,10 @@ class CheckpointManager:
             rank_state: This process's own state (RNG states, an iterator position),
                 restored to the process of the same global rank.
             metadata: Small JSON values to keep in the manifest (loss, epoch).
+            metrics: Numbers the version carries (rank 0's are kept): an evaluation's
+                ``eval_loss``, which the policy's ``keep_best`` ranks versions by. A
+                value that is not finite is left out (a NaN loss is no candidate for
+                best), with a warning.
             blocking: Wait for the upload and the commit.
             persist: Send this version to blob storage whatever ``persist_every``
                 says (on a preemption notice: the node's copies are about to go).
@@ -329,6 +340,9 @@ class CheckpointManager:
             step,
             generation=self.generation,
             metadata=metadata,
+            metrics=_finite(metrics, step) if rank == 0 else None,
+            keep_best=self.policy.best,
+            keep_last=self.policy.keep_last,
             progress=self.policy.progress,
             attempts=self.policy.attempts,
             memory=self.memory,
@@ -631,9 +645,15 @@ class CheckpointManager:
             log.warning("could not report v%d's load failure: %s", version, exc)
 
     def load(
-        self, version: int, state: dict[str, Any] | None = None, *, every_rank: bool = False
+        self,
+        version: int | Literal["latest", "best"],
+        state: dict[str, Any] | None = None,
+        *,
+        every_rank: bool = False,
     ) -> Restored:
-        """Restores one version (see :meth:`load_latest`), at any world size.
+        """Restores one version (see :meth:`load_latest`), at any world size: by number,
+        the job's authoritative ``"latest"``, or its ``"best"`` (by the ``keep_best`` rule
+        it saves under).
 
         A version that no copy of can be read (every holder the coordinator named and
         blob storage tried) is reported to the coordinator before this raises: it marks
@@ -642,7 +662,7 @@ class CheckpointManager:
         checkpoint that cannot load.
 
         Raises:
-            UnknownCheckpoint: No such version (or it was collected).
+            UnknownCheckpoint: No such version (or it was collected), or no best.
             CheckpointCorrupt: A file is missing, truncated or fails its checksum in
                 every copy (reported).
             CheckpointError: ``state``'s tensors do not fit what was saved, or the
@@ -650,6 +670,8 @@ class CheckpointManager:
                 not at fault).
         """
         self._fence()  # a copy still reading the tensors this loads into
+        if not isinstance(version, int):
+            version = self.client.checkpoint(version).version
         try:
             return self._load(version, state, every_rank)
         except CheckpointCorrupt as exc:
@@ -789,6 +811,21 @@ def _single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+def _finite(metrics: Mapping[str, float] | None, step: int) -> dict[str, float] | None:
+    """``metrics`` as floats, without the values that are not finite (a NaN loss is no
+    candidate for best; the coordinator takes finite values only)."""
+    if metrics is None:
+        return None
+    kept: dict[str, float] = {}
+    for name, value in metrics.items():
+        number = float(value)
+        if math.isfinite(number):
+            kept[name] = number
+        else:
+            log.warning("step %d: metric %r is %s, left out of the version", step, name, number)
+    return kept
 
 
 def _distributed() -> bool:
