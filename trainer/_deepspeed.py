@@ -101,6 +101,10 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.last_save: SaveHandle | None = None
         self.extra: dict[str, Any] = {}
         self.extra_rank: dict[str, Any] = {}
+        #: More of the version's metadata (JSON), and its metrics, for the next save
+        #: (an adapter's: the HF Trainer's model config, its evaluation's metrics).
+        self.metadata: dict[str, Any] = {}
+        self.metrics: dict[str, float] | None = None
         self.step: int | None = None
         self._files: dict[str, Any] = {}
         self._persist = False
@@ -147,7 +151,13 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             shared,
             step,
             rank_state=own,
-            metadata={TAG: info.tag, "framework": "deepspeed", DP_WORLD_SIZE: dp_world_size},
+            metadata={
+                **self.metadata,
+                TAG: info.tag,
+                "framework": "deepspeed",
+                DP_WORLD_SIZE: dp_world_size,
+            },
+            metrics=self.metrics,
             blocking=self._blocking,
             persist=self._persist,
         )
