@@ -332,6 +332,21 @@ MetricName = Annotated[str, Field(min_length=1, max_length=100, pattern=r"^[A-Za
 #: A metric's value: finite (a NaN loss makes a version no candidate for best; the
 #: trainer leaves it out).
 MetricValue = Annotated[float, Field(allow_inf_nan=False)]
+_METRIC_PATTERN = r"^[A-Za-z0-9_./:@-]+$"
+#: The JSON schema says what the validator does: pydantic's own would put the name
+#: pattern in ``patternProperties``, which lets any other name through with any value.
+Metrics = Annotated[
+    dict[MetricName, MetricValue],
+    Field(max_length=MAX_METRICS),
+    WithJsonSchema(
+        {
+            "type": "object",
+            "maxProperties": MAX_METRICS,
+            "propertyNames": {"pattern": _METRIC_PATTERN, "minLength": 1, "maxLength": 100},
+            "additionalProperties": {"type": "number"},
+        }
+    ),
+]
 
 
 class KeepBest(_Model):
@@ -359,7 +374,7 @@ class ReportShard(_Model):
     #: This rank's own metadata (its rank-specific state).
     rank_metadata: dict[str, Any] | None = None
     #: Rank 0's become the version's metrics (an evaluation's ``eval_loss``).
-    metrics: dict[MetricName, MetricValue] | None = Field(None, max_length=MAX_METRICS)
+    metrics: Metrics | None = None
     #: Rank 0's: the rule the job keeps its best versions by, from this version on.
     keep_best: KeepBest | None = None
     #: Rank 0's: how many of its newest good versions the job keeps from this version
