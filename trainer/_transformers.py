@@ -24,6 +24,16 @@ ranks, so every optimizer step takes the next ``global_batch`` samples of the ep
 order at any world size), and the per-device batch and accumulation steps are planned
 (:func:`plan_batch`) so that the global batch, the steps per epoch and ``max_steps``
 stay what the job started with.
+
+The best model (issue 34) is the coordinator's: with ``metric_for_best_model`` every
+version carries that evaluation metric (when the evaluation was at its step) and the
+manager's policy keeps the best version by it (``keep_best``), so collection never takes
+it; ``load_best_model_at_end`` loads ``best`` from the coordinator where the Trainer
+would read ``checkpoint-N``. ``save_total_limit`` is the job's ``keep_last``. Each version
+records the model's config (``hf_config``, ``hf_generation_config``) so that an export
+of it in ``hf`` format is a folder ``from_pretrained`` loads; :meth:`save_model` writes
+such a folder through :func:`~rallypoint.trainer.export` when the model in memory is a
+version's.
 """
 
 from __future__ import annotations
@@ -41,17 +51,20 @@ from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils.data import IterableDataset, Sampler
-from transformers import Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from rallypoint.client import ElasticClient
+from rallypoint.client import ElasticClient, RallypointError, UnknownCheckpoint
 
 from ._batch import BatchPlan, plan_batch
 from ._pack import pack, unpack
 from ._preemption import PreemptionWatcher
 from ._sampler import ElasticSampler
-from .checkpoint import CheckpointManager, Restored, SaveHandle, SavePolicy
+from .checkpoint import CheckpointManager, RallypointReader, Restored, SaveHandle, SavePolicy
+from .checkpoint import export as export_version
+from .errors import RallypointTrainerError
 
 __all__ = [
     "EpochSampler",
@@ -59,6 +72,8 @@ __all__ = [
     "RallypointTrainer",
     "horizon_steps",
     "job_batch_plan",
+    "monitored_metric",
+    "trainer_policy",
 ]
 
 log = logging.getLogger("rallypoint.trainer")
@@ -71,6 +86,18 @@ DATA = "rallypoint_data.json"
 #: The Trainer's sampling strategies the elastic sampler replaces; the others
 #: (``group_by_length``, ``batch_rebalance``) order batches by length and keep theirs.
 _ELASTIC_STRATEGIES = ("random", "sequential")
+#: The version metadata keys holding the model's ``config.json`` and
+#: ``generation_config.json`` (as JSON values): ``export(format="hf")`` writes the files
+#: from exactly these.
+HF_CONFIG = "hf_config"
+HF_GENERATION_CONFIG = "hf_generation_config"
+#: Most bytes of the configs a version records; past it they are left out (a warning):
+#: the manifest's metadata is for small values.
+_CONFIG_BYTES = 64 * 1024
+#: ``state.best_model_checkpoint`` while the best is whichever version the coordinator
+#: ranks first; ``rallypoint:v<N>`` once loaded.
+BEST_CHECKPOINT = "rallypoint:best"
+_VERSION_PREFIX = "rallypoint:"
 
 
 class EpochSampler(Sampler[int]):
@@ -216,6 +243,39 @@ def horizon_steps(step: int, *, samples: int, horizon: int, global_batch: int) -
     return step + max(0, (horizon - samples) // global_batch)
 
 
+def monitored_metric(args: Any) -> str | None:
+    """The evaluation metric ``metric_for_best_model`` names, as the Trainer's
+    ``_determine_best_metric`` looks it up (``eval_`` prefixed), or None."""
+    metric = getattr(args, "metric_for_best_model", None)
+    if not metric:
+        return None
+    return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+
+def trainer_policy(args: Any, policy: SavePolicy | None = None) -> SavePolicy:
+    """``policy`` with what the Trainer's arguments ask of retention: ``keep_best`` by
+    :func:`monitored_metric` (``max`` if ``greater_is_better``) and ``keep_last`` =
+    ``save_total_limit``, each unless ``policy`` sets it.
+
+    Args:
+        args: The ``TrainingArguments``.
+        policy: The user's policy; default: ``SavePolicy()``.
+
+    Returns:
+        The policy the trainer's manager saves under.
+    """
+    policy = policy if policy is not None else SavePolicy()
+    changes: dict[str, Any] = {}
+    metric = monitored_metric(args)
+    if metric is not None and policy.keep_best is None:
+        changes["keep_best"] = (metric, "max" if args.greater_is_better else "min")
+    limit = getattr(args, "save_total_limit", None)
+    # The Trainer deletes nothing for a limit of 0 or less.
+    if limit is not None and limit > 0 and policy.keep_last is None:
+        changes["keep_last"] = min(int(limit), 1000)
+    return dataclasses.replace(policy, **changes) if changes else policy
+
+
 class PreemptionCallback(TrainerCallback):
     """Stops every rank at the same step on a preemption notice and has the Trainer
     save: the Trainer's own ``should_save``/``should_training_stop`` controls, which
@@ -297,7 +357,9 @@ class RallypointTrainer(Trainer):
         client = rallypoint_client or ElasticClient.from_env()
         if client.assignment is None:
             client.join()
-        self.checkpoints = CheckpointManager(client, policy=checkpoint_policy)
+        self.checkpoints = CheckpointManager(
+            client, policy=trainer_policy(self.args, checkpoint_policy)
+        )
         self.restored: Restored | None = None
         self.emergency = False
         self.last_save: SaveHandle | None = None
@@ -316,6 +378,12 @@ class RallypointTrainer(Trainer):
         self._horizon: int | None = None  # samples the job trains in all
         self._rng_from: str | None = None  # the deferred RNG restore's folder
         self._foreign = False  # resuming from a Trainer folder, not a version
+        self._hf_metadata: dict[str, Any] | None = None  # the model's configs, once
+        self._best_checkpoint: str | None = None  # the resumed state's, until it is set
+        # The version the model in memory holds, and the step it was at then: a save's
+        # handle (its version once committed) or a loaded version's number.
+        self._model_version: SaveHandle | int | None = None
+        self._model_step: int | None = None
         self.add_callback(_DataCallback(self))
         self.watcher: PreemptionWatcher | None = None
         if watch_preemption:
@@ -334,6 +402,12 @@ class RallypointTrainer(Trainer):
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         step = int(self.state.global_step)
+        metrics = self._evaluation(step)
+        config = self._config_metadata()
+        if self.checkpoints.policy.best is not None and self.state.best_global_step:
+            # As the Trainer names its best checkpoint-N folder before it writes the
+            # state; which version is best the coordinator says when it is loaded.
+            self.state.best_model_checkpoint = BEST_CHECKPOINT
         # TrainerState annotates stateful_callbacks as a list, but __post_init__ turns it
         # into the dict by callback name that the Trainer's own save indexes.
         stateful = cast(dict[str, Any], self.state.stateful_callbacks)
@@ -359,6 +433,8 @@ class RallypointTrainer(Trainer):
                 ours.extra[SCHEDULER] = scheduler.state_dict()
             ours.extra_rank = {"rng_state.pth": rng}
             ours.step = step
+            ours.metadata = dict(config)
+            ours.metrics = metrics
             # DeepSpeed makes this folder (and copies zero_to_fp32.py there); no
             # checkpoint file is written to it.
             assert self.args.output_dir is not None  # TrainingArguments defaults it
@@ -384,10 +460,16 @@ class RallypointTrainer(Trainer):
                 state,
                 step,
                 rank_state={"rng": pack(rng)},
-                metadata={"checkpoint": f"checkpoint-{step}", "framework": "transformers"},
+                metadata={
+                    "checkpoint": f"checkpoint-{step}",
+                    "framework": "transformers",
+                    **config,
+                },
+                metrics=metrics,
                 persist=emergency,
                 blocking=emergency,
             )
+        self._model_version, self._model_step = self.last_save, step
         if emergency and self.watcher is not None:
             self.checkpoints.wait()
             # The Trainer runs on_save after this method returns, which it never does
@@ -395,6 +477,45 @@ class RallypointTrainer(Trainer):
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
             self.watcher.finish()  # leaves (the notified node) or awaits the restart
         self.emergency = False
+
+    def _evaluation(self, step: int) -> dict[str, float] | None:
+        """The ``eval_*`` numbers of the evaluation logged at ``step``, for the version
+        of ``step`` to carry; None if the last evaluation was at another step (its
+        numbers describe another model, and must not rank this one)."""
+        for entry in reversed(self.state.log_history):
+            if any(k.startswith("eval_") for k in entry):
+                if entry.get("step") != step:
+                    return None
+                return {
+                    k: float(v)
+                    for k, v in entry.items()
+                    if k.startswith("eval_")
+                    and isinstance(v, (int, float))
+                    and not isinstance(v, bool)
+                }
+        return None
+
+    def _config_metadata(self) -> dict[str, Any]:
+        """The model's config and generation config as version metadata
+        (:data:`HF_CONFIG`, :data:`HF_GENERATION_CONFIG`), made at the first save."""
+        if self._hf_metadata is None:
+            model = self.accelerator.unwrap_model(self.model)
+            found: dict[str, Any] = {}
+            for key, attr in ((HF_CONFIG, "config"), (HF_GENERATION_CONFIG, "generation_config")):
+                config = getattr(model, attr, None)
+                if config is not None and hasattr(config, "to_json_string"):
+                    found[key] = json.loads(config.to_json_string(use_diff=False))
+            size = len(json.dumps(found))
+            if size > _CONFIG_BYTES:
+                log.warning(
+                    "the model's config is %d bytes as JSON, over %d: versions do not record "
+                    "it, and an hf export of one has no config.json",
+                    size,
+                    _CONFIG_BYTES,
+                )
+                found = {}
+            self._hf_metadata = found
+        return self._hf_metadata
 
     # --- resuming -----------------------------------------------------------------------
 
@@ -440,8 +561,15 @@ class RallypointTrainer(Trainer):
         files = self._files()
         self._data = json.loads(files[DATA]) if files.get(DATA) else None
         self._scratch = tempfile.mkdtemp(prefix="rallypoint-trainer-")
+        trainer_state = json.loads(files[TRAINER_STATE])
+        best = trainer_state.get("best_model_checkpoint")
+        if isinstance(best, str) and best.startswith(_VERSION_PREFIX):
+            # Not a folder: the Trainer would drop it with a warning as it loads the
+            # state. Set again once it has (_init_training_state).
+            self._best_checkpoint = best
+            trainer_state["best_model_checkpoint"] = None
         with open(os.path.join(self._scratch, TRAINER_STATE), "w", encoding="utf-8") as f:
-            f.write(files[TRAINER_STATE])
+            json.dump(trainer_state, f)
         rng = files.get("rng")
         if rng is not None:
             name = (
@@ -527,6 +655,151 @@ class RallypointTrainer(Trainer):
             raise RuntimeError(f"DeepSpeed could not load checkpoint v{self.restored.version}")
         if not _deepspeed_scheduler(scheduler):
             scheduler.load_state_dict(ours.load(SCHEDULER))
+
+    # --- the best model and the model out --------------------------------------------
+
+    def _load_best_model(self) -> None:
+        """See base class. Loads the coordinator's ``best`` version into the model on
+        every rank (the Trainer calls this at the end of ``train()`` with
+        ``load_best_model_at_end``) and sets ``best_model_checkpoint`` to
+        ``rallypoint:v<N>``, ``best_metric`` and ``best_global_step`` to that version's."""
+        named = self.state.best_model_checkpoint
+        if named is None or not named.startswith(_VERSION_PREFIX):
+            super()._load_best_model()  # a Trainer folder of a resume from one
+            return
+        try:
+            self.checkpoints.wait()  # the last save may be the best
+        except Exception as exc:  # logged by the save; an older best may do
+            log.warning("the last save failed (%s); loading the best committed version", exc)
+        try:
+            info = self.checkpoints.client.checkpoint("best")
+        except UnknownCheckpoint as exc:
+            log.warning("load_best_model_at_end: no best version (%s); the last model stays", exc)
+            return
+        metric = monitored_metric(self.args)
+        log.info(
+            "loading the best model: v%d (step %d, %s)",
+            info.version,
+            info.step,
+            ", ".join(f"{k}={v}" for k, v in sorted(info.metrics.items())) or "-",
+        )
+        if self.is_deepspeed_enabled:
+            self._load_best_deepspeed(info.version)
+        else:
+            self._load_best_weights(info.version)
+        self._model_version, self._model_step = info.version, int(self.state.global_step)
+        self.state.best_model_checkpoint = f"{_VERSION_PREFIX}v{info.version}"
+        self.state.best_global_step = info.step
+        if metric is not None and metric in info.metrics:
+            self.state.best_metric = info.metrics[metric]
+
+    def _load_best_weights(self, version: int) -> None:
+        """The version's model state into the model: only its ``model`` part is read
+        (templates from the version's metadata), not the optimizer's."""
+        reader = RallypointReader(self.checkpoints.client, version, progress=False)
+        saved = reader.read_metadata().state_dict_metadata
+        template = {
+            key[len("model.") :]: torch.empty(m.size, dtype=m.properties.dtype)
+            for key, m in saved.items()
+            if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+        }
+        restored = self.checkpoints.load(version, {"model": template})
+        assert self.model is not None
+        self.model.load_state_dict(unpack(restored.state["model"]))
+
+    def _load_best_deepspeed(self, version: int) -> None:
+        """The version's module weights through the engine's own load, as a resume
+        loads them (a ZeRO reshard too), leaving the optimizer as it is."""
+        from ._deepspeed import install
+
+        engine: Any = self.model_wrapped
+        ours = install(engine, checkpoints=self.checkpoints)
+        ours.restored = None  # the engine reads the version restore() names next
+        ours.restore(self.checkpoints.load(version))
+        folder = ours.stand_in()
+        load_path, _ = engine.load_checkpoint(
+            folder,
+            tag=ours.tag,
+            load_module_only=True,
+            load_optimizer_states=False,
+            load_lr_scheduler_states=False,
+        )
+        if load_path is None:
+            raise RuntimeError(f"DeepSpeed could not load the best checkpoint v{version}")
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """See base class. A folder ``from_pretrained`` loads: when the model in memory is
+        a version's (the last save's, with no step since, or the best one
+        ``load_best_model_at_end`` loaded), that version exported in ``hf`` format
+        (:func:`~rallypoint.trainer.export`: ``model.safetensors`` or shards, the
+        config the version recorded), with the processing class and the training
+        arguments as the Trainer writes them; otherwise, and with DeepSpeed or FSDP
+        (whose gathers the Trainer's own save does), the Trainer's own save of the model
+        in memory. ``push_to_hub`` uploads what this wrote."""
+        version = self._version_in_memory()
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if (
+            version is None
+            or self.is_deepspeed_enabled
+            or self.is_fsdp_enabled
+            or not isinstance(unwrapped, PreTrainedModel)
+        ):
+            super().save_model(output_dir, _internal_call)
+            return
+        out = output_dir if output_dir is not None else self.args.output_dir
+        assert out is not None  # TrainingArguments defaults it
+        if self.args.should_save:
+            self._export(version, out, unwrapped)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _version_in_memory(self) -> int | None:
+        """The committed version the model in memory holds, or None."""
+        held, at = self._model_version, self._model_step
+        if held is None or at != self.state.global_step:
+            return None
+        if isinstance(held, int):
+            return held
+        try:
+            return held.result().version
+        except Exception as exc:  # the save logged it; the model is here
+            log.warning("save_model: the last save failed (%s); saving the model in memory", exc)
+            return None
+
+    def _export(self, version: int, out: str, model: PreTrainedModel) -> None:
+        """Writes ``version``'s model to ``out`` in ``hf`` format, as the Trainer's
+        ``_save`` would have written the model in memory, which it equals."""
+        try:
+            export_version(
+                self.checkpoints.client,
+                out,
+                version,
+                format="hf",
+                only="model.",
+                progress=self.checkpoints.policy.progress,
+            )
+        except (RallypointError, RallypointTrainerError) as exc:
+            # The model in memory is that version: the Trainer's save of it is the same.
+            log.warning(
+                "save_model: exporting v%d failed (%s); saving the model in memory", version, exc
+            )
+            super()._save(out)
+            return
+        log.info("save_model: v%d exported to %s", version, out)
+        # An export writes the configs the version recorded; a version that recorded
+        # none (over the size limit, or saved before it did) gets the model's.
+        if not os.path.exists(os.path.join(out, "config.json")):
+            model.config.save_pretrained(out)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and not os.path.exists(
+            os.path.join(out, "generation_config.json")
+        ):
+            generation.save_pretrained(out)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(out)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(out)  # type: ignore[union-attr]
+        torch.save(self.args, os.path.join(out, "training_args.bin"))
 
     # --- data and batch -----------------------------------------------------------------
 
@@ -635,6 +908,8 @@ class RallypointTrainer(Trainer):
         )
         if self._horizon is None and self.batch_plan is not None:
             self._horizon = int(max_steps) * self.batch_plan.global_batch
+        if self._best_checkpoint is not None:
+            self.state.best_model_checkpoint, self._best_checkpoint = self._best_checkpoint, None
         if self.sampler is None:
             return epochs, skipped
         return self.sampler.epoch, 0
