@@ -15,7 +15,7 @@ import dataclasses
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -23,6 +23,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls, has_iterable_dataset
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.progress import _ProcessedTracker
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -41,7 +42,7 @@ from torch.utils.data import (
 )
 from typing_extensions import override
 
-from rallypoint.client import ElasticClient
+from rallypoint.client import Assignment, ElasticClient, KeepBest
 
 from ._batch import BatchPlan, plan_batch
 from ._pack import BOOKKEEPING, pack_checkpoint, unpack_checkpoint
@@ -57,14 +58,21 @@ __all__ = [
     "RallypointPreemption",
     "Session",
     "is_resume_path",
+    "keep_best_of",
+    "version_path",
 ]
 
 log = logging.getLogger("rallypoint.trainer")
 
 
-#: The "path" Lightning is given to resume from: ``rallypoint://JOB/vVERSION``. Nothing
-#: is read from it; it names the coordinator's version in Lightning's own log lines.
+#: The "path" Lightning is given for a coordinator's version: ``rallypoint://JOB/vVERSION``
+#: (what ``fit`` resumes from), ``rallypoint://JOB/best`` or ``rallypoint://JOB/latest``
+#: (what ``ckpt_path="best"``/``"last"`` of ``validate``/``test``/``predict`` become).
+#: Nothing is read from a file of that name; it names the version in Lightning's logs.
 RESUME_SCHEME = "rallypoint://"
+
+#: ``KeepBest.count``'s limit: what ``ModelCheckpoint(save_top_k=-1)`` ("all") keeps.
+MAX_TOP_K = 100
 
 
 #: The checkpoint dict's entry for the data position and the job's global batch.
@@ -73,6 +81,50 @@ DATA_KEY = "rallypoint_data"
 
 def is_resume_path(path: object) -> bool:
     return str(path).startswith(RESUME_SCHEME)
+
+
+def version_path(job: str, version: int | Literal["latest", "best"]) -> str:
+    """The path Lightning is given for one of ``job``'s versions (:data:`RESUME_SCHEME`)."""
+    return f"{RESUME_SCHEME}{job}/{version if isinstance(version, str) else f'v{version}'}"
+
+
+def _named(path: object) -> int | Literal["latest", "best"]:
+    """The version a :func:`version_path` names."""
+    name = str(path).rsplit("/", 1)[-1]
+    if name in ("latest", "best"):
+        return cast(Literal["latest", "best"], name)
+    if name.startswith("v") and name[1:].isdigit():
+        return int(name[1:])
+    raise ValueError(f"{path}: not a version (rallypoint://JOB/vN, /best or /latest)")
+
+
+def keep_best_of(callbacks: Sequence[object]) -> KeepBest | None:
+    """The ``keep_best`` rule a Trainer's first monitoring ``ModelCheckpoint`` asks for:
+    its ``monitor``, ``mode`` and ``save_top_k`` (``-1``, all, and anything above
+    :data:`MAX_TOP_K` keep :data:`MAX_TOP_K`). None without one, or for ``save_top_k=0``
+    (it keeps nothing) or a monitor name the coordinator refuses (logged)."""
+    for callback in callbacks:
+        if not isinstance(callback, ModelCheckpoint) or callback.monitor is None:
+            continue
+        if callback.save_top_k == 0:
+            return None
+        count = callback.save_top_k
+        if count < 0 or count > MAX_TOP_K:
+            if count > MAX_TOP_K:
+                log.warning(
+                    "rallypoint: save_top_k=%d: the coordinator pins the %d best", count, MAX_TOP_K
+                )
+            count = MAX_TOP_K
+        try:
+            return KeepBest(metric=callback.monitor, mode=callback.mode, count=count)
+        except ValueError as exc:  # pydantic's: a name or mode the coordinator refuses
+            log.warning(
+                "rallypoint: ModelCheckpoint(monitor=%r): no version is pinned: %s",
+                callback.monitor,
+                exc,
+            )
+            return None
+    return None
 
 
 class _EpochSampler(ElasticSampler):
@@ -175,20 +227,31 @@ class Session:
     ) -> None:
         self._client = client
         self._manager: CheckpointManager | None = None
+        self._reader: CheckpointManager | None = None
         # Lightning draws its own progress; transfers stay quiet unless asked.
         self.policy = policy if policy is not None else SavePolicy(progress=False)
         #: What the last load restored (its ``state`` dropped), for reports.
         self.restored: Restored | None = None
+        #: What the last load of a named version (``validate``/``test``/``predict``'s
+        #: ``ckpt_path``) read, its ``state`` dropped.
+        self.loaded: Restored | None = None
         #: The data position and global batch the last load restored (``DATA_KEY``).
         self.data: dict[str, Any] | None = None
         self._saved: tuple[int, bool] | None = None
+        self._resumed = False  # whether the last load was this generation's version
 
     @property
     def client(self) -> ElasticClient:
+        client = self.unjoined
+        if client.assignment is None:
+            client.join()  # under torchrun: the agent's assignment, no new round
+        return client
+
+    @property
+    def unjoined(self) -> ElasticClient:
+        """The client, joined or not (naming a version needs no membership)."""
         if self._client is None:
             self._client = ElasticClient.from_env()
-        if self._client.assignment is None:
-            self._client.join()  # under torchrun: the agent's assignment, no new round
         return self._client
 
     @property
@@ -197,11 +260,30 @@ class Session:
             self._manager = CheckpointManager(self.client, policy=self.policy)
         return self._manager
 
+    def keep_best(self, rule: KeepBest | None) -> None:
+        """Saves from now on ask the coordinator to keep the best versions by ``rule``
+        (a ``ModelCheckpoint``'s top-k), unless the policy names a rule of its own."""
+        if rule is None or self.policy.best == rule:
+            return
+        if self.policy.best is not None:
+            log.info("rallypoint: keep_best=%s of the policy, not %s", self.policy.best, rule)
+            return
+        self.policy = self.policy.replace(keep_best=rule)
+        if self._manager is not None:  # made for the launcher's resume before setup
+            self._manager.policy = self.policy
+        log.info(
+            "rallypoint: the coordinator keeps the %d best version(s) by %s (%s)",
+            rule.count,
+            rule.metric,
+            rule.mode,
+        )
+
     def loading(self) -> contextlib.AbstractContextManager[None]:
         """:meth:`CheckpointManager.loading` once this process restored a version (what
-        fails in the block is reported against it); else nothing: a fresh start, or a
-        strategy that never joined, has no version to report on."""
-        if self.restored is None or self._manager is None:
+        fails in the block is reported against it); else nothing: a fresh start, a
+        strategy that never joined, or a named version loaded for evaluation (no
+        generation was named it) has no version to report on."""
+        if not self._resumed or self._manager is None:
             return contextlib.nullcontext()
         return self._manager.loading()
 
@@ -211,11 +293,19 @@ class Session:
         pointer = self.manager.assignment.checkpoint
         if pointer is None:
             return None
-        return f"{RESUME_SCHEME}{self.client.job_id}/v{pointer.version}"
+        return version_path(self.client.job_id, pointer.version)
 
-    def save(self, checkpoint: dict[str, Any], path: object, *, persist: bool = False) -> None:
-        """Saves Lightning's checkpoint dict as the version of its ``global_step``; every
-        rank calls it. Returns once the tensors are staged."""
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        path: object,
+        *,
+        persist: bool = False,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
+        """Saves Lightning's checkpoint dict as the version of its ``global_step``, with
+        ``metrics`` (what ``keep_best`` ranks it by); every rank calls it. Returns once
+        the tensors are staged."""
         step = int(checkpoint.get("global_step", 0))
         if self._saved is not None and self._saved[0] == step and (self._saved[1] or not persist):
             # ModelCheckpoint saves the same step twice (top-k, then "last"), and a
@@ -228,6 +318,7 @@ class Session:
             step,
             rank_state={"torch_rng": torch.get_rng_state()},
             metadata=metadata,
+            metrics=metrics or None,
             persist=persist,
         )
         self._saved = (step, persist)
@@ -240,7 +331,10 @@ class Session:
         weights_only: bool | None = None,
         apply: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
-        """Loads the version this generation resumes from, whatever ``path`` says.
+        """Loads the version ``path`` names (:func:`version_path`): ``best`` or
+        ``latest``, or a number other than this generation's, as they are now (for
+        evaluation); else the version this generation resumes from, whatever ``path``
+        says.
 
         Args:
             path: What Lightning was given (logged if it is not the coordinator's).
@@ -253,13 +347,16 @@ class Session:
             Lightning's checkpoint dict, with a ``"rallypoint"`` entry saying what was
             restored (version, step, bytes by source).
         """
+        if template is not None:
+            template = {**template, BOOKKEEPING: ""}
+        named = self._evaluated(path)
+        if named is not None:
+            return self._load_named(named, template, weights_only, apply)
         expected = self.resume_path()
         if expected is None:
             raise FileNotFoundError(f"{path}: the coordinator names no checkpoint to resume from")
         if str(path) != expected:
             log.warning("loading %s, the coordinator's version, not %s", expected, path)
-        if template is not None:
-            template = {**template, BOOKKEEPING: ""}
         # What fails here is reported: a load that cannot succeed at this world size
         # ends the generation with its reason instead of restarting forever.
         with self.manager.loading():
@@ -271,22 +368,87 @@ class Session:
             if isinstance(restored.rank_state, dict) and "torch_rng" in restored.rank_state:
                 torch.set_rng_state(restored.rank_state["torch_rng"])
             checkpoint = unpack_checkpoint(state, weights_only)
-        checkpoint["rallypoint"] = {
-            "version": restored.version,
-            "step": restored.step,
-            "generation": restored.generation,
-            "saved_by": restored.world_size,
-            "bytes_from": dict(restored.bytes_from),
-        }
+        checkpoint["rallypoint"] = _report(restored)
         self.restored = dataclasses.replace(restored, state=None)
+        self._resumed = True
         self.data = checkpoint.get(DATA_KEY)
         # A step to resume from: nothing saved since is this generation's yet.
         self._saved = (restored.step, True)
         return checkpoint
 
+    def _evaluated(self, path: object) -> int | Literal["latest", "best"] | None:
+        """The version ``path`` names for evaluation; None for this generation's own."""
+        if not is_resume_path(path):
+            return None
+        named = _named(path)
+        if isinstance(named, str):
+            return named
+        # A number: this generation's (a resume) only in a process that joined for it;
+        # an evaluation process must not join (that would start a new round).
+        client = self.unjoined
+        pointer = client.assignment.checkpoint if client.assignment is not None else None
+        return None if pointer is not None and pointer.version == named else named
+
+    def _load_named(
+        self,
+        version: int | Literal["latest", "best"],
+        template: dict[str, Any] | None,
+        weights_only: bool | None,
+        apply: Callable[[dict[str, Any]], None] | None,
+    ) -> dict[str, Any]:
+        # Every rank resolves the name itself: nothing saves meanwhile (fit waited for
+        # its saves), so all read one version.
+        restored = self.reader.load(version, template)
+        state: dict[str, Any] = restored.state
+        if apply is not None:
+            apply(state)
+        # Neither the RNG nor the data position: an evaluation resumes nothing.
+        checkpoint = unpack_checkpoint(state, weights_only)
+        checkpoint["rallypoint"] = _report(restored)
+        self.loaded = dataclasses.replace(restored, state=None)
+        self._resumed = False
+        log.info("rallypoint: loaded %s: v%d (step %d)", version, restored.version, restored.step)
+        return checkpoint
+
+    @property
+    def reader(self) -> CheckpointManager:
+        """The manager to load a named version with: this process's once its client
+        joined; else one of its own on a detached assignment. An evaluation process is
+        no member of the job's generations (joining would start a round), and loading
+        a version needs none: its reports (restores, unreadable copies) are refused and
+        logged instead."""
+        if self._manager is not None:
+            return self._manager
+        client = self.unjoined
+        if client.assignment is not None:
+            return self.manager
+        if self._reader is None:
+            detached = Assignment(
+                job_id=client.job_id,
+                node_id=client.node_id,
+                generation=1,
+                rank=0,
+                world_size=1,
+                master_addr="",
+                master_port=0,
+            )
+            self._reader = CheckpointManager(client, detached, policy=self.policy)
+        return self._reader
+
     def wait(self) -> None:
         if self._manager is not None:
             self._manager.wait()
+
+
+def _report(restored: Restored) -> dict[str, Any]:
+    """The checkpoint dict's ``"rallypoint"`` entry: what was restored, from where."""
+    return {
+        "version": restored.version,
+        "step": restored.step,
+        "generation": restored.generation,
+        "saved_by": restored.world_size,
+        "bytes_from": dict(restored.bytes_from),
+    }
 
 
 class RallypointCheckpointIO(CheckpointIO):
@@ -321,18 +483,20 @@ class RallypointCheckpointIO(CheckpointIO):
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
     ) -> None:
         """Saves ``checkpoint`` as the version of its ``global_step`` (``path`` is only
-        recorded). ``storage_options={"persist": True}`` sends it to blob storage
-        whatever ``persist_every`` says."""
-        persist = bool(isinstance(storage_options, dict) and storage_options.get("persist"))
-        self.session.save(checkpoint, path, persist=persist)
+        recorded). ``storage_options``: ``{"persist": True}`` sends it to blob storage
+        whatever ``persist_every`` says; ``{"metrics": {...}}`` are the numbers the
+        version carries (the strategies add the monitored ones)."""
+        persist, metrics = _options(storage_options)
+        self.session.save(checkpoint, path, persist=persist, metrics=metrics)
 
     @override
     def load_checkpoint(
         self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """Loads the coordinator's version; a file path only while the job has none
-        (initial weights), through Lightning's own file I/O."""
-        if not is_resume_path(path) and self.session.resume_path() is None:
+        """Loads a coordinator's version (:func:`version_path`); a file path through
+        Lightning's own file I/O (the strategies' launcher lets one reach ``fit`` only
+        while the job has no version: initial weights)."""
+        if not is_resume_path(path):
             return self._files.load_checkpoint(path, map_location, weights_only)
         return self.session.load(path, weights_only=weights_only)
 
@@ -345,6 +509,14 @@ class RallypointCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         self.session.wait()
+
+
+def _options(storage_options: Any) -> tuple[bool, dict[str, float] | None]:
+    """``(persist, metrics)`` from a save's ``storage_options``."""
+    if not isinstance(storage_options, dict):
+        return False, None
+    metrics = storage_options.get("metrics")
+    return bool(storage_options.get("persist")), dict(metrics) if metrics else None
 
 
 class RallypointPreemption(pl.Callback):
@@ -395,11 +567,18 @@ class RallypointPreemption(pl.Callback):
             self.watcher = None
 
 
-class _ResumeLauncher(_Launcher):
-    """Gives ``fit`` the coordinator's version as its ``ckpt_path``.
+#: The entry points whose ``ckpt_path="best"``/``"last"`` name the coordinator's versions.
+_EVALUATING = (TrainerFn.VALIDATING, TrainerFn.TESTING, TrainerFn.PREDICTING)
 
-    Lightning picks its checkpoint before any strategy or callback hook runs; the
-    strategy's launcher is the one part of a strategy that sees ``fit``'s arguments.
+
+class _ResumeLauncher(_Launcher):
+    """Gives ``fit`` the coordinator's version as its ``ckpt_path``, and ``validate``,
+    ``test`` and ``predict`` the job's best or latest version for ``"best"``/``"last"``.
+
+    Lightning picks its checkpoint before any strategy or callback hook runs, from
+    files (``"last"``: the newest by modification time; ``"best"``: ModelCheckpoint's
+    ``best_model_path``); the strategy's launcher is the one part of a strategy that
+    sees the entry point's arguments.
     """
 
     def __init__(self, session: Session, inner: _Launcher | None) -> None:
@@ -419,6 +598,8 @@ class _ResumeLauncher(_Launcher):
         trainer: pl.Trainer | None = None,
         **kwargs: Any,
     ) -> Any:
+        if trainer is not None and trainer.state.fn in _EVALUATING:
+            args, kwargs = self._evaluated(function, trainer, args, kwargs)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             bound = inspect.signature(function).bind(*args, **kwargs)
             given = bound.arguments.get("ckpt_path")
@@ -436,6 +617,26 @@ class _ResumeLauncher(_Launcher):
         if self.inner is not None:
             return self.inner.launch(function, *args, trainer=trainer, **kwargs)
         return function(*args, **kwargs)
+
+    def _evaluated(
+        self,
+        function: Callable[..., Any],
+        trainer: pl.Trainer,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` and ``kwargs`` with ``ckpt_path="best"``/``"last"`` as the job's
+        versions; a call with neither a model nor a path (Lightning then takes
+        ``"best"``) as ``"best"``."""
+        bound = inspect.signature(function).bind(*args, **kwargs)
+        given = bound.arguments.get("ckpt_path")
+        if given is None and bound.arguments.get("model") is None:
+            given = "best" if trainer.lightning_module is not None else None
+        if given not in ("best", "last"):
+            return args, kwargs  # a path, or the model as it is: Lightning's own rules
+        name: Literal["best", "latest"] = "best" if given == "best" else "latest"
+        bound.arguments["ckpt_path"] = version_path(self.session.unjoined.job_id, name)
+        return bound.args, bound.kwargs
 
     @override
     def kill(self, signum: Any) -> None:
@@ -501,6 +702,34 @@ class _Rallypoint(_StrategyBase):
             # First: Lightning keeps checkpoint callbacks last, and the emergency save must
             # come before ModelCheckpoint's save of the same step.
             callbacks.insert(0, self.preemption)
+        # ModelCheckpoint's top-k becomes the coordinator's rule: its own deletions are
+        # no-ops (remove_checkpoint), so the coordinator alone decides what is kept.
+        self.session.keep_best(keep_best_of(trainer.checkpoint_callbacks))
+
+    def _storage_options(self, storage_options: Any) -> Any:
+        """``storage_options`` with the metrics the version carries: the monitored ones
+        (each ``ModelCheckpoint``'s ``monitor`` and the policy's ``keep_best`` metric)
+        from ``trainer.callback_metrics`` as they stand at this save, under any given
+        in ``storage_options["metrics"]``."""
+        module = self.lightning_module
+        if module is None or module._trainer is None:
+            return storage_options
+        trainer = module.trainer
+        names = {c.monitor for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)}
+        if self.session.policy.best is not None:
+            names.add(self.session.policy.best.metric)
+        metrics: dict[str, float] = {}
+        for name in sorted(n for n in names if n is not None):
+            value = trainer.callback_metrics.get(name)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                metrics[name] = float(value.item())
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                metrics[name] = float(value)
+        options = dict(storage_options) if isinstance(storage_options, dict) else {}
+        metrics.update(options.get("metrics") or {})
+        if metrics:
+            options["metrics"] = metrics
+        return options or storage_options
 
     def _init_data(self, elastic_data: bool, keep_global_batch: bool) -> None:
         self.elastic_data = elastic_data
@@ -730,7 +959,8 @@ class RallypointDDPStrategy(_Rallypoint, DDPStrategy):
     ) -> None:
         # Every rank: DCP plans the save together (and writes replicated tensors once).
         checkpoint = self._with_data(checkpoint)
-        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        options = self._storage_options(storage_options)
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=options)
 
 
 class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
@@ -779,14 +1009,14 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
-        persist = bool(isinstance(storage_options, dict) and storage_options.get("persist"))
-        self.session.save(self._with_data(checkpoint), filepath, persist=persist)
+        persist, metrics = _options(self._storage_options(storage_options))
+        self.session.save(self._with_data(checkpoint), filepath, persist=persist, metrics=metrics)
 
     @override
     def load_checkpoint(
         self, checkpoint_path: _PATH, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        if not is_resume_path(checkpoint_path) and self.session.resume_path() is None:
+        if not is_resume_path(checkpoint_path):  # see RallypointCheckpointIO.load_checkpoint
             return super().load_checkpoint(checkpoint_path, weights_only)
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -815,6 +1045,7 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
             checkpoint_path, template, weights_only=weights_only, apply=apply
         )
         options = StateDictOptions(cpu_offload=True)
+        # validate/test/predict have no optimizers: their template asked for none.
         for optimizer, saved in zip(optimizers, checkpoint["optimizer_states"], strict=True):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=saved, options=options)
         return checkpoint

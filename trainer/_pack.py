@@ -167,8 +167,14 @@ def unpack_checkpoint(state: dict[str, Any], weights_only: bool | None = None) -
     groups = rest.pop("__param_groups__", [])
     checkpoint = dict(rest)
     checkpoint["state_dict"] = state["state_dict"]
+    # None loaded (an evaluation, which has no optimizers to load into): none given.
+    loaded = state["optimizer_states"]
+    if isinstance(loaded, dict):
+        # Optimizers with no state yet (plain SGD) hold no tensor: a whole-state load
+        # gives their list back as a dict by index.
+        loaded = [loaded[i] for i in sorted(loaded)]
     checkpoint["optimizer_states"] = [
         {"state": o["state"], "param_groups": g}
-        for o, g in zip(state["optimizer_states"], groups, strict=True)
+        for o, g in zip(loaded, groups if loaded else [], strict=True)
     ]
     return checkpoint
