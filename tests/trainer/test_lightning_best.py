@@ -59,7 +59,7 @@ class Scripted(pl.LightningModule):
         return self(batch[0]).pow(2).mean()  # type: ignore[no-any-return]
 
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", LOSSES[self.current_epoch])
+        self.log("val_loss", LOSSES[min(self.current_epoch, len(LOSSES) - 1)])
 
     def on_validation_epoch_end(self) -> None:
         self.weights[self.current_epoch] = snapshot(self)
@@ -178,7 +178,7 @@ def test_a_lightning_version_exports_to_safetensors_under_the_modules_names(
     start: Start, tmp_path: Path, worker: None
 ) -> None:
     url = start().url
-    _, model, _ = train(url, tmp_path)
+    _, model, client = train(url, tmp_path)
     reader = ElasticClient(url, "job", "reader")
     out = tmp_path / "best.safetensors"
     done = export(reader, out, "best", only="state_dict.", progress=False)
@@ -191,6 +191,16 @@ def test_a_lightning_version_exports_to_safetensors_under_the_modules_names(
         reader, tmp_path / "hf", "best", format="hf", only="state_dict.", progress=False
     )
     assert same(load_file(folder.files[0]), model.weights[BEST])
+
+    # fit() still resumes from the version the coordinator names (the latest, not the
+    # best) once the node rejoins: one more epoch on top of the last.
+    client.leave()
+    again = ElasticClient(url, "job", "a")
+    join_all([again], spec(1, 1))
+    resumed = trainer(again, tmp_path, max_epochs=len(LOSSES) + 1)
+    resumed.fit(Scripted(), loader(), loader())
+    restored = resumed.strategy.restored  # type: ignore[attr-defined]
+    assert (restored.step, resumed.global_step) == (len(LOSSES) * 4, (len(LOSSES) + 1) * 4)
 
 
 def test_a_model_checkpoints_top_k_becomes_the_coordinators_rule() -> None:
