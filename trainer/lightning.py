@@ -17,6 +17,10 @@ Under ``torchrun --rdzv-backend=rallypoint``, a Lightning script changes one arg
 - ``fit()`` resumes from the version the coordinator named for this generation, the same
   for every rank; ``ckpt_path="last"`` (or a path, once the job has a version) is
   overridden, so a folder holding a newer-looking ``last.ckpt`` changes nothing.
+- ``ModelCheckpoint(monitor=..., save_top_k=k)`` becomes the job's ``keep_best`` rule:
+  every version carries the monitored values and the coordinator pins the ``k`` best
+  from collection; ``validate``/``test``/``predict(ckpt_path="best" | "last")`` load the
+  job's best and latest versions, also in a process that never joined the job.
 - Every save ``ModelCheckpoint`` decides on goes through :class:`CheckpointManager`:
   staged while training waits, then in the background to this node's memory, a peer
   node's and (every ``persist_every``-th) blob storage; sharded state one file per rank.
