@@ -1,6 +1,8 @@
 """The Lightning integration: a ``CheckpointIO`` that saves and loads the coordinator's
 versions, the strategies that carry it on every rank, the launcher that resumes from the
-coordinator, and the preemption callback. :mod:`rallypoint.trainer.lightning` exports
+coordinator (and names its best and latest versions for ``validate``/``test``/``predict``),
+the mapping of ``ModelCheckpoint``'s top-k onto the job's ``keep_best`` rule, and the
+preemption callback. :mod:`rallypoint.trainer.lightning` exports
 them; ``import rallypoint.trainer`` never imports this module or Lightning.
 
 :class:`Session` is the part that knows Rallypoint, not Lightning's classes: one
