@@ -33,7 +33,7 @@ from rallypoint.trainer.transformers import RallypointTrainer
 from .._support import clients, join_all, spec
 from ..conftest import Start
 
-#: The evaluation's loss at each step: better until step 2, then worse.
+#: The evaluation's loss at each step: better until step 2, then worse (1.0 past 6).
 LOSSES = {1: 0.9, 2: 0.5, 3: 0.7, 4: 0.8, 5: 0.85, 6: 0.9}
 
 
@@ -68,7 +68,7 @@ class ScriptedEval(RallypointTrainer):
     ``evaluate`` logs it."""
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        metrics = {"eval_loss": LOSSES[self.state.global_step]}
+        metrics = {"eval_loss": LOSSES.get(self.state.global_step, 1.0)}
         self.log(metrics)
         return metrics
 
@@ -186,6 +186,27 @@ def test_load_best_model_at_end_loads_the_best_version_which_outlives_collection
     assert meta["hf_config"]["hidden_size"] == 16 and "hf_generation_config" in meta
     m.close()
     trainer.checkpoints.close()
+
+    # The next generation resumes at step 6 and loads the best again at its end:
+    # best_model_checkpoint came back with the version's trainer state. (The Trainer
+    # checks max_steps after a step, so it trains one more, evaluated worse.)
+    trainer.checkpoints.client.leave("done")
+    (b,) = clients(url, ["b"])
+    join_all([b], spec(1, 1))
+    again = ScriptedEval(
+        model=tiny_llama(seed=1),
+        args=trainer.args,
+        train_dataset=Tokens(),
+        eval_dataset=Tokens(4),
+        rallypoint_client=b,
+        checkpoint_policy=SavePolicy(progress=False),
+        watch_preemption=False,
+    )
+    again.train(resume_from_checkpoint=True)
+    assert again.restored is not None and again.restored.step == 6
+    assert again.state.best_model_checkpoint == f"rallypoint:v{kept[2].version}"
+    assert again.model is not None and same(again.model.state_dict(), saved.by_step[2])
+    again.checkpoints.close()
 
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
