@@ -696,7 +696,9 @@ class RallypointTrainer(Trainer):
     def _load_best_weights(self, version: int) -> None:
         """The version's model state into the model: only its ``model`` part is read
         (templates from the version's metadata), not the optimizer's."""
-        reader = RallypointReader(self.checkpoints.client, version, progress=False)
+        reader = RallypointReader(
+            self.checkpoints.client, version, progress=False, memory=self.checkpoints.memory
+        )
         saved = reader.read_metadata().state_dict_metadata
         template = {
             key[len("model.") :]: torch.empty(m.size, dtype=m.properties.dtype)
