@@ -18,17 +18,28 @@ Names are the tensors' paths in the saved state, dot-joined as DCP flattens them
 ``t0``, ``t1``, ...) are unpacked to the names of the dicts they held (the HF Trainer's
 ``model`` is its model's ``state_dict``). ``strip`` drops a prefix (the ``hf`` format
 drops ``model.`` and Lightning's ``state_dict.``).
+
+A version DeepSpeed's engine saved holds DeepSpeed's files, not the model's tensors:
+its ZeRO partitions are put together by DeepSpeed's own ``zero_to_fp32`` (``_zero.py``),
+under the model's ``state_dict`` names. That consolidation holds DeepSpeed's fp32 flat
+groups (the fp32 model) while it runs, so ``buffer`` does not bound it.
+
+An ``hf`` folder gets the model's ``config.json`` (and ``generation_config.json``) when
+the version carries them: the HF Trainer integration records them in every version.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 import os
 import pickle
 import struct
+import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +53,7 @@ from .._pack import from_blob
 from .._progress import Progress
 from ..errors import CheckpointError
 from ._dcp import RallypointReader
+from ._zero import LazyTensor, is_deepspeed, whole_model
 
 __all__ = ["ExportFormat", "Exported", "export"]
 
@@ -134,7 +146,8 @@ def export(
             to leave the optimizer out).
         max_shard_size: ``hf``: bytes per shard at most (a larger tensor is a shard of its
             own).
-        buffer: Bytes of tensors loaded at a time; the peak memory beyond one tensor.
+        buffer: Bytes of tensors loaded at a time; the peak memory beyond one tensor
+            (not for a DeepSpeed version: its consolidation holds the fp32 model).
         progress: A progress bar on a terminal (log lines otherwise) past one second.
 
     Returns:
@@ -155,31 +168,91 @@ def export(
     _check_exportable(info)
     reader = RallypointReader(client, info.version, progress=False)
     metadata = reader.read_metadata()
-    tensors = _tensors(reader, metadata, _CASTS[dtype], strip=format == "hf")
-    if only is not None:
-        tensors = [t for t in tensors if t.key.startswith(only) or t.name.startswith(only)]
-    if not tensors:
-        what = f" starting with {only!r}" if only is not None else ""
-        raise CheckpointError(f"v{info.version} holds no tensor{what} to export")
-    total = sum(t.nbytes for t in tensors)
-    meter = Progress(f"export v{info.version}", total, enabled=progress)
-    target = Path(out)
-    meta = {"format": "pt", "rallypoint_version": str(info.version), "step": str(info.step)}
-    try:
-        if format == "torch":
-            target.parent.mkdir(parents=True, exist_ok=True)
-            state = {t.name: loaded for t, loaded in _load(reader, tensors, buffer, meter)}
-            torch.save(state, target)
-            files = [target]
-        elif format == "safetensors":
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _write_safetensors(target, tensors, _load(reader, tensors, buffer, meter), meta)
-            files = [target]
+    assert reader.summary is not None  # read with the metadata
+    user = reader.summary.metadata or {}
+    with contextlib.ExitStack() as stack:
+        if is_deepspeed(user):
+            # DeepSpeed's own files, consolidated by DeepSpeed (see _zero.py).
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="rallypoint-"))
+            model = whole_model(metadata, user, lambda s: _load_into(reader, s), scratch)
+            tensors = _named(model, _CASTS[dtype])
+
+            def load(group: Sequence[_Tensor], meter: Progress) -> _Loaded:
+                return _materialize(model, group, meter)
         else:
-            files = _write_hf(target, tensors, reader, buffer, meter, meta, max_shard_size)
-    finally:
-        meter.close()
+            tensors = _tensors(reader, metadata, _CASTS[dtype], strip=format == "hf")
+
+            def load(group: Sequence[_Tensor], meter: Progress) -> _Loaded:
+                return _load(reader, group, buffer, meter)
+
+        if only is not None:
+            tensors = [t for t in tensors if t.key.startswith(only) or t.name.startswith(only)]
+        if not tensors:
+            what = f" starting with {only!r}" if only is not None else ""
+            raise CheckpointError(f"v{info.version} holds no tensor{what} to export")
+        total = sum(t.nbytes for t in tensors)
+        meter = Progress(f"export v{info.version}", total, enabled=progress)
+        target = Path(out)
+        meta = {"format": "pt", "rallypoint_version": str(info.version), "step": str(info.step)}
+        try:
+            if format == "torch":
+                target.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({t.name: loaded for t, loaded in load(tensors, meter)}, target)
+                files = [target]
+            elif format == "safetensors":
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _write_safetensors(target, tensors, load(tensors, meter), meta)
+                files = [target]
+            else:
+                loader = functools.partial(load, meter=meter)
+                files = _write_hf(target, tensors, loader, meta, max_shard_size)
+                files += _write_configs(target, user)
+        finally:
+            meter.close()
     return Exported(info.version, info.step, files, len(tensors), total, time.monotonic() - started)
+
+
+#: Tensors in order, each full and in its export dtype.
+_Loaded = Iterator[tuple["_Tensor", torch.Tensor]]
+
+#: The version metadata's keys for a Hugging Face model's configs, as the HF Trainer
+#: integration records them (``config.to_json_string(use_diff=False)``, parsed), and the
+#: files ``from_pretrained`` reads them from.
+_HF_CONFIGS = {"hf_config": "config.json", "hf_generation_config": "generation_config.json"}
+
+
+def _write_configs(folder: Path, user: Mapping[str, Any]) -> list[Path]:
+    """The model's ``config.json`` (and generation config) the version carries, if any:
+    what makes the folder one ``from_pretrained`` loads without the training code."""
+    files = []
+    for key, name in _HF_CONFIGS.items():
+        config = user.get(key)
+        if isinstance(config, dict):
+            path = folder / name
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            files.append(path)
+    return files
+
+
+def _named(model: Mapping[str, LazyTensor], cast: torch.dtype | None) -> list[_Tensor]:
+    """A consolidated model's tensors, by their ``state_dict`` names (kept as they are:
+    DeepSpeed's module is the framework's model, ``model.`` prefix and all)."""
+    out = []
+    for name, t in model.items():
+        exported = cast if cast is not None and t.dtype.is_floating_point else t.dtype
+        if exported not in _DTYPES:
+            raise CheckpointError(f"{name}: safetensors has no dtype for {t.dtype}")
+        out.append(_Tensor(name, name, tuple(t.shape), t.dtype, exported))
+    return out
+
+
+def _materialize(
+    model: Mapping[str, LazyTensor], tensors: Sequence[_Tensor], meter: Progress
+) -> _Loaded:
+    for t in tensors:
+        whole = model[t.key].contiguous()
+        yield t, whole if whole.dtype == t.dtype else whole.to(t.dtype)
+        meter.update(t.nbytes)
 
 
 def _check_exportable(info: CheckpointInfo) -> None:
@@ -284,7 +357,7 @@ def _groups(tensors: Sequence[_Tensor], buffer: int) -> Iterator[list[_Tensor]]:
 
 def _load(
     reader: RallypointReader, tensors: Sequence[_Tensor], buffer: int, meter: Progress
-) -> Iterator[tuple[_Tensor, torch.Tensor]]:
+) -> _Loaded:
     """Each tensor, full and in its export dtype, in order, a group at a time."""
     for group in _groups(tensors, buffer):
         state = {t.key: torch.empty(t.shape, dtype=t.saved) for t in group}
@@ -313,7 +386,7 @@ def _header(tensors: Sequence[_Tensor], meta: Mapping[str, str]) -> bytes:
 def _write_safetensors(
     path: Path,
     tensors: Sequence[_Tensor],
-    loaded: Iterator[tuple[_Tensor, torch.Tensor]],
+    loaded: _Loaded,
     meta: Mapping[str, str],
 ) -> None:
     header = _header(tensors, meta)
@@ -332,9 +405,7 @@ def _write_safetensors(
 def _write_hf(
     folder: Path,
     tensors: Sequence[_Tensor],
-    reader: RallypointReader,
-    buffer: int,
-    meter: Progress,
+    load: Callable[[Sequence[_Tensor]], _Loaded],
     meta: Mapping[str, str],
     max_shard_size: int,
 ) -> list[Path]:
@@ -351,13 +422,13 @@ def _write_hf(
         size += t.nbytes
     if len(shards) == 1:
         path = folder / "model.safetensors"
-        _write_safetensors(path, tensors, _load(reader, tensors, buffer, meter), meta)
+        _write_safetensors(path, tensors, load(tensors), meta)
         return [path]
     files = []
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         path = folder / f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _write_safetensors(path, shard, _load(reader, shard, buffer, meter), meta)
+        _write_safetensors(path, shard, load(shard), meta)
         files.append(path)
         weight_map.update({t.name: path.name for t in shard})
     index = folder / "model.safetensors.index.json"
