@@ -13,7 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rallypoint.client import CREDENTIAL_HEADER, ElasticClient, KeepBest, UnknownCheckpoint
+from rallypoint.client import (
+    CREDENTIAL_HEADER,
+    ElasticClient,
+    Forbidden,
+    KeepBest,
+    UnknownCheckpoint,
+)
 from rallypoint.client.models import BeginCheckpoint, ReportShard, ShardFile
 from rallypoint.service import _retention as rules
 from rallypoint.service._checkpoints import Checkpoints, Version
@@ -22,7 +28,8 @@ from rallypoint.service.errors import UnknownCheckpoint as ServiceUnknownCheckpo
 from rallypoint.trainer import CheckpointManager, SavePolicy, export
 
 from .._rules import seal_with_peers
-from .._support import FILE, cli, managers
+from .._support import FILE, TOKEN, cli, clients, join_all, managers
+from .._support import spec as coordinator_spec
 from ..conftest import Start
 
 LOSS = KeepBest(metric="eval_loss", mode="min")
@@ -306,3 +313,22 @@ def test_a_policy_takes_keep_best_as_a_tuple_and_refuses_a_bad_one() -> None:
     for last in (0, 1001, True):
         with pytest.raises(ValueError, match="keep_last"):
             SavePolicy(keep_last=last)
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+def test_a_reader_token_exports_the_best_version(start: Start, tmp_path: Path) -> None:
+    url = start("--token", TOKEN).url
+    (node,) = clients(url, ["a"], token=TOKEN)
+    join_all([node], coordinator_spec(1, 1))
+    m = CheckpointManager(node, progress=False, keep_best=("eval_loss", "min"))
+    for step, loss in ((1, 0.3), (2, 0.6)):
+        m.save(
+            {"w": torch.full((2,), float(step))}, step, metrics={"eval_loss": loss}, blocking=True
+        )
+    m.close()
+    reader = ElasticClient(url, "job", "x", token=node.create_token("reader").token)
+    done = export(reader, tmp_path / "r.safetensors", "best", progress=False)
+    assert done.step == 1
+    assert torch.equal(load_file(tmp_path / "r.safetensors")["w"], torch.full((2,), 1.0))
+    with pytest.raises(Forbidden):  # a reader reads; it does not save
+        reader.begin_checkpoint(3, [FILE], generation=1)
