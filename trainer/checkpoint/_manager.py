@@ -953,8 +953,10 @@ def _unflatten(
         _put(node, path[-1], flat[fqn])
     for path, kind in sorted(fixups, key=lambda f: -len(f[0])):
         node = nested
-        for key in path[:-1]:
-            node = _child(node, key, {})
+        # A list on the way holds the empty dict (an optimizer with no state yet, in a
+        # list of optimizers): an int in a path is a list's index, as above.
+        for key, following in itertools.pairwise(path):
+            node = _child(node, key, [] if isinstance(following, int) else {})
         if kind == "empty":
             _child(node, path[-1], {})
         else:

@@ -361,3 +361,15 @@ def test_a_rank_killed_mid_upload_never_becomes_latest(spawn: Spawn, tmp_path: P
     restored = m.load_latest()
     assert restored is not None and restored.version == 1
     assert torch.equal(restored.state["w"], torch.ones(8))
+
+
+def test_empty_dicts_in_lists_load_back_as_lists(start: Start) -> None:
+    """Lightning's optimizer list with a stateless optimizer (plain SGD before its first
+    step holds no tensor) comes back as the list it was, not a dict by index."""
+    url = start().url
+    (m,) = managers(url, ["a"], 1, 1)
+    state = {"optimizers": [{"state": {}}, {"state": {}}], "w": torch.ones(2)}
+    m.save(state, 1, blocking=True)
+    restored = m.load(1)
+    assert restored.state["optimizers"] == [{"state": {}}, {"state": {}}]
+    m.close()
