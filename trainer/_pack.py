@@ -169,10 +169,6 @@ def unpack_checkpoint(state: dict[str, Any], weights_only: bool | None = None) -
     checkpoint["state_dict"] = state["state_dict"]
     # None loaded (an evaluation, which has no optimizers to load into): none given.
     loaded = state["optimizer_states"]
-    if isinstance(loaded, dict):
-        # Optimizers with no state yet (plain SGD) hold no tensor: a whole-state load
-        # gives their list back as a dict by index.
-        loaded = [loaded[i] for i in sorted(loaded)]
     checkpoint["optimizer_states"] = [
         {"state": o["state"], "param_groups": g}
         for o, g in zip(loaded, groups if loaded else [], strict=True)
