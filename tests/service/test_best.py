@@ -20,14 +20,14 @@ from rallypoint.client import (
     KeepBest,
     UnknownCheckpoint,
 )
-from rallypoint.client.models import BeginCheckpoint, ReportShard, ShardFile
+from rallypoint.client.models import ReportShard, ShardFile
 from rallypoint.service import _retention as rules
 from rallypoint.service._checkpoints import Checkpoints, Version
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import UnknownCheckpoint as ServiceUnknownCheckpoint
 from rallypoint.trainer import CheckpointManager, SavePolicy, export
 
-from .._rules import seal_with_peers
+from .._rules import begin_all, seal_with_peers
 from .._support import FILE, TOKEN, cli, clients, join_all, managers
 from .._support import spec as coordinator_spec
 from ..conftest import Start
@@ -121,15 +121,7 @@ def commit_scored(
 ) -> int:
     """A durable version of ``step`` whose rank 0 reported ``metrics`` and ``keep``
     (every rank sends them; the coordinator keeps rank 0's)."""
-    version = 0
-    for node in nodes:
-        begun = ckpts.begin(
-            "job",
-            BeginCheckpoint(node_id=node, generation=gen, step=step, files=[FILE]),
-            creds[node],
-        )
-        version = begun.version
-        ckpts.blobs.put(f"job/v{version:010d}/rank-{begun.rank:05d}/{FILE}", node.encode())
+    version = begin_all(ckpts, nodes, gen, step, creds)
     for node in nodes:
         shard = ShardFile(name=FILE, size=len(node), checksum="x:1")
         request = ReportShard(
