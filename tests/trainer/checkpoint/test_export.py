@@ -1,7 +1,7 @@
 """The model leaves the job (issue 34): ``export`` and ``rallypoint checkpoints export``
 write a committed version's tensors, consolidated into full tensors, to safetensors, a
-Hugging Face folder or a torch file, equal to what was saved; sharded DTensors saved by 4
-ranks come out whole; a packed (HF Trainer) state comes out under its own names; memory
+Hugging Face folder or a torch file, equal to what was saved; an FSDP2 job saved at world 4
+(2 torchrun agents x 2 processes) comes out whole; a packed (HF Trainer) state comes out under its own names; memory
 stays bounded; what is not a good committed version is refused."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import safetensors
 import torch
 from safetensors.torch import load_file
 
+from rallypoint.cli.processes import Cluster
 from rallypoint.client import ElasticClient, UnknownCheckpoint
 from rallypoint.trainer import CheckpointError, export
 from rallypoint.trainer._pack import pack
 
-from ..._ranks import run_ranks
 from ..._support import cli, managers
 from ...conftest import Start
 
@@ -122,36 +122,62 @@ def test_a_packed_state_exports_under_its_own_names(start: Start, tmp_path: Path
     )
 
 
-SHARDED = r"""
-import torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+FSDP2 = r"""
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from rallypoint.client import ElasticClient
 from rallypoint.trainer import CheckpointManager
 
-def run(client, a):
-    mesh = init_device_mesh("cpu", (a.world_size,))
-    torch.manual_seed(0)
-    full = {f"layer{i}.weight": torch.randn(37, 5 + i) for i in range(3)}
-    full["bias"] = torch.randn(11)
-    state = {"model": {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}}
-    m = CheckpointManager(client, progress=False)
-    m.save(state, 4, blocking=True)
-    m.close()
-    if a.rank == 0:
-        torch.save(full, client.job_id + ".full.pt")
-    return {}
+client = ElasticClient.from_env()
+client.join()
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(37, 64), torch.nn.ReLU(), torch.nn.Linear(64, 11))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+for _ in range(2):
+    model(torch.randn(4, 37)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+m = CheckpointManager(client, progress=False)
+m.save({"model": get_model_state_dict(model)}, 4, blocking=True)
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+if dist.get_rank() == 0:
+    torch.save(full, sys.argv[1])
+m.close()
+dist.destroy_process_group()
 """
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
-def test_dtensors_saved_by_four_ranks_export_whole(start: Start, tmp_path: Path) -> None:
+def test_an_fsdp2_job_of_two_nodes_of_two_processes_exports_whole(
+    start: Start, tmp_path: Path
+) -> None:
+    """An FSDP2 job saved at world 4 (2 torchrun agents x 2 processes), exported on one
+    process that is no member: equal to the gathered full state, tensor for tensor."""
     url = start().url
-    run_ranks(url, "sharded", ["a", "b", "c", "d"], SHARDED, tmp_path)
-    full = torch.load(Path("sharded.full.pt"), weights_only=True)
-    Path("sharded.full.pt").unlink()
-    exporter = ElasticClient(url, "sharded", "exporter")
-    export(exporter, tmp_path / "s.safetensors", progress=False)
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2)
+    full_file = tmp_path / "full.pt"
+    cluster = Cluster(
+        url, "fsdp2", tmp_path, nnodes="2:2", nproc=2, script=[str(script), str(full_file)]
+    )
+    try:
+        for node in ("a", "b"):
+            cluster.add(node)
+        codes = cluster.wait(timeout=200)
+    finally:
+        cluster.stop()
+    assert codes == {"a": 0, "b": 0}, codes
+    full = torch.load(full_file, weights_only=True)
+    exporter = ElasticClient(url, "fsdp2", "exporter")
+    done = export(exporter, tmp_path / "s.safetensors", progress=False)
+    assert done.step == 4
     equal(load_file(tmp_path / "s.safetensors"), {f"model.{k}": v for k, v in full.items()})
 
 
