@@ -1,8 +1,9 @@
 """The model leaves the job (issue 34): ``export`` and ``rallypoint checkpoints export``
 write a committed version's tensors, consolidated into full tensors, to safetensors, a
-Hugging Face folder or a torch file, equal to what was saved; an FSDP2 job saved at world 4
-(2 torchrun agents x 2 processes) comes out whole; a packed (HF Trainer) state comes out under its own names; memory
-stays bounded; what is not a good committed version is refused."""
+Hugging Face folder or a torch file, equal to what was saved; an FSDP2 job saved at
+world 4 (2 torchrun agents x 2 processes) comes out whole; a packed (HF Trainer) state
+comes out under its own names; memory stays bounded; what is not a good committed
+version is refused."""
 
 from __future__ import annotations
 
