@@ -10,11 +10,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from rallypoint.cli.processes import Cluster, Coordinator, judge
+from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
+from rallypoint.trainer import ElasticSampler
 
 from .._support import status
 
@@ -30,7 +32,7 @@ import xxhash
 import deepspeed
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from rallypoint.client import ElasticClient
-from rallypoint.trainer import PreemptionWatcher, SavePolicy
+from rallypoint.trainer import ElasticSampler, PreemptionWatcher, SavePolicy
 import rallypoint.trainer.deepspeed as rp_deepspeed
 
 p = argparse.ArgumentParser()
@@ -39,6 +41,9 @@ p.add_argument("--steps", type=int, default=40)
 p.add_argument("--every", type=int, default=5)
 p.add_argument("--step-time", type=float, default=0.0)
 p.add_argument("--events", required=True)
+p.add_argument("--items", type=int, default=120, help="an epoch's items")
+p.add_argument("--micro", type=int, default=2, help="per-device batch")
+p.add_argument("--global-batch", type=int, default=12, help="DeepSpeed's train_batch_size")
 args = p.parse_args()
 
 client = ElasticClient.from_env()
@@ -99,15 +104,26 @@ def full_digest(engine):
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+# The global batch is the config's train_batch_size: DeepSpeed sets the accumulation
+# steps for each world (2 per device: 2 steps at world 3, 3 at world 2).
 config = {
-    "train_micro_batch_size_per_gpu": 4,
+    "train_batch_size": args.global_batch,
+    "train_micro_batch_size_per_gpu": args.micro,
     "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
     "zero_optimization": {"stage": args.stage},
     "steps_per_print": 10**9,
 }
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 checkpoints = rp_deepspeed.install(engine, client, policy=SavePolicy(progress=False))
-rp_deepspeed.load_checkpoint(engine)
+# The data: item i is row i of a fixed table; the elastic sampler deals each epoch's
+# order out to this world's ranks from the position the version saved, as the docs show.
+X = torch.randn(args.items, 16, generator=torch.Generator().manual_seed(0))
+sampler = ElasticSampler(args.items, rank=rank, world_size=world, batch_size=args.micro)
+_, client_state = rp_deepspeed.load_checkpoint(engine)
+if client_state:
+    sampler.load_state_dict(client_state["sampler"])
+loader = torch.utils.data.DataLoader(range(args.items), batch_size=args.micro, sampler=sampler)
+accumulation = engine.gradient_accumulation_steps()
 restored = checkpoints.restored
 event("resumed", version=restored.version if restored else None,
       step=engine.global_steps + 1,
@@ -115,29 +131,48 @@ event("resumed", version=restored.version if restored else None,
       full=full_digest(engine) if restored else None,
       saved_by=checkpoints.saved_dp_world_size, reshard_s=checkpoints.reshard_seconds,
       bytes_from=restored.bytes_from if restored else None,
-      saves_back=saves_back(engine) if restored else None)
+      saves_back=saves_back(engine) if restored else None,
+      sampler=sampler.state_dict(), accumulation=accumulation)
 
-with PreemptionWatcher(client) as watcher:
-    while engine.global_steps < args.steps:
-        s = engine.global_steps + 1
-        g = torch.Generator().manual_seed(s * 1000 + rank)
-        x = torch.randn(4, 16, generator=g)
+def train_step(s, indices):
+    """One optimizer step of `accumulation` micro-batches; False on a preemption."""
+    for idx in indices:
+        x = X[idx]
         loss = torch.nn.functional.mse_loss(engine(x), x.flip(1))
         engine.backward(loss)
-        engine.step()
-        if args.step_time:
-            time.sleep(args.step_time)
+        engine.step()  # the optimizer steps at the last micro-batch only
+    assert engine.global_steps == s
+    sampler.advance(accumulation)  # after the optimizer step, on every rank
+    event("trained", step=s, epoch=sampler.epoch, indices=[i for b in indices for i in b.tolist()])
+    if args.step_time:
+        time.sleep(args.step_time)
+    if rank == 0:
+        event("step", step=s, loss=round(loss.item(), 5))
+    stop = watcher.should_stop()
+    if s % args.every == 0 or stop:
+        d, full = digests(engine), full_digest(engine)
         if rank == 0:
-            event("step", step=s, loss=round(loss.item(), 5))
-        stop = watcher.should_stop()
-        if s % args.every == 0 or stop:
-            d, full = digests(engine), full_digest(engine)
-            if rank == 0:
-                event("saving", step=s, digests=d, full=full)
-            checkpoints.save_checkpoint(os.environ["SAVE_DIR"], persist=stop, blocking=stop)
-        if stop:
-            event("emergency", step=s, version=checkpoints.last_save.result().version)
-            watcher.finish()
+            event("saving", step=s, digests=d, full=full)
+        # The sampler's position is part of the version: DeepSpeed keeps client_state
+        # in the model states file and gives it back from load_checkpoint.
+        checkpoints.save_checkpoint(os.environ["SAVE_DIR"], persist=stop, blocking=stop,
+                                    client_state={"sampler": sampler.state_dict()})
+    if stop:
+        event("emergency", step=s, version=checkpoints.last_save.result().version)
+        watcher.finish()
+    return loss
+
+with PreemptionWatcher(client) as watcher:
+    epoch = sampler.epoch
+    while engine.global_steps < args.steps:
+        sampler.set_epoch(epoch)  # keeps a restored position in the restored epoch
+        batches = iter(loader)
+        while engine.global_steps < args.steps:
+            indices = [b for _, b in zip(range(accumulation), batches)]
+            if not indices:
+                break  # the epoch is done (it holds whole global batches only)
+            loss = train_step(engine.global_steps + 1, indices)
+        epoch += 1
 checkpoints.wait()
 event("finished", step=engine.global_steps, loss=round(loss.item(), 5))
 checkpoints.close()
@@ -223,7 +258,13 @@ def test_zero_resumes_at_another_world_size_shrunk_and_grown(
     and nobody replaces it: the two left resume at a world size of 2 from the version 3
     ranks saved. With ZeRO-3, node d then joins and the three resume from a version the
     two saved. Every rank resumes at the step the coordinator named, and the gathered
-    full parameters and Adam moments after the reshard are those that were saved."""
+    full parameters and Adam moments after the reshard are those that were saved.
+
+    The user's loop deals its data through ``ElasticSampler`` and saves its position as
+    ``client_state``; the global batch is the config's ``train_batch_size`` (12: 2 per
+    device x 2 accumulation steps at world 3, x 3 at world 2). Every step trains the
+    next 12 items of its epoch's order at every world size, and each item of each epoch
+    is trained once in the kept history: more only as a lost step's, re-done."""
     script = tmp_path / "ds_worker.py"
     script.write_text(WORKER)
     events = tmp_path / "ds.events.jsonl"
@@ -292,5 +333,53 @@ def test_zero_resumes_at_another_world_size_shrunk_and_grown(
     # Every rank of each resharded generation, in order.
     assert sorted(set(reshards), key=reshards.index) == expected
     assert len(reshards) == sum(new for _, new in expected)
+    # The global batch kept: DeepSpeed's accumulation steps follow the world.
+    plans = {(e["world_size"], e["accumulation"]) for e in log if e["event"] == "resumed"}
+    assert plans == {(3, 2), (2, 3)}, plans
+    print(f"{job}: {each_item_once_an_epoch(log, steps, items=120, batch=12)}")
     # The universal checkpoints were removed (at close(), or by the next reshard).
     assert not list(Path(tempfile.gettempdir()).glob(f"rallypoint-deepspeed-{job}-*"))
+
+
+def each_item_once_an_epoch(log: list[Event], steps: int, items: int, batch: int) -> str:
+    """Step k trained the items ``(k - 1) * batch`` to ``k * batch`` of the run's
+    concatenated epoch orders (the sampler's seed, 0), all ranks of its last generation
+    together, whatever the world; each item of each epoch once in that kept history; an
+    item trained more often only as one of a step two generations trained (a lost step,
+    re-done on the same items). What was repeated and never trained, in words."""
+    records: dict[int, dict[int, dict[int, Event]]] = {}
+    every: Counter[tuple[int, int]] = Counter()
+    for e in log:
+        if e["event"] == "trained":
+            records.setdefault(e["step"], {}).setdefault(e["generation"], {})[e["rank"]] = e
+            every.update((e["epoch"], i) for i in e["indices"])
+    assert sorted(records) == list(range(1, steps + 1))
+    order = ElasticSampler(items, rank=0, world_size=1)
+    kept: Counter[tuple[int, int]] = Counter()
+    redone: set[tuple[int, int]] = set()
+    for step, generations in sorted(records.items()):
+        ranks = generations[max(generations)]
+        # The kept generation trained the step on every rank (a killed rank's last step
+        # can be recorded by some ranks only: the next generation re-does it).
+        assert sorted(ranks) == list(range(ranks[0]["world_size"])), (step, generations)
+        trained = sorted(i for e in ranks.values() for i in e["indices"])
+        epoch, position = divmod((step - 1) * batch, items)
+        order.set_epoch(epoch)
+        assert {e["epoch"] for e in ranks.values()} == {epoch}, step
+        assert trained == sorted(list(order)[position : position + batch]), step
+        for earlier in generations.values():
+            assert {i for e in earlier.values() for i in e["indices"]} <= set(trained), step
+        if len(generations) > 1:
+            redone |= {(epoch, i) for i in trained}
+        kept.update((epoch, i) for i in trained)
+    epochs = steps * batch // items
+    assert kept == Counter({(e, i): 1 for e in range(epochs) for i in range(items)})
+    repeated = {k for k, n in every.items() if n > 1}
+    assert repeated <= redone, repeated - redone
+    never = epochs * items - len(every)
+    assert never == 0
+    trainings = sum(n - 1 for n in every.values())
+    return (
+        f"{items // batch} steps an epoch at every world; {trainings} trainings of "
+        f"{len(repeated)} items repeated (the re-done steps'), {never} never trained"
+    )
