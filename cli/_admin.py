@@ -1,4 +1,5 @@
-"""``rallypoint token create|list|revoke``: job-scoped tokens, made with the admin token.
+"""``rallypoint token create|list|revoke``: job-scoped tokens, made with the admin token;
+``rallypoint nodes quarantine|unquarantine``: the nodes a job does not admit.
 
 Like the inspection commands they need only the client, so they run from any laptop.
 """
@@ -11,8 +12,9 @@ import re
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import TextIO
 
-from rallypoint.client import TokenInfo
+from rallypoint.client import QuarantinedNode, TokenInfo
 
 from ._inspect import _table, _when, ask, connection_options
 
@@ -95,8 +97,37 @@ def _revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def print_quarantined(nodes: Sequence[QuarantinedNode], out: TextIO) -> None:
+    """One row per node the job does not admit: since when, by whom, why."""
+    rows = [(q.node_id, _when(q.at), q.by, q.reason or None) for q in nodes]
+    _table(("NODE", "SINCE", "BY", "WHY"), rows, out)
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    action = args.action
+    if action == "quarantine":
+        done = ask(
+            args,
+            args.job,
+            "nodes quarantine",
+            lambda c: c.quarantine_node(args.node, args.reason or ""),
+        )
+    else:
+        done = ask(args, args.job, "nodes unquarantine", lambda c: c.unquarantine_node(args.node))
+    if done is None:
+        return 1
+    if args.json:
+        print(json.dumps([q.model_dump(mode="json") for q in done]))
+        return 0
+    state = "quarantined" if any(q.node_id == args.node for q in done) else "admitted"
+    print(f"node {args.node} is {state} in job {args.job}")
+    if done:
+        print_quarantined(done, sys.stdout)
+    return 0
+
+
 def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Adds ``token`` to the ``rallypoint`` command."""
+    """Adds ``token`` and ``nodes`` to the ``rallypoint`` command."""
     common = connection_options()
     token = commands.add_parser(
         "token",
@@ -122,3 +153,22 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     revoke.add_argument("token_id", help="the token's id (from create or list)")
     revoke.set_defaults(run=_revoke)
+    nodes = commands.add_parser(
+        "nodes",
+        help="keep a node out of a job, or let it back (needs the admin token)",
+        description="quarantine: the job refuses the node's joins (node_quarantined) and "
+        "no round seals it; if it is a member, its generation ends. The coordinator "
+        "quarantines a node lost RALLYPOINT_NODE_LOSSES times within "
+        "RALLYPOINT_NODE_LOSS_WINDOW seconds itself, where that is set. unquarantine "
+        "admits it again. rallypoint status JOB lists them.",
+    )
+    acts = nodes.add_subparsers(dest="action", required=True)
+    quarantine = acts.add_parser("quarantine", parents=[common], help="keep a node out")
+    quarantine.add_argument("job", help="the job id")
+    quarantine.add_argument("node", help="the node id (it need not have joined)")
+    quarantine.add_argument("--reason", help="why, shown beside the node")
+    quarantine.set_defaults(run=_nodes)
+    unquarantine = acts.add_parser("unquarantine", parents=[common], help="let a node back")
+    unquarantine.add_argument("job", help="the job id")
+    unquarantine.add_argument("node", help="the node id")
+    unquarantine.set_defaults(run=_nodes)

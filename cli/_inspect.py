@@ -143,6 +143,13 @@ def print_status(status: JobStatus, out: TextIO) -> None:
         [(m.rank, m.node_id, m.addr, _age(m.heartbeat_age), m.state) for m in members],
         out,
     )
+    if status.quarantined_nodes:
+        out.write("\nquarantined (not admitted)\n")
+        _table(
+            ["NODE", "SINCE", "BY", "WHY"],
+            [(q.node_id, _when(q.at), q.by, q.reason or None) for q in status.quarantined_nodes],
+            out,
+        )
     if status.waiting:
         out.write("\nwaiting\n")
         _table(
@@ -349,7 +356,7 @@ def _status(args: argparse.Namespace) -> int:
         return _show(args, lambda: _render(args, client.membership(), print_status))
 
 
-_ACTIONS = ("quarantine", "unquarantine")
+_ACTIONS = ("quarantine", "unquarantine", "recover")
 
 
 def _checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -368,7 +375,9 @@ def _checkpoints(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             parser.error(f"--watch does not go with {action}")
         return _quarantine(args, action, job, int(version))
     if len(words) != 1:
-        parser.error("give JOB, or quarantine JOB VERSION, or unquarantine JOB VERSION")
+        parser.error(
+            "give JOB, or quarantine|unquarantine|recover JOB VERSION, or export JOB [VERSION]"
+        )
     if args.reason is not None or args.restart:
         parser.error("--reason and --restart go with quarantine JOB VERSION")
     with client_for(args, words[0]) as client:
@@ -422,13 +431,19 @@ def _export(args: argparse.Namespace, parser: argparse.ArgumentParser, job: str,
 
 
 def _quarantine(args: argparse.Namespace, action: str, job: str, version: int) -> int:
-    """Quarantines or unquarantines ``version`` and says where the latest pointer is."""
+    """Quarantines, unquarantines or recovers (clears the ``unrecoverable`` mark of)
+    ``version`` and says where the latest pointer is."""
+    if action != "quarantine" and (args.reason is not None or args.restart):
+        print("rallypoint checkpoints: --reason and --restart go with quarantine", file=sys.stderr)
+        return 2
 
     def act(client: ElasticClient) -> tuple[CheckpointInfo, CheckpointPointer | None]:
         if action == "quarantine":
             info = client.quarantine(version, args.reason or "", restart=args.restart)
-        else:
+        elif action == "unquarantine":
             info = client.unquarantine(version)
+        else:
+            info = client.recover(version)
         return info, client.membership().checkpoint
 
     done = ask(args, job, f"checkpoints {action}", act)
@@ -438,7 +453,10 @@ def _quarantine(args: argparse.Namespace, action: str, job: str, version: int) -
     if args.json:
         sys.stdout.write(info.model_dump_json() + "\n")
         return 0
-    state = "quarantined" if info.quarantined else "not quarantined"
+    if action == "recover":
+        state = "unrecoverable still" if info.unrecoverable else "not marked unrecoverable"
+    else:
+        state = "quarantined" if info.quarantined else "not quarantined"
     ended = "; the running generation was ended" if args.restart else ""
     print(f"v{info.version} (step {info.step}) is {state}{ended}; latest: {_pointer(latest)}")
     return 0
@@ -502,11 +520,14 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
         "       rallypoint checkpoints [options] quarantine JOB VERSION [--reason R] "
         "[--restart]\n"
         "       rallypoint checkpoints [options] unquarantine JOB VERSION\n"
+        "       rallypoint checkpoints [options] recover JOB VERSION\n"
         "       rallypoint checkpoints [options] export JOB [VERSION|latest|best] --out PATH "
         "[--format safetensors|hf|torch] [--dtype keep|bf16|fp16|fp32] [--only PREFIX]",
         description="Lists a job's versions. quarantine (the admin token) marks a "
         "committed version bad: no generation resumes from it, and if it was the latest "
         "the pointer moves back to the newest good version; unquarantine undoes it. "
+        "recover (the admin token) clears the unrecoverable mark a rank's failed restore "
+        "left, once its copies are back. "
         "export writes a committed version's tensors, consolidated into full tensors, to "
         "one safetensors file, a Hugging Face folder (hf) or a torch.save file (a reader "
         "token may export).",

@@ -41,7 +41,9 @@ from .models import (
     LoadFailure,
     MemberInfo,
     NodeInfo,
+    NodeQuarantineRequest,
     PeerKey,
+    QuarantinedNode,
     QuarantineRequest,
     ReportShard,
     RestoreFailure,
@@ -863,6 +865,38 @@ class ElasticClient:
         """
         reply = self._request("DELETE", f"{self._job}/checkpoints/{version}/quarantine")
         return CheckpointInfo.model_validate_json(reply.content)
+
+    def recover(self, version: int) -> CheckpointInfo:
+        """Clears a version's ``unrecoverable`` mark (the admin token), once its copies
+        are back: it may be named again. Idempotent.
+
+        Raises:
+            UnknownCheckpoint: No such version.
+        """
+        reply = self._request("DELETE", f"{self._job}/checkpoints/{version}/unrecoverable")
+        return CheckpointInfo.model_validate_json(reply.content)
+
+    def quarantine_node(self, node_id: str, reason: str = "") -> list[QuarantinedNode]:
+        """Keeps a node out of this client's job (the admin token): its joins are
+        refused with :class:`NodeQuarantined` and no round seals it; if it is a member,
+        its generation ends. Idempotent.
+
+        Returns:
+            The job's quarantined nodes.
+        """
+        body = NodeQuarantineRequest(reason=reason)
+        path = f"{self._job}/nodes/{check_id(node_id)}/quarantine"
+        reply = self._request("PUT", path, body)
+        return [QuarantinedNode.model_validate(q) for q in reply.json()]
+
+    def unquarantine_node(self, node_id: str) -> list[QuarantinedNode]:
+        """Admits a quarantined node again (the admin token). Idempotent.
+
+        Returns:
+            The job's quarantined nodes.
+        """
+        reply = self._request("DELETE", f"{self._job}/nodes/{check_id(node_id)}/quarantine")
+        return [QuarantinedNode.model_validate(q) for q in reply.json()]
 
     def close(self) -> None:
         self._http.close()

@@ -37,6 +37,7 @@ __all__ = [
     "MALFORMED_JSON",
     "METHOD_NOT_ALLOWED",
     "MODIFIED",
+    "NODE_QUARANTINED",
     "NOT_FOUND",
     "NOT_READY",
     "STALE_GENERATION",
@@ -68,6 +69,7 @@ UNKNOWN_TOKEN: Final = "unknown_token"
 UNKNOWN_CHECKPOINT: Final = "unknown_checkpoint"
 JOB_CONFLICT: Final = "job_conflict"
 JOB_FULL: Final = "job_full"
+NODE_QUARANTINED: Final = "node_quarantined"
 STALE_GENERATION: Final = "stale_generation"
 JOIN_TIMEOUT: Final = "join_timeout"
 CHECKPOINT_CONFLICT: Final = "checkpoint_conflict"
@@ -102,6 +104,7 @@ CODES: Final[Mapping[str, str]] = MappingProxyType(
         UNKNOWN_CHECKPOINT: "404: no such checkpoint version (or none committed yet)",
         JOB_CONFLICT: "409: the job exists with other parameters",
         JOB_FULL: "409: max_nodes are members already",
+        NODE_QUARANTINED: "403: the job does not admit the node until an operator clears it",
         STALE_GENERATION: "409: the request acts for a generation that is not running",
         JOIN_TIMEOUT: "408: no generation sealed within the job's join timeout",
         CHECKPOINT_CONFLICT: "409: the version is not open for this",

@@ -14,6 +14,7 @@ Hierarchy::
     │   ├── UnknownToken      404: no scoped token has this id
     │   ├── JobConflict       409: the job exists with other parameters
     │   ├── JobFull           409: the job runs with max_nodes members already
+    │   ├── NodeQuarantined   403: the job does not admit this node (an operator's mark)
     │   ├── StaleGeneration   409: this node's generation is over (it was fenced out)
     │   ├── JoinTimeout       408: no generation sealed in time
     │   ├── UnknownCheckpoint 404: no such checkpoint version (or none committed yet)
@@ -38,6 +39,7 @@ __all__ = [
     "JobConflict",
     "JobFull",
     "JoinTimeout",
+    "NodeQuarantined",
     "RallypointError",
     "ServerError",
     "SignedUrlError",
@@ -114,6 +116,10 @@ class JobFull(ServerError):
     code = "job_full"
 
 
+class NodeQuarantined(ServerError):
+    code = "node_quarantined"
+
+
 class StaleGeneration(ServerError):
     code = "stale_generation"
 
@@ -156,6 +162,7 @@ _BY_CODE: dict[str, type[ServerError]] = {
         UnknownToken,
         JobConflict,
         JobFull,
+        NodeQuarantined,
         StaleGeneration,
         JoinTimeout,
         UnknownCheckpoint,

@@ -55,9 +55,11 @@ __all__ = [
     "MemberInfo",
     "MemberStatus",
     "NodeInfo",
+    "NodeQuarantineRequest",
     "PeerGrant",
     "PeerKey",
     "QuarantineRequest",
+    "QuarantinedNode",
     "ReportShard",
     "RestoreFailure",
     "RestoreReport",
@@ -662,6 +664,25 @@ class MemberStatus(_Model):
     state: Literal["alive", "late", "dead", "left"]
 
 
+class QuarantinedNode(_Model):
+    """A node the job never admits again until an operator clears it."""
+
+    node_id: str
+    #: When (epoch seconds), and why.
+    at: float
+    reason: str
+    #: ``operator`` (``PUT …/nodes/{node}/quarantine``) or ``losses``: the node was lost
+    #: the coordinator's ``node_losses`` times within its window.
+    by: Literal["operator", "losses"]
+
+
+class NodeQuarantineRequest(_Model):
+    """``PUT /v1/jobs/{job}/nodes/{node}/quarantine``: keep a node out of the job."""
+
+    #: Why, shown beside the node.
+    reason: str = Field("", max_length=500)
+
+
 class JobSummary(_Model):
     job_id: str
     spec: JobSpec
@@ -679,6 +700,8 @@ class JobSummary(_Model):
     #: but the rules of ``min_nodes`` and ``last_call``), e.g. ``waiting: v2 failed to
     #: load twice at world 2 ...``.
     blocked: str | None = None
+    #: Nodes the job does not admit (their joins are refused with ``node_quarantined``).
+    quarantined_nodes: list[QuarantinedNode] = Field(default_factory=list)
 
 
 class JobStatus(JobSummary):

@@ -996,33 +996,54 @@ class Checkpoints:
         raise StorageUnavailable(f"version {number} of {job_id!r} could not be {what}")
 
     def unquarantine(self, job_id: str, number: int) -> CheckpointInfo:
-        """Clears a version's quarantine: it may be named again.
-
-        The latest pointer moves forward to it, as its commit moved it, if it is newer
-        by step and its generation is the job's latest (running, or ended with none
-        sealed since); so does the durable pointer if it is durable. A version of an
-        older generation moves no pointer: the generations since resumed from another
-        version, and a pointer ahead of their steps would hold back their commits. The
-        next seal judges whether the version can still be recovered, as for any latest.
+        """Clears a version's quarantine: it may be named again (see :meth:`_unmark`).
         Unquarantining a version that is not quarantined changes nothing.
-
-        Returns:
-            The version.
 
         Raises:
             UnknownJob: No such job.
             UnknownCheckpoint: No such version, or it is being collected.
+        """
+        return self._unmark(job_id, number, "quarantine")
+
+    def recover(self, job_id: str, number: int) -> CheckpointInfo:
+        """Clears a version's ``unrecoverable`` mark (the operator's, once the copies a
+        rank could not read are back, or the cause was elsewhere): it may be named again
+        (see :meth:`_unmark`). A version not marked changes nothing.
+
+        Raises:
+            UnknownJob: No such job.
+            UnknownCheckpoint: No such version, or it is being collected.
+        """
+        return self._unmark(job_id, number, "unrecoverable")
+
+    def _unmark(
+        self, job_id: str, number: int, mark: Literal["quarantine", "unrecoverable"]
+    ) -> CheckpointInfo:
+        """Clears one of a version's marks.
+
+        Once the version is good again (a version may carry both marks), the latest
+        pointer moves forward to it, as its commit moved it, if it is newer by step and
+        its generation is the job's latest (running, or ended with none sealed since);
+        so does the durable pointer if it is durable. A version of an older generation
+        moves no pointer: the generations since resumed from another version, and a
+        pointer ahead of their steps would hold back their commits. The next seal judges
+        whether the version can still be recovered, as for any latest.
         """
         for _ in range(_CAS_TRIES):
             job = self.rdzv.get_job(job_id)
             version = self._get(job_id, number)
             if version.state == "deleting":
                 raise UnknownCheckpoint(f"version {number} of job {job_id!r} was collected")
-            if not version.quarantined:
-                break
-            cleared = replace(version, quarantined_at=None, quarantine_reason=None)
+            if mark == "quarantine":
+                if not version.quarantined:
+                    break
+                cleared = replace(version, quarantined_at=None, quarantine_reason=None)
+            else:
+                if not version.unrecoverable:
+                    break
+                cleared = replace(version, unrecoverable_at=None, unrecoverable_reason=None)
             moved = job
-            if version.generation == job.generation:
+            if cleared.good and version.generation == job.generation:
                 if job.checkpoint is None or version.step > job.checkpoint.step:
                     moved = replace(moved, checkpoint=version.pointer)
                 if version.durable and (job.durable is None or version.step > job.durable.step):
@@ -1039,7 +1060,7 @@ class Checkpoints:
             version, job = cleared, moved
             break
         else:
-            raise StorageUnavailable(f"could not unquarantine version {number} of {job_id!r}")
+            raise StorageUnavailable(f"could not clear the {mark} of v{number} of {job_id!r}")
         return self._info(job, version)
 
     def _restart(self, job_id: str, generation: int, reason: str) -> None:

@@ -92,8 +92,14 @@ class _Jobs(Collector):
             "its checkpoint in the generations before (see the job's status: blocked)",
             labels=["job"],
         )
+        nodes_out = GaugeMetricFamily(
+            "rallypoint_nodes_quarantined",
+            "Nodes the job does not admit (an operator's quarantine, or lost too often)",
+            labels=["job"],
+        )
         for job in self.read():
             blocked.add_metric([job.job_id], 1 if job.blocked else 0)
+            nodes_out.add_metric([job.job_id], len(job.quarantined_nodes))
             generation.add_metric([job.job_id], job.generation)
             world.add_metric([job.job_id], job.world_size)
             for state in ("alive", "late", "dead", "left"):
@@ -129,6 +135,7 @@ class _Jobs(Collector):
             quarantined,
             unrecoverable,
             blocked,
+            nodes_out,
         )
 
 

@@ -36,6 +36,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import math
 import secrets
 import threading
@@ -55,6 +56,7 @@ from rallypoint.client.models import (
     JobSummary,
     LoadFailure,
     MemberStatus,
+    QuarantinedNode,
     WaitingNode,
 )
 
@@ -66,12 +68,16 @@ from .errors import (
     AlreadyExists,
     JobConflict,
     Modified,
+    NodeQuarantined,
     NotFound,
     StaleGeneration,
+    StorageUnavailable,
     UnknownJob,
     UnknownNode,
 )
 from .storage import BatchOp, Cond, Entity, SharedBatches, Table, Value
+
+log = logging.getLogger("rallypoint.rendezvous")
 
 __all__ = ["Generation", "Job", "Member", "Node", "Rendezvous"]
 
@@ -128,6 +134,13 @@ class Job:
     #: row (the same version at the same world size): the seal reads it
     #: (:func:`._seal.load_blocked`) so that a job does not loop on a load that fails.
     load_failure: LoadFailure | None = None
+    #: Nodes the job does not admit, and its members' recent losses (by node, the
+    #: times), which may quarantine a node lost too often (:func:`._seal.lost_too_often`).
+    quarantined: tuple[QuarantinedNode, ...] = ()
+    losses: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def quarantine_of(self, node_id: str) -> QuarantinedNode | None:
+        return next((q for q in self.quarantined if q.node_id == node_id), None)
 
     @property
     def round(self) -> int:
@@ -300,6 +313,10 @@ def _job(job_id: str, e: Entity) -> Job:
         checkpoint=_pointer(d, "ckpt"),
         durable=_pointer(d, "durable"),
         load_failure=_load_failure(d),
+        quarantined=tuple(
+            QuarantinedNode.model_validate(q) for q in json.loads(str(d.get("quarantined") or "[]"))
+        ),
+        losses={n: tuple(t) for n, t in json.loads(str(d.get("node_losses") or "{}")).items()},
     )
 
 
@@ -343,6 +360,12 @@ def _job_entity(job: Job) -> Entity:
             **_pointer_data("ckpt", job.checkpoint),
             **_pointer_data("durable", job.durable),
             "load_failure": job.load_failure.model_dump_json() if job.load_failure else None,
+            # JSON: small (the nodes an operator or the loss rule keeps out, and the
+            # losses within the window); None when empty, as rows from before them.
+            "quarantined": (
+                json.dumps([q.model_dump() for q in job.quarantined]) if job.quarantined else None
+            ),
+            "node_losses": json.dumps(dict(job.losses)) if job.losses else None,
         },
     )
 
@@ -490,11 +513,14 @@ class Rendezvous:
         clock: Callable[[], float] = time.time,
         resume: Callable[[Job, tuple[Member, ...]], CheckpointPointer | None] | None = None,
         on_miss: Callable[[str], None] | None = None,
+        node_losses: tuple[int, float] | None = None,
     ) -> None:
         self.table = table
         self.clock = clock
         self.resume = resume
         self.on_miss = on_miss
+        #: (how many losses, within how many seconds) quarantine a node; None: never.
+        self.node_losses = node_losses
         self.secrets = JobSecrets(table)
         # A coordinator that was down heard no heartbeats: it gives every member a full
         # timeout from its start before declaring one dead (see _check_members).
@@ -673,7 +699,11 @@ class Rendezvous:
             return self._sealed.get((job_id, generation))
 
     def end_generation(
-        self, job: Job, reason: str, load_failure: LoadFailure | None = None
+        self,
+        job: Job,
+        reason: str,
+        load_failure: LoadFailure | None = None,
+        lost: str | None = None,
     ) -> bool:
         """Ends the job's sealed generation, naming ``reason``; False if the job changed
         since ``job`` was read (the caller reads it again and decides again).
@@ -682,20 +712,19 @@ class Rendezvous:
             load_failure: Set when it ends because a rank could not load its checkpoint:
                 recorded on the generation, and counted on the job
                 (:func:`._seal.load_streak`).
+            lost: The member whose loss ends it: counted on the job, and quarantined in
+                the same write if it was lost too often (:attr:`node_losses`).
         """
         now = self.clock()
         try:
             gen = self.generation(job.job_id, job.generation)
             streak = seal.load_streak(job.load_failure, load_failure)
+            ended = replace(job, status="open", changed_at=now, load_failure=streak)
+            if self.node_losses is not None:
+                ended = self._count_loss(ended, lost, now)
             self.table.batch(
                 [
-                    BatchOp(
-                        "replace",
-                        _job_entity(
-                            replace(job, status="open", changed_at=now, load_failure=streak)
-                        ),
-                        if_match=job.etag,
-                    ),
+                    BatchOp("replace", _job_entity(ended), if_match=job.etag),
                     BatchOp(
                         "replace",
                         _generation_entity(
@@ -711,6 +740,22 @@ class Rendezvous:
         except (Modified, NotFound):
             return False
         return True
+
+    def _count_loss(self, job: Job, lost: str | None, now: float) -> Job:
+        """``job`` with ``lost``'s loss counted, and the node quarantined if the rule
+        says (:func:`._seal.lost_too_often`)."""
+        assert self.node_losses is not None
+        limit, window = self.node_losses
+        losses = seal.losses(job.losses, lost, now, window)
+        if lost is None or job.quarantine_of(lost) is not None:
+            return replace(job, losses=losses)
+        if not seal.lost_too_often(losses.get(lost, ()), limit):
+            return replace(job, losses=losses)
+        why = f"lost {len(losses[lost])} times within {window:g} s"
+        log.warning("job %r: node %s quarantined: %s", job.job_id, lost, why)
+        mark = QuarantinedNode(node_id=lost, at=now, reason=why, by="losses")
+        losses.pop(lost)
+        return replace(job, losses=losses, quarantined=(*job.quarantined, mark))
 
     def pointers(
         self,
@@ -779,6 +824,13 @@ class Rendezvous:
             job, _ = self.create_job(job_id, spec)
         else:
             job = self.get_job(job_id)
+        mark = job.quarantine_of(node_id)
+        if mark is not None:
+            raise NodeQuarantined(
+                f"node {node_id} is quarantined in job {job_id!r} ({mark.by}: "
+                f"{mark.reason or 'no reason given'}); an operator clears it with "
+                f"`rallypoint nodes unquarantine {job_id} {node_id}`"
+            )
         if registration is None:
             # Retries of one join are one registration, so they get the same credential,
             # whichever of them lands its write last.
@@ -1055,6 +1107,7 @@ class Rendezvous:
         registered = self._nodes(
             job.job_id, (Cond("round", "eq", job.round), Cond("state", "eq", "waiting"))
         )
+        registered = seal.admitted(registered, job.quarantined)
         if len(registered) < spec.min_nodes:
             # Too few even if all are alive: spares reading every beat at each tick while
             # thousands of nodes register.
@@ -1129,10 +1182,10 @@ class Rendezvous:
         cut: set[str] = set()
         beats = self._beats(job.job_id, cut)
         since = max(job.changed_at, self.started_at, self.resumed_at)
-        reason, wait = seal.silent(job, running, beats, cut, since, self.clock())
+        reason, wait, lost = seal.silent(job, running, beats, cut, since, self.clock())
         if reason is None:
             return False, wait
-        return self.end_generation(job, reason), 0.0
+        return self.end_generation(job, reason, lost=lost), 0.0
 
     # --- members ------------------------------------------------------------------------
 
@@ -1182,6 +1235,58 @@ class Rendezvous:
         """
         self._depart(self.get_job(job_id), self.node(job_id, node_id), reason)
 
+    def quarantine_node(self, job_id: str, node_id: str, reason: str) -> Job:
+        """Keeps a node out of the job (the operator's): its joins are refused, no round
+        seals it, and if it is a member its generation ends, as if it had been removed.
+        The node need not have joined (a machine known to be bad). Quarantining a
+        quarantined node keeps the first mark.
+
+        Raises:
+            UnknownJob: No such job.
+        """
+        for _ in range(100):
+            job = self.get_job(job_id)
+            if job.quarantine_of(node_id) is not None:
+                break
+            mark = QuarantinedNode(node_id=node_id, at=self.clock(), reason=reason, by="operator")
+            marked = replace(job, quarantined=(*job.quarantined, mark))
+            try:
+                stored = self.table.batch(
+                    [BatchOp("replace", _job_entity(marked), if_match=job.etag)]
+                )[0]
+            except (Modified, NotFound):
+                continue
+            job = replace(marked, etag=stored.etag if stored is not None and stored.etag else "")
+            break
+        else:
+            raise StorageUnavailable(f"could not quarantine {node_id} in {job_id!r}")
+        with contextlib.suppress(UnknownNode):  # one that never joined has no row
+            why = f"node {node_id} quarantined" + (f": {reason}" if reason else "")
+            self._depart(job, self.node(job_id, node_id), why)
+        return self.get_job(job_id)
+
+    def unquarantine_node(self, job_id: str, node_id: str) -> Job:
+        """Admits a quarantined node again, its losses forgotten. Idempotent.
+
+        Raises:
+            UnknownJob: No such job.
+        """
+        for _ in range(100):
+            job = self.get_job(job_id)
+            if job.quarantine_of(node_id) is None and node_id not in job.losses:
+                return job
+            cleared = replace(
+                job,
+                quarantined=tuple(q for q in job.quarantined if q.node_id != node_id),
+                losses={n: t for n, t in job.losses.items() if n != node_id},
+            )
+            try:
+                self.table.batch([BatchOp("replace", _job_entity(cleared), if_match=job.etag)])
+            except (Modified, NotFound):
+                continue
+            return self.get_job(job_id)
+        raise StorageUnavailable(f"could not unquarantine {node_id} in {job_id!r}")
+
     def _depart(self, job: Job, node: Node, reason: str) -> None:
         job_id, node_id = job.job_id, node.node_id
         partition = member_partition(job_id, node_id, job.spec.max_nodes)
@@ -1204,6 +1309,7 @@ class Rendezvous:
             checkpoint=job.checkpoint,
             durable=job.durable,
             load_failure=job.load_failure,
+            quarantined_nodes=list(job.quarantined),
             blocked=self.blocked(job),
         )
 

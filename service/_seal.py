@@ -20,7 +20,9 @@ ETag compare-and-swap. What makes it ask:
   ``load_failed``) ends the generation; the job counts such ends in a row
   (:func:`load_streak`), and a round does not seal a third generation that would only
   fail the same way (:func:`load_blocked`): it waits for a world of another size, and its
-  nodes' joins time out with the reason if none comes.
+  nodes' joins time out with the reason if none comes;
+- a node quarantined (by the operator, or for being lost too often: :func:`losses`,
+  :func:`lost_too_often`) is refused at its join and never sealed (:func:`admitted`).
 
 How waiting requests learn of a change (the driver's snapshot and its change future, the
 long-polls of ``routers/jobs.py``) is the driver's: see ``_driver.py``.
@@ -32,7 +34,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from rallypoint.client.models import CheckpointPointer, LoadFailure
+from rallypoint.client.models import CheckpointPointer, LoadFailure, QuarantinedNode
 
 from .errors import JobFull, StaleGeneration
 
@@ -41,12 +43,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOAD_FAILURES_BEFORE_BLOCK",
+    "admitted",
     "alive",
     "blocked_reason",
     "held_back",
     "join_ends",
     "load_blocked",
     "load_streak",
+    "losses",
+    "lost_too_often",
     "ranked",
     "seal_waits",
     "silent",
@@ -57,6 +62,31 @@ __all__ = [
 #: after which a round of that size does not seal with that version: two, because the
 #: first may be bad luck (a node that ran out of memory) and the second shows a rule.
 LOAD_FAILURES_BEFORE_BLOCK = 2
+
+
+def admitted(nodes: Iterable[Node], quarantined: Iterable[QuarantinedNode]) -> list[Node]:
+    """The nodes a round may seal: not quarantined (a join read the job's list a moment
+    before a quarantine wrote it, so the seal checks again)."""
+    out = {q.node_id for q in quarantined}
+    return [n for n in nodes if n.node_id not in out]
+
+
+def losses(
+    recent: Mapping[str, Sequence[float]], node_id: str | None, now: float, window: float
+) -> dict[str, tuple[float, ...]]:
+    """The job's node losses within ``window`` seconds of ``now``, with ``node_id``'s at
+    ``now`` if a loss (a dropped heartbeat connection, missed heartbeats) ends a
+    generation; older ones dropped, so the record stays small."""
+    kept = {n: tuple(t for t in times if now - t < window) for n, times in recent.items()}
+    if node_id is not None:
+        kept[node_id] = (*kept.get(node_id, ()), now)
+    return {n: times for n, times in kept.items() if times}
+
+
+def lost_too_often(times: Sequence[float], limit: int | None) -> bool:
+    """Whether a node lost ``limit`` times within the window is quarantined (None: no
+    node ever is for losses)."""
+    return limit is not None and len(times) >= limit
 
 
 def join_ends(job: Job, running: Generation, node_id: str) -> str:
@@ -129,7 +159,7 @@ def silent(
     cut: set[str],
     since: float,
     now: float,
-) -> tuple[str | None, float]:
+) -> tuple[str | None, float, str | None]:
     """Whether a running generation ends for a member's silence.
 
     Args:
@@ -140,19 +170,20 @@ def silent(
             outage it saw. Neither kills a job for heartbeats nobody could deliver.
 
     Returns:
-        Why it ends (None: it runs on), and the seconds until this can next change.
+        Why it ends (None: it runs on), the seconds until this can next change, and the
+        member that was lost (a loss counts towards :func:`lost_too_often`).
     """
     members = running.members
     dropped = [m.node_id for m in members if m.node_id in cut]
     if dropped:
-        return f"node {dropped[0]} dropped its heartbeat connection", 0.0
+        return f"node {dropped[0]} dropped its heartbeat connection", 0.0, dropped[0]
     timeout = job.spec.heartbeat_timeout.total_seconds()
     last = {m.node_id: max(beats.get(m.node_id, 0.0), since) for m in members}
     late = sorted((t, n) for n, t in last.items() if now - t >= timeout)
     if late:
         t, node_id = late[0]
-        return f"node {node_id} missed heartbeats for {now - t:.1f} s", 0.0
-    return None, min(last.values()) + timeout - now
+        return f"node {node_id} missed heartbeats for {now - t:.1f} s", 0.0, node_id
+    return None, min(last.values()) + timeout - now, None
 
 
 def verdict(job: Job, node_id: str, generation: int | None) -> Literal["continue", "restart"]:

@@ -45,7 +45,8 @@ _CAUSES: tuple[tuple[re.Pattern[str], TimelineCause], ...] = (
     (re.compile(r"node \S+ (dropped its heartbeat connection|missed heartbeats)"), "lost"),
     (re.compile(r"node \S+ left: preempted\b"), "preempted"),
     (re.compile(r"node \S+ left\b"), "left"),
-    (re.compile(r"node \S+ removed\b"), "removed"),
+    # The operator took it out: removed, or quarantined (never admitted again).
+    (re.compile(r"node \S+ (removed|quarantined)\b"), "removed"),
     (re.compile(r"node \S+ joined\b"), "joined"),
     (re.compile(r"member \S+ re-joined\b"), "rejoined"),
     (re.compile(r"checkpoint v\d+ quarantined\b"), "quarantined"),

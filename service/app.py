@@ -59,7 +59,10 @@ def create_app(
         for name in CONTAINERS:
             backend.blobs(name)
         app.state.storage = backend
-        app.state.rdzv = Rendezvous(backend.table("jobs"), on_miss=metrics.generation_missed)
+        losses = (settings.node_losses, settings.node_loss_window) if settings.node_losses else None
+        app.state.rdzv = Rendezvous(
+            backend.table("jobs"), on_miss=metrics.generation_missed, node_losses=losses
+        )
         app.state.driver = Driver(
             app.state.rdzv, reconnect=settings.heartbeat_reconnect, grace=settings.storage_grace
         )

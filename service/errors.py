@@ -18,6 +18,7 @@ Hierarchy::
     │   ├── UnknownToken        404: no scoped token has this id
     │   ├── JobConflict         409: the job exists with other parameters
     │   ├── JobFull             409: max_nodes are members already
+    │   ├── NodeQuarantined     403: the job does not admit the node (quarantined)
     │   ├── StaleGeneration     409: the request acts for a generation that ended (fencing)
     │   ├── JoinTimeout         408: no generation sealed within join_timeout
     │   ├── UnknownCheckpoint   404: no such checkpoint version (or none committed yet)
@@ -56,6 +57,7 @@ __all__ = [
     "JoinTimeout",
     "LimitExceeded",
     "Modified",
+    "NodeQuarantined",
     "NotFound",
     "RallypointServiceError",
     "RequestError",
@@ -146,6 +148,14 @@ class JobConflict(RequestError):
 class JobFull(RequestError):
     code = "job_full"
     status = 409
+
+
+class NodeQuarantined(RequestError):
+    """The node is quarantined in the job: it is not admitted until an operator clears
+    it (``DELETE …/nodes/{node}/quarantine``)."""
+
+    code = "node_quarantined"
+    status = 403
 
 
 class StaleGeneration(RequestError):

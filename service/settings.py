@@ -42,6 +42,12 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     #: Committed checkpoint versions kept per job (the latest is kept regardless).
     checkpoint_keep: int = Field(3, ge=1)
+    #: A node lost this many times (its heartbeat connection dropped, or it missed
+    #: heartbeats) within ``node_loss_window`` seconds is quarantined in its job: never
+    #: admitted again until an operator clears it. 0: never (the default: a spot fleet
+    #: loses good machines too; set it where a flaky machine costs more than its seat).
+    node_losses: int = Field(0, ge=0, le=1000)
+    node_loss_window: float = Field(3600.0, gt=0, le=30 * 86400)
     #: Seconds a checkpoint version may stay unfinished before it is garbage-collected.
     checkpoint_timeout: float = Field(3600.0, gt=0, le=7 * 86400)
     #: Seconds an upload URL is valid (trainers renew theirs during long uploads): a

@@ -223,3 +223,19 @@ async def unquarantine(
     info = await anyio.to_thread.run_sync(checkpoints.unquarantine, job_id, version)
     await driver.refresh(job_id)
     return info
+
+
+@router.delete(
+    "/{version}/unrecoverable",
+    dependencies=[AdminOnly],
+    responses=errors(UnknownJob, UnknownCheckpoint),
+)
+async def recover(
+    job_id: JobId, version: VersionNumber, checkpoints: CheckpointsDep, driver: DriverDep
+) -> CheckpointInfo:
+    """Clears a version's ``unrecoverable`` mark (operator only), once the copies a rank
+    could not read are back or the cause was elsewhere: it may be named again, and the
+    latest moves forward to it as for an unquarantine. Idempotent."""
+    info = await anyio.to_thread.run_sync(checkpoints.recover, job_id, version)
+    await driver.refresh(job_id)
+    return info

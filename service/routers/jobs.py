@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Annotated, Literal
 
 import anyio.to_thread
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Body, Header, Request, Response
 from starlette.datastructures import State
 from starlette.types import Receive
 
@@ -25,6 +25,8 @@ from rallypoint.client.models import (
     LeaveRequest,
     MemberInfo,
     NodeInfo,
+    NodeQuarantineRequest,
+    QuarantinedNode,
     Timeline,
     WaitRequest,
 )
@@ -51,6 +53,7 @@ from ..errors import (
     JobConflict,
     JobFull,
     JoinTimeout,
+    NodeQuarantined,
     StaleGeneration,
     UnknownJob,
     UnknownNode,
@@ -124,7 +127,7 @@ async def timeline(job_id: JobId, rdzv: RdzvDep, checkpoints: CheckpointsDep) ->
     response_model=JoinReply,
     responses={
         202: {"model": JoinReply, "description": "still waiting: poll /wait"},
-        **errors(UnknownJob, JobConflict, JobFull, JoinTimeout),
+        **errors(UnknownJob, JobConflict, JobFull, NodeQuarantined, JoinTimeout),
     },
 )
 async def join(
@@ -170,7 +173,7 @@ async def join(
     response_model=JoinReply,
     responses={
         202: {"model": JoinReply, "description": "still waiting: poll again"},
-        **errors(UnknownJob, UnknownNode, JobFull, JoinTimeout),
+        **errors(UnknownJob, UnknownNode, JobFull, NodeQuarantined, JoinTimeout),
     },
 )
 async def wait(
@@ -407,6 +410,39 @@ async def remove_node(
     await anyio.to_thread.run_sync(rdzv.remove, job_id, node_id, f"node {node_id} removed")
     await driver.refresh(job_id)
     return {"status": "removed"}
+
+
+@router.put(
+    "/{job_id}/nodes/{node_id}/quarantine", dependencies=[AdminOnly], responses=errors(UnknownJob)
+)
+async def quarantine_node(
+    job_id: JobId,
+    node_id: NodeId,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    body: Annotated[NodeQuarantineRequest | None, Body()] = None,
+) -> list[QuarantinedNode]:
+    """Keeps a node out of the job (admin token): its joins are refused with
+    ``node_quarantined`` and no round seals it; a member's generation ends, as for a
+    removal. The node need not have joined. Idempotent (the first mark stays). Returns
+    the job's quarantined nodes."""
+    reason = (body or NodeQuarantineRequest()).reason
+    job = await anyio.to_thread.run_sync(rdzv.quarantine_node, job_id, node_id, reason)
+    await driver.refresh(job_id)  # heartbeats on this replica answer "restart" at once
+    return list(job.quarantined)
+
+
+@router.delete(
+    "/{job_id}/nodes/{node_id}/quarantine", dependencies=[AdminOnly], responses=errors(UnknownJob)
+)
+async def unquarantine_node(
+    job_id: JobId, node_id: NodeId, rdzv: RdzvDep, driver: DriverDep
+) -> list[QuarantinedNode]:
+    """Admits a quarantined node again (admin token), its counted losses forgotten.
+    Idempotent. Returns the job's quarantined nodes."""
+    job = await anyio.to_thread.run_sync(rdzv.unquarantine_node, job_id, node_id)
+    await driver.refresh(job_id)
+    return list(job.quarantined)
 
 
 @router.get("/{job_id}/nodes/{node_id}", responses=errors(UnknownJob, UnknownNode))

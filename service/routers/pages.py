@@ -306,6 +306,16 @@ async def job_page(
                 for w in status.waiting
             ],
         )
+        + (
+            "<h2>Quarantined nodes</h2>"
+            + _table(
+                "quarantined-nodes",
+                ["node", "since", "by", "why"],
+                [(q.node_id, _when(q.at), q.by, q.reason or "-") for q in status.quarantined_nodes],
+            )
+            if status.quarantined_nodes
+            else ""
+        )
         + "<h2>Generations</h2>"
         + _table(
             "generations",

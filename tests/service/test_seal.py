@@ -73,11 +73,12 @@ def test_a_generation_ends_for_a_cut_connection_first_then_the_longest_silence()
     assert seal.silent(job(), gen, beats, {"c"}, 0.0, 100.0) == (
         "node c dropped its heartbeat connection",
         0.0,
+        "c",
     )
-    reason, _ = seal.silent(job(), gen, beats, set(), 0.0, 100.0)
-    assert reason == "node b missed heartbeats for 15.0 s"
+    reason, _, lost = seal.silent(job(), gen, beats, set(), 0.0, 100.0)
+    assert (reason, lost) == ("node b missed heartbeats for 15.0 s", "b")
     # The clocks start at the seal at the latest: nobody is late 5 s after it.
-    assert seal.silent(job(), gen, {}, set(), 100.0, 105.0) == (None, 5.0)
+    assert seal.silent(job(), gen, {}, set(), 100.0, 105.0) == (None, 5.0, None)
 
 
 def test_a_heartbeat_is_told_whether_its_generation_runs() -> None:

@@ -109,8 +109,8 @@ def test_every_way_the_rules_end_a_generation_has_its_cause() -> None:
     running = Generation(1, members, 100.0, None, None, None, "")
     assert tl.cause(seal.join_ends(spec_job, running, "a")) == "rejoined"
     assert tl.cause(seal.join_ends(spec_job, running, "c")) == "joined"
-    cut, _ = seal.silent(spec_job, running, {"a": 99.0, "b": 99.0}, {"b"}, 0.0, 100.0)
-    late, _ = seal.silent(spec_job, running, {"a": 99.0, "b": 80.0}, set(), 0.0, 100.0)
+    cut, _, _ = seal.silent(spec_job, running, {"a": 99.0, "b": 99.0}, {"b"}, 0.0, 100.0)
+    late, _, _ = seal.silent(spec_job, running, {"a": 99.0, "b": 80.0}, set(), 0.0, 100.0)
     assert (tl.cause(cut), tl.cause(late)) == ("lost", "lost")
 
 
