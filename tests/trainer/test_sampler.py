@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from rallypoint.trainer._sampler import ElasticSampler
 
@@ -235,3 +236,31 @@ def test_with_dataloader() -> None:
         for (values,) in DataLoader(dataset, batch_size=batch, sampler=sampler):
             seen += (values // 10).tolist()
     assert sorted(seen) == list(range(48))
+
+
+@pytest.mark.parametrize("make", [DataLoader, StatefulDataLoader], ids=["DataLoader", "Stateful"])
+def test_loader_worker_processes_resume_exactly(make: Any) -> None:
+    """With ``num_workers`` > 0 (the sampler runs in the training process; the workers
+    only fetch the indices it deals) and under torchdata's ``StatefulDataLoader`` alike:
+    3 ranks train 3 steps, 2 ranks resume and finish the epoch, every item once."""
+    dataset = TensorDataset(torch.arange(96))
+    world, batch = 3, 4
+    samplers = [
+        ElasticSampler(dataset, rank=r, world_size=world, batch_size=batch, seed=5)
+        for r in range(world)
+    ]
+    seen: list[int] = []
+    for sampler in samplers:
+        batches = iter(make(dataset, batch_size=batch, sampler=sampler, num_workers=2))
+        for _ in range(3):
+            seen += next(batches)[0].tolist()
+        del batches  # its workers stop
+    for sampler in samplers:
+        sampler.advance(3)
+    state = json.loads(json.dumps(samplers[0].state_dict()))
+    for rank in range(2):
+        sampler = ElasticSampler(dataset, rank=rank, world_size=2, batch_size=batch, seed=5)
+        sampler.load_state_dict(state)
+        for (values,) in make(dataset, batch_size=batch, sampler=sampler, num_workers=2):
+            seen += values.tolist()
+    assert sorted(seen) == list(range(96))
