@@ -135,7 +135,8 @@ event("resumed", version=restored.version if restored else None,
       sampler=sampler.state_dict(), accumulation=accumulation)
 
 def train_step(s, indices):
-    """One optimizer step of `accumulation` micro-batches; False on a preemption."""
+    """Optimizer step s over `accumulation` micro-batches of this rank's indices; the
+    sampler's position advanced past it (and saved, at a save); the last loss."""
     for idx in indices:
         x = X[idx]
         loss = torch.nn.functional.mse_loss(engine(x), x.flip(1))
