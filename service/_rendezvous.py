@@ -1131,7 +1131,7 @@ class Rendezvous:
             waits = seal.seal_waits(job, waiting, previous, beats, gone, now)
             if waits:
                 return False, min(waits) - now
-        chosen = ordered[: spec.max_nodes]
+        chosen = seal.slotted(ordered[: spec.max_nodes], previous)
         members = tuple(
             Member(n.node_id, i, n.addr, n.port, n.peer, n.cred) for i, n in enumerate(chosen)
         )

@@ -55,6 +55,7 @@ __all__ = [
     "ranked",
     "seal_waits",
     "silent",
+    "slotted",
     "verdict",
 ]
 
@@ -118,6 +119,25 @@ def ranked(waiting: Iterable[Node], previous: Mapping[str, int]) -> list[Node]:
     return sorted(
         waiting, key=lambda n: (previous.get(n.node_id, math.inf), n.joined_at, n.node_id)
     )
+
+
+def slotted(chosen: Sequence[Node], previous: Mapping[str, int]) -> list[Node]:
+    """The chosen nodes (in :func:`ranked` order) in rank order: a survivor keeps its old
+    rank wherever the new world has it, and the others fill the free ranks in
+    :func:`ranked` order. So a replacement takes a lost member's rank, and every other
+    member keeps its own: its files of the version are in its own memory tier, and a
+    ZeRO or tensor-parallel layout is the same rank for rank. (Compacting the survivors
+    instead moved every member above the lost one down a rank.)"""
+    slots: list[Node | None] = [None] * len(chosen)
+    rest: list[Node] = []
+    for node in chosen:
+        old = previous.get(node.node_id)
+        if old is not None and old < len(slots) and slots[old] is None:
+            slots[old] = node
+        else:
+            rest.append(node)
+    free = iter(rest)
+    return [node if node is not None else next(free) for node in slots]
 
 
 def seal_waits(

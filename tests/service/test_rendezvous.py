@@ -128,13 +128,14 @@ def test_a_silent_member_ends_the_generation_and_ranks_stay_stable(
     history = rdzv.status("job").history
     assert history[0].ended_reason is not None and "r1 missed heartbeats" in history[0].ended_reason
 
-    # Survivors re-join in another order, plus a newcomer: order is kept, newcomer last.
+    # Survivors re-join in another order, plus a newcomer: each survivor keeps its rank,
+    # and the newcomer takes the lost member's.
     for n in ["r3", "new", "r2", "r0"]:
         join(rdzv, "job", n, "h", 1)
         clock.advance(0.1)
     job, _ = rdzv.tick("job")
     assert job.generation == 2
-    assert ranks(rdzv, job, ["r0", "r2", "r3", "new"], 2) == {"r0": 0, "r2": 1, "r3": 2, "new": 3}
+    assert ranks(rdzv, job, ["r0", "r2", "r3", "new"], 2) == {"r0": 0, "new": 1, "r2": 2, "r3": 3}
 
 
 def test_a_newcomer_ends_a_running_generation(rdzv: Rendezvous, clock: Clock) -> None:

@@ -53,6 +53,20 @@ def test_survivors_keep_their_ranks_and_newcomers_follow_in_join_order() -> None
     assert [n.node_id for n in order] == ["b", "a", "new1", "new2"]
 
 
+def test_a_replacement_takes_the_lost_members_rank_and_the_others_keep_theirs() -> None:
+    previous = {"a": 0, "b": 1, "c": 2, "d": 3}
+    # b was lost; e replaces it: e takes rank 1, c and d keep 2 and 3.
+    waiting = [node("e", 9), node("d", 1), node("a", 1), node("c", 1)]
+    chosen = seal.ranked(waiting, previous)
+    assert [n.node_id for n in seal.slotted(chosen, previous)] == ["a", "e", "c", "d"]
+    # No replacement: the world shrinks, and only d (whose rank is gone) moves, to 1.
+    shrunk = seal.ranked([node("a", 1), node("c", 1), node("d", 1)], previous)
+    assert [n.node_id for n in seal.slotted(shrunk, previous)] == ["a", "d", "c"]
+    # A first round, or newcomers only: join order.
+    fresh = seal.ranked([node("y", 2), node("x", 1)], {})
+    assert [n.node_id for n in seal.slotted(fresh, {})] == ["x", "y"]
+
+
 def test_a_round_waits_for_last_call_and_for_restarting_members() -> None:
     # The first round: last call after the quorum (the min_nodes-th join, at 3).
     first = [node("a", 1), node("b", 3)]
