@@ -24,10 +24,11 @@ __all__ = ["final_model", "largest_relative_difference"]
 
 
 def final_model(
-    coordinator: Coordinator, job: str, out: Path, only: str
+    coordinator: Coordinator, job: str, out: Path, only: str | None
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """The step of the job's latest version and its tensors whose names start with
-    ``only`` (the model's, not the optimizer's), read by a node that never joins."""
+    ``only`` (the model's, not the optimizer's; None: all, as for a DeepSpeed version,
+    whose export is the consolidated model alone), read by a node that never joins."""
     reader = ElasticClient(coordinator.url, job, "reader")
     with warnings.catch_warnings():
         # DCP's note that it reads in one process: this reader is one, on purpose.

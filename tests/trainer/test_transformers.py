@@ -556,7 +556,9 @@ def test_trainer_ddp_keeps_the_global_batch_and_trains_each_sample_once_through_
     # The uninterrupted run at world 3 (no workers, no pacing: neither changes what is
     # trained): the same number of optimizer steps, and parameters that differ from
     # the elastic run's only by the rounding of another summation order.
-    reference = uninterrupted(coordinator, "hf-elastic-ref", tmp_path, *data, "--save-steps", "30")
+    reference = uninterrupted(
+        coordinator, "hf-elastic-ref", tmp_path, "model.", *data, "--save-steps", "30"
+    )
     step, model = final_model(coordinator, "hf-elastic", tmp_path, "model.")
     assert step == reference[0] == steps
     difference = largest_relative_difference(model, reference[1])
@@ -587,10 +589,10 @@ def each_item_once(log: list[Event], history: list[dict[str, Any]], items: int, 
 
 
 def uninterrupted(
-    coordinator: Coordinator, job: str, tmp_path: Path, *flags: str
+    coordinator: Coordinator, job: str, tmp_path: Path, only: str | None, *flags: str
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """The same job on nodes u, v and w that no one stops: its last version's step and
-    model."""
+    model (the tensors whose names start with ``only``)."""
     work = tmp_path / job
     work.mkdir()
     cluster, _ = hf_cluster(coordinator, job, work, "3:3", *flags)
@@ -601,7 +603,7 @@ def uninterrupted(
     finally:
         cluster.stop()
     assert codes == {"u": 0, "v": 0, "w": 0}, codes
-    return final_model(coordinator, job, work, "model.")
+    return final_model(coordinator, job, work, only)
 
 
 def check_samples(log: list[Event], steps: int, batch: int, items: int = 512) -> dict[int, Event]:
@@ -719,12 +721,15 @@ def test_trainer_deepspeed_keeps_the_global_batch_through_a_shrink_and_a_grow(
     DeepSpeed's batch keys follow the plan, 2 ranks x 1 per device x 3 accumulation steps
     at world 2: every step still trains the next 6 items of the epoch's order, each item
     once in the kept history, and the run ends at step 18. Every rank resumes at the
-    named step with the consolidated state (full parameters, Adam moments) saved there."""
+    named step with the consolidated state (full parameters, Adam moments) saved there.
+    The uninterrupted run also ends at step 18; the largest relative difference of the
+    final parameters from it is printed."""
     items, batch, steps = 108, 6, 18
     job = f"hf-zero{zero}-elastic"
+    data = ("--zero", str(zero), "--items", str(items), "--epochs", "1")
     cluster, _ = hf_cluster(
-        coordinator, job, tmp_path, "2:3", "--zero", str(zero), "--items", str(items),
-        "--epochs", "1", "--save-steps", "3", "--step-time", "0.1", "--hold", "2",
+        coordinator, job, tmp_path, "2:3", *data, "--save-steps", "3", "--step-time", "0.1",
+        "--hold", "2",
     )  # fmt: skip
     log, history = shrink_and_grow(coordinator, cluster, job)
     verdict = judge(log, history)
@@ -735,6 +740,16 @@ def test_trainer_deepspeed_keeps_the_global_batch_through_a_shrink_and_a_grow(
     assert plans == {(3, 2, 1), (2, 1, 3)}, plans
     assert {e["max_steps"] for e in log if e["event"] in ("resumed", "finished")} == {steps}
     check_resharded(log, history)
+    # Against the uninterrupted run: the same number of steps; the consolidated
+    # parameters differ by the rounding of another summation order only.
+    reference = uninterrupted(
+        coordinator, f"{job}-ref", tmp_path, None, *data, "--save-steps", str(steps)
+    )
+    step, model = final_model(coordinator, job, tmp_path, None)
+    assert step == reference[0] == steps
+    difference = largest_relative_difference(model, reference[1])
+    print(f"{job}: largest relative difference from the uninterrupted run {difference:.3g}")
+    assert difference < 1e-4
 
 
 def check_resharded(log: list[Event], history: list[dict[str, Any]]) -> None:
