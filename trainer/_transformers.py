@@ -710,8 +710,15 @@ class RallypointTrainer(Trainer):
         self.model.load_state_dict(unpack(restored.state["model"]))
 
     def _load_best_deepspeed(self, version: int) -> None:
-        """The version's module weights through the engine's own load, as a resume
-        loads them (a ZeRO reshard too), leaving the optimizer as it is."""
+        """The version's weights through the engine's own load, as a resume loads them
+        (a ZeRO reshard too): the module and the optimizer, as the Trainer's own
+        ``deepspeed_load_checkpoint`` of its best folder loads both; the scheduler stays.
+
+        Not ``load_module_only``: under ZeRO-3 DeepSpeed then builds the module's state
+        with ``get_fp32_state_dict_from_zero_checkpoint``, which ``torch.load``s every
+        rank's files from the folder itself, past the checkpoint engine, and the stand-in
+        folder's files are empty. The optimizer load reads this rank's partitions through
+        the engine (the fp32 master weights, which become the module's)."""
         from ._deepspeed import install
 
         engine: Any = self.model_wrapped
@@ -722,8 +729,7 @@ class RallypointTrainer(Trainer):
         load_path, _ = engine.load_checkpoint(
             folder,
             tag=ours.tag,
-            load_module_only=True,
-            load_optimizer_states=False,
+            load_optimizer_states=True,
             load_lr_scheduler_states=False,
         )
         if load_path is None:
