@@ -47,7 +47,7 @@ import os
 import random
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sized
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -98,6 +98,11 @@ _CONFIG_BYTES = 64 * 1024
 #: ranks first; ``rallypoint:v<N>`` once loaded.
 BEST_CHECKPOINT = "rallypoint:best"
 _VERSION_PREFIX = "rallypoint:"
+#: A DeepSpeed model's dtype, as ``export`` casts its fp32 master weights to it.
+_EXPORT_DTYPES: dict[torch.dtype, Literal["bf16", "fp16"]] = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+}
 
 
 class EpochSampler(Sampler[int]):
@@ -741,17 +746,21 @@ class RallypointTrainer(Trainer):
         ``load_best_model_at_end`` loaded), that version exported in ``hf`` format
         (:func:`~rallypoint.trainer.export`: ``model.safetensors`` or shards, the
         config the version recorded), with the processing class and the training
-        arguments as the Trainer writes them; otherwise, and with DeepSpeed or FSDP
-        (whose gathers the Trainer's own save does), the Trainer's own save of the model
-        in memory. ``push_to_hub`` uploads what this wrote."""
+        arguments as the Trainer writes them; otherwise, and with FSDP (whose gathers
+        the Trainer's own save does), the Trainer's own save of the model in memory.
+        ``push_to_hub`` uploads what this wrote.
+
+        With DeepSpeed every rank calls this, as for the Trainer's own save (ZeRO-3
+        gathers there); a version's ZeRO partitions are put together by DeepSpeed's
+        ``zero_to_fp32`` in the export, on the process that saves, in the model's
+        dtype. (The Trainer's own save under ZeRO-3 without
+        ``stage3_gather_16bit_weights_on_model_save`` writes no weights, only
+        ``engine.save_checkpoint``, which here is a Rallypoint save.)"""
         version = self._version_in_memory()
+        if self.is_deepspeed_enabled:
+            version = self._agreed(version)
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if (
-            version is None
-            or self.is_deepspeed_enabled
-            or self.is_fsdp_enabled
-            or not isinstance(unwrapped, PreTrainedModel)
-        ):
+        if version is None or self.is_fsdp_enabled or not isinstance(unwrapped, PreTrainedModel):
             super().save_model(output_dir, _internal_call)
             return
         out = output_dir if output_dir is not None else self.args.output_dir
@@ -760,6 +769,15 @@ class RallypointTrainer(Trainer):
             self._export(version, out, unwrapped)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _agreed(self, version: int | None) -> int | None:
+        """``version`` if every rank holds it, else None on every rank: the Trainer's own
+        save, which the ranks then take together, gathers under ZeRO-3."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return version
+        every: list[int | None] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, version)
+        return version if all(v == version for v in every) else None
 
     def _version_in_memory(self) -> int | None:
         """The committed version the model in memory holds, or None."""
@@ -777,16 +795,25 @@ class RallypointTrainer(Trainer):
     def _export(self, version: int, out: str, model: PreTrainedModel) -> None:
         """Writes ``version``'s model to ``out`` in ``hf`` format, as the Trainer's
         ``_save`` would have written the model in memory, which it equals."""
+        deepspeed = self.is_deepspeed_enabled
         try:
             export_version(
                 self.checkpoints.client,
                 out,
                 version,
                 format="hf",
-                only="model.",
+                # A DeepSpeed version's tensors are the module's own state_dict names
+                # (a Llama's lm_head.weight too); the others' are under model.
+                only=None if deepspeed else "model.",
+                # DeepSpeed's consolidation gives its fp32 master weights; the model in
+                # memory (and the Trainer's save of it) is their bf16/fp16 copy.
+                dtype=_EXPORT_DTYPES.get(model.dtype, "keep") if deepspeed else "keep",
                 progress=self.checkpoints.policy.progress,
             )
         except (RallypointError, RallypointTrainerError) as exc:
+            if deepspeed:
+                # The other ranks have gone on: no gather of the model in memory.
+                raise
             # The model in memory is that version: the Trainer's save of it is the same.
             log.warning(
                 "save_model: exporting v%d failed (%s); saving the model in memory", version, exc
