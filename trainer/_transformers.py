@@ -753,12 +753,21 @@ class RallypointTrainer(Trainer):
         With DeepSpeed every rank calls this, as for the Trainer's own save (ZeRO-3
         gathers there); a version's ZeRO partitions are put together by DeepSpeed's
         ``zero_to_fp32`` in the export, on the process that saves, in the model's
-        dtype. (The Trainer's own save under ZeRO-3 without
-        ``stage3_gather_16bit_weights_on_model_save`` writes no weights, only
-        ``engine.save_checkpoint``, which here is a Rallypoint save.)"""
+        dtype. A model in memory that no version holds (steps trained since the last
+        save) is saved as a version of its step first, on every rank: the Trainer's own
+        save under ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save`` writes
+        no weights, only ``engine.save_checkpoint``, which here is a Rallypoint save."""
         version = self._version_in_memory()
         if self.is_deepspeed_enabled:
             version = self._agreed(version)
+            if version is None and self.optimizer is not None and self.lr_scheduler is not None:
+                # The Trainer's own save would end in engine.save_checkpoint (a Rallypoint
+                # save here) and, under ZeRO-3 without the gather flag, write no weights:
+                # the model in memory becomes a version of this step first, every rank
+                # with the others, and that version is exported.
+                self._save_checkpoint(self.model_wrapped, None)
+                self.checkpoints.wait()
+                version = self._agreed(self._version_in_memory())
         unwrapped = self.accelerator.unwrap_model(self.model)
         if version is None or self.is_fsdp_enabled or not isinstance(unwrapped, PreTrainedModel):
             super().save_model(output_dir, _internal_call)

@@ -48,6 +48,7 @@ p.add_argument("--out", required=True, help="output_dir")
 p.add_argument("--results", required=True, help="each rank's logits, rank 0's state, save_model's folder")
 p.add_argument("--steps", type=int, required=True)
 p.add_argument("--every", type=int, required=True)
+p.add_argument("--no-best", action="store_true", help="no evaluation, no save, no best")
 a = p.parse_args()
 
 torch.set_num_threads(1)
@@ -78,8 +79,10 @@ args = TrainingArguments(
     max_steps=a.steps, per_device_train_batch_size=MICRO, per_device_eval_batch_size=4,
     learning_rate=1e-2, lr_scheduler_type="constant", train_sampling_strategy="sequential",
     adam_beta1=0.5,  # the first rule's momentum fades within a step or two of the switch
-    eval_strategy="steps", eval_steps=a.every, save_strategy="steps", save_steps=a.every, logging_steps=1,
-    metric_for_best_model="loss", load_best_model_at_end=True, save_total_limit=1)
+    eval_strategy="no" if a.no_best else "steps", eval_steps=a.every,
+    save_strategy="no" if a.no_best else "steps", save_steps=a.every, logging_steps=1,
+    metric_for_best_model=None if a.no_best else "loss", load_best_model_at_end=not a.no_best,
+    save_total_limit=1)
 trainer = RallypointTrainer(model=model, args=args, train_dataset=train, eval_dataset=first_rule, checkpoint_policy=SavePolicy(progress=False), watch_preemption=False)
 trainer.train(resume_from_checkpoint=True)
 
@@ -101,6 +104,27 @@ if rank == 0:
         json.dump({"evals": evals, "global_step": s.global_step, "best_model_checkpoint": s.best_model_checkpoint, "best_metric": s.best_metric, "best_global_step": s.best_global_step}, f)
 trainer.checkpoints.close()
 """
+
+
+def run(coordinator: Coordinator, job: str, tmp_path: Path, *args: str) -> Path:
+    """The worker on nodes a and b (2 ranks of ZeRO-3), to the end; its results' folder."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    results = tmp_path / "results"
+    results.mkdir()
+    argv = [str(script), "--out", str(tmp_path / "out"), "--results", str(results), *args]
+    cluster = Cluster(
+        coordinator.url, job, tmp_path, nnodes="2:2", memory=tmp_path / "memory", script=argv
+    )
+    try:
+        cluster.add("a", env=ENV)
+        cluster.add("b", env=ENV)
+        codes = cluster.wait(timeout=240)
+    finally:
+        cluster.stop()
+    assert codes == {"a": 0, "b": 0}, codes
+    assert [g["world_size"] for g in status(coordinator, job)["history"]] == [2]
+    return results
 
 
 def logits_of(folder: Path, probe: torch.Tensor) -> torch.Tensor:
@@ -126,23 +150,7 @@ def test_zero3_trainer_ends_holding_the_best_version_which_outlives_collection_a
     recorded) and on ``save_model``'s folder; ``best`` is not the latest version, and
     with ``save_total_limit=1`` the two are all that collection left."""
     job = "hf-zero3-best"
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    results = tmp_path / "results"
-    results.mkdir()
-    argv = [str(script), "--out", str(tmp_path / "out"), "--results", str(results),
-            "--steps", str(STEPS), "--every", str(EVERY)]  # fmt: skip
-    cluster = Cluster(
-        coordinator.url, job, tmp_path, nnodes="2:2", memory=tmp_path / "memory", script=argv
-    )
-    try:
-        cluster.add("a", env=ENV)
-        cluster.add("b", env=ENV)
-        codes = cluster.wait(timeout=240)
-    finally:
-        cluster.stop()
-    assert codes == {"a": 0, "b": 0}, codes
-    assert [g["world_size"] for g in status(coordinator, job)["history"]] == [2]
+    results = run(coordinator, job, tmp_path, "--steps", str(STEPS), "--every", str(EVERY))
 
     # The evaluation's course: better over the first rule's steps, then worse.
     state = json.loads((results / "state.json").read_text())
@@ -196,3 +204,25 @@ def test_zero3_trainer_ends_holding_the_best_version_which_outlives_collection_a
     saved = logits_of(results / "saved", probe)
     torch.testing.assert_close(saved, held, rtol=1e-5, atol=1e-5)
     print(f"{job}: save_model vs rank 0 {float((saved - held).abs().max()):.3g}")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_zero3_save_model_saves_the_model_in_memory_as_a_version_and_exports_it(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """13 steps with no save (``save_strategy="no"``): the model the run ends with is no
+    version's. ``save_model`` saves it as one on both ranks, then exports it: a folder
+    ``from_pretrained`` loads with the trained logits. (The Trainer's own save under
+    ZeRO-3 without the gather flag writes DeepSpeed's files and no weights: without the
+    fix this test finds no model.safetensors.)"""
+    job = "hf-zero3-save-model"
+    results = run(coordinator, job, tmp_path, "--steps", "13", "--every", "13", "--no-best")
+    held = torch.load(results / "rank0.pt")
+    reader = ElasticClient(coordinator.url, job, "reader")
+    latest = reader.checkpoint("latest")
+    assert latest.step == 13  # save_model's version
+    with safe_open(str(results / "saved" / "model.safetensors"), "pt") as f:
+        assert (f.metadata() or {}).get("rallypoint_version") == str(latest.version)
+    saved = logits_of(results / "saved", held["probe"])
+    torch.testing.assert_close(saved, held["logits"], rtol=1e-5, atol=1e-5)
