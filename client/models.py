@@ -435,7 +435,9 @@ class CheckpointInfo(_Model):
     #: What the version's rank 0 reported with it (an evaluation's ``eval_loss``).
     metrics: dict[str, float] = Field(default_factory=dict)
     #: Its place among the job's best versions by the job's ``keep_best`` rule (1: the
-    #: job's ``best``), if it is one of the ``count`` kept; None otherwise.
+    #: job's ``best``), if it is one of the ``count`` kept; None otherwise. Set in the
+    #: list of versions and in ``…/best``; not in ``…/latest`` or ``…/{v}`` (every rank
+    #: reads its version there at a restore).
     best_place: int | None = None
     urls: dict[str, str] = Field(default_factory=dict)
     #: Global rank (as a string) to the live nodes whose memory holds its files; with

@@ -1075,8 +1075,19 @@ class Checkpoints:
 
     # --- reading ------------------------------------------------------------------------
 
-    def get(self, job_id: str, number: int | None = None, *, urls: bool = True) -> CheckpointInfo:
+    def get(
+        self,
+        job_id: str,
+        number: int | None = None,
+        *,
+        urls: bool = True,
+        places: Mapping[int, int] | None = None,
+    ) -> CheckpointInfo:
         """One version (the latest if ``number`` is None), with read URLs if committed.
+
+        ``best_place`` only where the caller read every row (``places``: see
+        :meth:`best`): every rank reads its version here at a restore, and a query of
+        the job's rows each time would be work on that path for a mark it does not use.
 
         Raises:
             UnknownCheckpoint: No such version, or no version committed yet.
@@ -1096,7 +1107,7 @@ class Checkpoints:
         # A quarantined version keeps its read URLs here, by number: whoever investigates
         # it may read it, and a worker restarted within a generation that was told to
         # resume from it loads what its generation's other ranks loaded.
-        info = self._info(job, version, places=retention.places(self._rows(job_id)))
+        info = self._info(job, version, places=places)
         if urls and version.state == "committed":
             grant = self.blobs.grant(version.folder, None, access="read", ttl=self.read_ttl)
             info = info.model_copy(update={"urls": grant, **self._copies(job, version)})
@@ -1123,7 +1134,7 @@ class Checkpoints:
             raise UnknownCheckpoint(
                 f"job {job_id!r} has no best version yet: no good version carries {keep.metric!r}"
             )
-        return self.get(job_id, ranked[0].version, urls=urls)
+        return self.get(job_id, ranked[0].version, urls=urls, places=retention.places(rows))
 
     def _copies(self, job: Job, version: Version) -> dict[str, Any]:
         """Where a committed version's files are: ranks in storage, and the live holders
