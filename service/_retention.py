@@ -17,18 +17,35 @@ function of the version rows one query returned, with no storage and no clock, s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol, TypeVar
 
 from rallypoint.client.models import KeepBest
 
-if TYPE_CHECKING:
-    from ._checkpoints import Version
-
-__all__ = ["best", "keep_last", "places", "rule"]
+__all__ = ["Version", "best", "keep_last", "places", "rule"]
 
 
-def _newest(versions: Sequence[Version]) -> Version | None:
+class Version(Protocol):
+    """What these rules read of a version's row (``_checkpoints.Version`` is one)."""
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def good(self) -> bool: ...
+    @property
+    def metrics(self) -> Mapping[str, float]: ...
+    @property
+    def keep_best(self) -> KeepBest | None: ...
+    @property
+    def keep_last(self) -> int | None: ...
+
+
+V = TypeVar("V", bound=Version)
+
+
+def _newest(versions: Sequence[V]) -> V | None:
     """The newest committed version (by number): the one whose rules hold."""
     return max(
         (v for v in versions if v.state == "committed"), key=lambda v: v.version, default=None
@@ -52,7 +69,7 @@ def keep_last(versions: Sequence[Version], default: int) -> int:
     return newest.keep_last
 
 
-def best(versions: Sequence[Version], keep: KeepBest | None = None) -> list[Version]:
+def best(versions: Sequence[V], keep: KeepBest | None = None) -> list[V]:
     """The job's best versions by ``keep`` (by default :func:`rule`), best first, at
     most ``keep.count``: good (committed, neither quarantined nor unrecoverable) versions
     that carry the metric. A tie goes to the older version: it reached the value first,
