@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from rallypoint.client.models import CheckpointPointer, LoadFailure, QuarantinedNode
 
+from ._records import Generation, Job, Node
 from .errors import JobFull, StaleGeneration
-
-if TYPE_CHECKING:
-    from ._rendezvous import Generation, Job, Node
 
 __all__ = [
     "LOAD_FAILURES_BEFORE_BLOCK",

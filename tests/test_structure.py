@@ -8,7 +8,7 @@ ones. So does each package nested in one (``rallypoint.trainer.checkpoint``,
 visible inside it and the packages nested in it, never to its parent or its siblings.
 A private module imported from outside its package is a coupling nobody sees from the
 outside: it breaks when its owner reorganizes, so it fails here, read from the source
-with ``ast``. The trainer's modules import one another without a cycle (its layers:
+with ``ast``. No module imports one that imports it back (the trainer's layers:
 the checkpoint path over the memory tier, regrouping over the agent's board). The tests
 share helpers through ``tests/_*.py`` and ``conftest.py``, never one test module
 importing another.
@@ -169,14 +169,14 @@ def test_no_module_imports_another_subpackages_private_module() -> None:
     )
 
 
-def test_the_trainers_modules_import_one_another_without_a_cycle() -> None:
-    """A package's ``__init__`` imports its parts, so a part importing its own package
-    (or a module importing one that imports it back) is a cycle too; ``examples`` are
-    scripts, outside the package's graph."""
-    cycles = [
-        c for c in import_cycles("rallypoint.trainer") if not any(".examples" in m for m in c)
-    ]
-    assert not cycles, "import cycles among the trainer's modules:\n" + "\n".join(
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """Across the whole package, the service's rules and records as much as the
+    trainer's layers. A package's ``__init__`` imports its parts, so a part importing its
+    own package (or a module importing one that imports it back, if only under
+    ``TYPE_CHECKING``) is a cycle too; ``examples`` are scripts, outside the package's
+    graph."""
+    cycles = [c for c in import_cycles("rallypoint") if not any(".examples" in m for m in c)]
+    assert not cycles, "import cycles among the package's modules:\n" + "\n".join(
         " -> ".join([*c, c[0]]) for c in cycles
     )
 
