@@ -6,7 +6,8 @@ between trainers and storage.
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, TypeVar
 
 import anyio.to_thread
 from fastapi import APIRouter, Body, Path
@@ -24,6 +25,7 @@ from rallypoint.client.models import (
 )
 
 from .._contract import errors
+from .._driver import Driver
 from ..deps import AdminOnly, Auth, CheckpointsDep, Credential, DriverDep, JobId
 from ..errors import (
     CheckpointConflict,
@@ -42,6 +44,22 @@ router = APIRouter(
 )
 
 VersionNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
+
+_T = TypeVar("_T")
+
+# What a report of a member about one version can answer: it is fenced like every
+# report of a member (its node, its generation) and names a version that must exist.
+_MEMBER_REPORT_ERRORS = errors(
+    UnknownJob, UnknownNode, UnknownCheckpoint, StaleGeneration, CheckpointConflict
+)
+
+
+async def _then_refresh(driver: Driver, job_id: str, change: Callable[[], _T]) -> _T:
+    """Runs ``change`` off the event loop, then refreshes this replica's copy of the
+    job: its heartbeats answer from the job as it is now (a restart at once)."""
+    result = await anyio.to_thread.run_sync(change)
+    await driver.refresh(job_id)
+    return result
 
 
 @router.post(
@@ -83,9 +101,7 @@ async def report(
 @router.post(
     "/{version}/restores",
     status_code=204,
-    responses=errors(
-        UnknownJob, UnknownNode, UnknownCheckpoint, StaleGeneration, CheckpointConflict
-    ),
+    responses=_MEMBER_REPORT_ERRORS,
 )
 async def restored(
     job_id: JobId,
@@ -101,9 +117,7 @@ async def restored(
 
 @router.post(
     "/{version}/failures",
-    responses=errors(
-        UnknownJob, UnknownNode, UnknownCheckpoint, StaleGeneration, CheckpointConflict
-    ),
+    responses=_MEMBER_REPORT_ERRORS,
 )
 async def unreadable(
     job_id: JobId,
@@ -117,17 +131,14 @@ async def unreadable(
     is marked unrecoverable, with the reason, and never named again; the generation
     ends, and the next one resumes from the newest version still recoverable. Fenced
     like every report of a member."""
-    info = await anyio.to_thread.run_sync(checkpoints.unreadable, job_id, version, body, credential)
-    # This replica's heartbeats answer from the job as it is now (a restart at once).
-    await driver.refresh(job_id)
-    return info
+    return await _then_refresh(
+        driver, job_id, lambda: checkpoints.unreadable(job_id, version, body, credential)
+    )
 
 
 @router.post(
     "/{version}/load-failures",
-    responses=errors(
-        UnknownJob, UnknownNode, UnknownCheckpoint, StaleGeneration, CheckpointConflict
-    ),
+    responses=_MEMBER_REPORT_ERRORS,
 )
 async def load_failed(
     job_id: JobId,
@@ -144,11 +155,9 @@ async def load_failed(
     round of that size waits for a world of another size instead of failing a third
     time (``blocked`` in the job's status). Fenced like every report of a member, and
     only for the version its generation was named."""
-    failure = await anyio.to_thread.run_sync(
-        checkpoints.load_failed, job_id, version, body, credential
+    return await _then_refresh(
+        driver, job_id, lambda: checkpoints.load_failed(job_id, version, body, credential)
     )
-    await driver.refresh(job_id)  # heartbeats on this replica answer "restart" at once
-    return failure
 
 
 @router.get("", responses=errors(UnknownJob))
@@ -200,13 +209,12 @@ async def quarantine(
     """Marks a committed version bad (operator only): no generation resumes from it;
     if it was the latest (or the newest durable), that pointer moves back to the newest
     good version. The running generation goes on unless ``restart``. Idempotent."""
-    body = body or QuarantineRequest()
-    info = await anyio.to_thread.run_sync(
-        lambda: checkpoints.quarantine(job_id, version, body.reason, restart=body.restart)
+    request = body or QuarantineRequest()
+    return await _then_refresh(
+        driver,
+        job_id,
+        lambda: checkpoints.quarantine(job_id, version, request.reason, restart=request.restart),
     )
-    # This replica's heartbeats answer from the job as it is now (a restart at once).
-    await driver.refresh(job_id)
-    return info
 
 
 @router.delete(
@@ -220,9 +228,7 @@ async def unquarantine(
     """Clears a version's quarantine (operator only); if it was saved by the job's
     latest generation and is newer than the latest, the pointer moves forward to it
     again. Idempotent."""
-    info = await anyio.to_thread.run_sync(checkpoints.unquarantine, job_id, version)
-    await driver.refresh(job_id)
-    return info
+    return await _then_refresh(driver, job_id, lambda: checkpoints.unquarantine(job_id, version))
 
 
 @router.delete(
@@ -236,6 +242,4 @@ async def recover(
     """Clears a version's ``unrecoverable`` mark (operator only), once the copies a rank
     could not read are back or the cause was elsewhere: it may be named again, and the
     latest moves forward to it as for an unquarantine. Idempotent."""
-    info = await anyio.to_thread.run_sync(checkpoints.recover, job_id, version)
-    await driver.refresh(job_id)
-    return info
+    return await _then_refresh(driver, job_id, lambda: checkpoints.recover(job_id, version))
