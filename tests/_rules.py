@@ -8,10 +8,18 @@ Every job here is ``"job"``; nodes register at ``host-{node}``. A coordinator at
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Literal
 
-from rallypoint.client.models import Assignment, BeginCheckpoint, JobSpec, ReportShard, ShardFile
+from rallypoint.client.models import (
+    Assignment,
+    BeginCheckpoint,
+    JobSpec,
+    KeepBest,
+    ReportShard,
+    ShardFile,
+)
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Job, Rendezvous
 from rallypoint.service.storage import BlobStore
@@ -33,6 +41,7 @@ __all__ = [
     "save",
     "save_tiered",
     "seal",
+    "seal_and_save",
     "seal_with_peers",
     "spec",
 ]
@@ -88,12 +97,18 @@ def seal(rdzv: Rendezvous, nodes: list[str]) -> tuple[int, dict[str, str]]:
     """Seals a generation of ``nodes`` (in rank order): its number and each member's
     credential."""
     _, creds = register_all(rdzv, nodes, spec(1, 8, last_call=1))
+    return _sealed_after_last_call(rdzv, len(nodes)), creds
+
+
+def _sealed_after_last_call(rdzv: Rendezvous, world_size: int) -> int:
+    """Lets the 1 s last call of :func:`spec` ``(1, 8, last_call=1)`` pass: the round
+    seals with every node registered; the new generation's number."""
     clock = rdzv.clock
     assert isinstance(clock, Clock)
     clock.advance(1)
     job, _ = rdzv.tick("job")
-    assert job.status == "sealed" and job.world_size == len(nodes)
-    return job.generation, creds
+    assert job.status == "sealed" and job.world_size == world_size
+    return job.generation
 
 
 def save(
@@ -153,12 +168,7 @@ def seal_with_peers(
         )
         assert node.credential
         creds[n] = node.credential
-    clock = rdzv.clock
-    assert isinstance(clock, Clock)
-    clock.advance(1)
-    job, _ = rdzv.tick("job")
-    assert job.status == "sealed" and job.world_size == len(nodes)
-    return job.generation, creds
+    return _sealed_after_last_call(rdzv, len(nodes)), creds
 
 
 def end(rdzv: Rendezvous, gen: int, gone: list[str], creds: dict[str, str]) -> None:
@@ -232,24 +242,77 @@ def begin_all(
     return version
 
 
-def report(ckpts: Checkpoints, node: str, gen: int, version: int, creds: dict[str, str]) -> str:
-    """``node``'s rank reports its file (in storage); the version's state after it."""
+def report(
+    ckpts: Checkpoints,
+    node: str,
+    gen: int,
+    version: int,
+    creds: dict[str, str],
+    *,
+    metrics: dict[str, float] | None = None,
+    keep_best: KeepBest | None = None,
+    keep_last: int | None = None,
+) -> str:
+    """``node``'s rank reports its file (in storage), with the version's ``metrics`` and
+    retention rules if given; the version's state after it."""
     shard = ShardFile(name=FILE, size=len(node), checksum="x:1")
-    info = ckpts.report(
-        "job",
-        version,
-        ReportShard(node_id=node, generation=gen, files=[shard], storage=True),
-        creds[node],
+    request = ReportShard(
+        node_id=node,
+        generation=gen,
+        files=[shard],
+        storage=True,
+        metrics=metrics,
+        keep_best=keep_best,
+        keep_last=keep_last,
     )
-    return info.state
+    return ckpts.report("job", version, request, creds[node]).state
 
 
-def commit(ckpts: Checkpoints, nodes: list[str], gen: int, step: int, creds: dict[str, str]) -> int:
-    """A durable version of ``step``, committed by every node's rank."""
+def commit(
+    ckpts: Checkpoints,
+    nodes: list[str],
+    gen: int,
+    step: int,
+    creds: dict[str, str],
+    *,
+    metrics: dict[str, float] | None = None,
+    keep_best: KeepBest | None = None,
+    keep_last: int | None = None,
+) -> int:
+    """A durable version of ``step``, committed by every node's rank (each reports the
+    ``metrics`` and retention rules, as the trainer does)."""
     version = begin_all(ckpts, nodes, gen, step, creds)
-    states = [report(ckpts, n, gen, version, creds) for n in nodes]
+    states = [
+        report(
+            ckpts, n, gen, version, creds, metrics=metrics, keep_best=keep_best, keep_last=keep_last
+        )
+        for n in nodes
+    ]
     assert states[-1] == "committed"
     return version
+
+
+def seal_and_save(
+    ckpts: Checkpoints,
+    rdzv: Rendezvous,
+    nodes: list[str],
+    steps: Iterable[int],
+    *,
+    every: int | None = None,
+) -> tuple[int, dict[str, str], list[int]]:
+    """Seals a generation of ``nodes`` (:func:`seal_with_peers`) and saves a version of
+    each of ``steps`` in turn: durable ones (:func:`commit`), or with ``every`` as the
+    trainer saves in tiers (:func:`save_tiered`). Returns the generation, each member's
+    credential and the versions."""
+    gen, creds = seal_with_peers(rdzv, nodes)
+    if every is None:
+        versions = [commit(ckpts, nodes, gen, step, creds) for step in steps]
+    else:
+        versions = [
+            save_tiered(ckpts, ckpts.blobs, nodes, gen, step, creds, every=every)[0]
+            for step in steps
+        ]
+    return gen, creds, versions
 
 
 def pointers(rdzv: Rendezvous) -> tuple[int | None, int | None]:

@@ -20,14 +20,13 @@ from rallypoint.client import (
     KeepBest,
     UnknownCheckpoint,
 )
-from rallypoint.client.models import ReportShard, ShardFile
 from rallypoint.service import _retention as rules
 from rallypoint.service._checkpoints import Checkpoints, Version
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import UnknownCheckpoint as ServiceUnknownCheckpoint
 from rallypoint.trainer import CheckpointManager, SavePolicy, export
 
-from .._rules import begin_all, seal_with_peers
+from .._rules import commit, seal_with_peers
 from .._support import FILE, TOKEN, cli, clients, join_all, managers
 from .._support import spec as coordinator_spec
 from ..conftest import Start
@@ -121,20 +120,7 @@ def commit_scored(
 ) -> int:
     """A durable version of ``step`` whose rank 0 reported ``metrics`` and ``keep``
     (every rank sends them; the coordinator keeps rank 0's)."""
-    version = begin_all(ckpts, nodes, gen, step, creds)
-    for node in nodes:
-        shard = ShardFile(name=FILE, size=len(node), checksum="x:1")
-        request = ReportShard(
-            node_id=node,
-            generation=gen,
-            files=[shard],
-            metrics=metrics,
-            keep_best=keep,
-            keep_last=last,
-        )
-        info = ckpts.report("job", version, request, creds[node])
-    assert info.state == "committed"
-    return version
+    return commit(ckpts, nodes, gen, step, creds, metrics=metrics, keep_best=keep, keep_last=last)
 
 
 def test_the_best_survives_collection_as_the_metric_improves_then_worsens(

@@ -19,9 +19,8 @@ from rallypoint.service import _seal as seal
 from rallypoint.service._checkpoints import Checkpoints
 from rallypoint.service._rendezvous import Node, Rendezvous
 from rallypoint.service.errors import NodeQuarantined as ServiceNodeQuarantined
-from rallypoint.service.storage import BlobStore
 
-from .._rules import end, pointers, register_all, save_tiered, seal_with_peers, spec
+from .._rules import end, pointers, register_all, seal_and_save, seal_with_peers, spec
 from .._support import TOKEN, cli, clients, join_all
 from .._support import spec as coordinator_spec
 from ..conftest import Clock, Start
@@ -110,12 +109,10 @@ def test_a_node_lost_too_often_is_quarantined_by_the_coordinator(
 
 
 def test_recover_clears_an_unrecoverable_mark_and_the_latest_comes_back(
-    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+    ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    good, _ = save_tiered(ckpts, blobs, nodes, gen, 5, creds)
-    bad, _ = save_tiered(ckpts, blobs, nodes, gen, 10, creds)
+    gen, creds, (good, bad) = seal_and_save(ckpts, rdzv, nodes, [5, 10], every=1)
     end(rdzv, gen, ["b"], creds)
     gen2, creds = seal_with_peers(rdzv, nodes)
     failed = RestoreFailure(node_id="a", generation=gen2, rank=1, reason="a peer was down")

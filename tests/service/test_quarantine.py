@@ -36,6 +36,7 @@ from .._rules import (
     pointers,
     report,
     save_tiered,
+    seal_and_save,
     seal_with_peers,
 )
 from .._support import FILE, TOKEN, cli, clients, join_all
@@ -77,9 +78,7 @@ def test_quarantining_the_latest_moves_both_pointers_back_and_the_next_seal_skip
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10, creds)
-    bad = commit(ckpts, nodes, gen, 20, creds)
+    gen, creds, (good, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
     assert pointers(rdzv) == (bad, bad)
 
     info = ckpts.quarantine("job", bad, "loss spike at step 18")
@@ -109,9 +108,7 @@ def test_quarantine_with_restart_ends_the_running_generation(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10, creds)
-    bad = commit(ckpts, nodes, gen, 20, creds)
+    gen, _, (good, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
     ckpts.quarantine("job", bad, "NaNs", restart=True)
     assert rdzv.get_job("job").status == "open"
     assert rdzv.generation("job", gen).ended_reason == f"checkpoint v{bad} quarantined: NaNs"
@@ -149,8 +146,7 @@ def test_quarantining_every_version_leaves_no_pointer_and_a_fresh_start(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    only = commit(ckpts, nodes, gen, 5, creds)
+    gen, creds, (only,) = seal_and_save(ckpts, rdzv, nodes, [5])
     ckpts.quarantine("job", only)
     assert pointers(rdzv) == (None, None)
     with pytest.raises(UnknownCheckpoint):
@@ -199,9 +195,7 @@ def test_unquarantine_moves_the_pointer_forward_only_within_the_generation(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10, creds)
-    bad = commit(ckpts, nodes, gen, 20, creds)
+    gen, creds, (good, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
     ckpts.quarantine("job", bad, "suspect")
     info = ckpts.unquarantine("job", bad)
     assert not info.quarantined and info.quarantine_reason is None and info.latest
@@ -223,8 +217,7 @@ def test_unquarantine_moves_the_pointer_forward_only_within_the_generation(
 def test_quarantine_again_keeps_the_first_mark(
     ckpts: Checkpoints, rdzv: Rendezvous, clock: Clock
 ) -> None:
-    gen, creds = seal_with_peers(rdzv, ["a"])
-    version = commit(ckpts, ["a"], gen, 1, creds)
+    _, _, (version,) = seal_and_save(ckpts, rdzv, ["a"], [1])
     first = ckpts.quarantine("job", version, "first")
     clock.advance(60)
     again = ckpts.quarantine("job", version, "second")
@@ -250,9 +243,7 @@ def test_a_commit_racing_a_quarantine_is_not_lost(
     ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    commit(ckpts, nodes, gen, 10, creds)
-    bad = commit(ckpts, nodes, gen, 20, creds)
+    gen, creds, (_, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
     newest = begin_all(ckpts, nodes, gen, 30, creds)
     report(ckpts, "a", gen, newest, creds)
 
@@ -269,9 +260,7 @@ def test_a_quarantine_racing_a_commit_does_not_lose_the_commit(
     ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10, creds)
-    bad = commit(ckpts, nodes, gen, 20, creds)
+    gen, creds, (good, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
     newest = begin_all(ckpts, nodes, gen, 30, creds)
     report(ckpts, "a", gen, newest, creds)
 
@@ -289,9 +278,7 @@ def test_a_seal_racing_a_quarantine_names_the_good_version(
     ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10, creds)
-    bad = commit(ckpts, nodes, gen, 20, creds)
+    gen, creds, (good, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
     end(rdzv, gen, ["b"], creds)
     for i, n in enumerate(nodes):
         join(rdzv, "job", n, f"host-{n}", 29500 + i)

@@ -16,7 +16,7 @@ from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import InvalidRequest
 from rallypoint.service.storage import BlobStore
 
-from .._rules import end, peer, save_tiered, seal_with_peers
+from .._rules import end, peer, save_tiered, seal_and_save, seal_with_peers
 from .._support import FILE
 from ..conftest import Clock
 
@@ -106,12 +106,10 @@ def test_a_rank_in_memory_on_one_node_only_is_refused(ckpts: Checkpoints, rdzv: 
 
 
 def test_a_seal_names_the_memory_version_while_one_holder_of_each_rank_lives(
-    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+    ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b", "c", "d"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    save_tiered(ckpts, blobs, nodes, gen, 10, creds, every=10)
-    newest, _ = save_tiered(ckpts, blobs, nodes, gen, 20, creds, every=10)
+    gen, creds, (_, newest) = seal_and_save(ckpts, rdzv, nodes, [10, 20], every=10)
     end(rdzv, gen, ["b"], creds)  # b's files are on c too; a's on a
     gen2, _ = seal_with_peers(rdzv, ["a", "c", "d"])
     assert rdzv.sealed("job", gen2).checkpoint.version == newest  # type: ignore[union-attr]
@@ -123,9 +121,7 @@ def test_two_adjacent_nodes_lost_fall_back_to_the_newest_durable_version(
     ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
 ) -> None:
     nodes = ["a", "b", "c", "d"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    durable, _ = save_tiered(ckpts, blobs, nodes, gen, 10, creds, every=10)
-    save_tiered(ckpts, blobs, nodes, gen, 20, creds, every=10)
+    gen, creds, (durable, _) = seal_and_save(ckpts, rdzv, nodes, [10, 20], every=10)
     end(rdzv, gen, ["a", "b"], creds)  # a's files were on a and b only
     gen2, creds2 = seal_with_peers(rdzv, ["c", "d"])
     named = rdzv.sealed("job", gen2).checkpoint
@@ -138,12 +134,10 @@ def test_two_adjacent_nodes_lost_fall_back_to_the_newest_durable_version(
 
 
 def test_a_restarted_agent_holds_nothing_even_with_the_same_node_id(
-    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore
+    ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    durable, _ = save_tiered(ckpts, blobs, nodes, gen, 10, creds, every=10)
-    save_tiered(ckpts, blobs, nodes, gen, 20, creds, every=10)
+    gen, creds, (durable, _) = seal_and_save(ckpts, rdzv, nodes, [10, 20], every=10)
     end(rdzv, gen, nodes, creds)
     # Both agents came back (their memory was reclaimed): new replica servers.
     gen2, _ = seal_with_peers(rdzv, nodes, agents={"a": 2, "b": 2})

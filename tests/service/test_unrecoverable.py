@@ -35,7 +35,7 @@ from rallypoint.service.storage import BlobStore
 from rallypoint.trainer import CheckpointCorrupt, CheckpointError, upload
 from rallypoint.trainer.checkpoint._faults import HALT_ENV, HALT_FILE_ENV
 
-from .._rules import begin_all, commit, end, named, pointers, save_tiered, seal_with_peers
+from .._rules import begin_all, end, named, pointers, save_tiered, seal_and_save, seal_with_peers
 from .._support import FILE, TOKEN, clients, join_all, managers, status
 from .._support import spec as coordinator_spec
 from ..conftest import Start
@@ -86,9 +86,7 @@ def test_the_durable_version_failing_falls_back_to_the_durable_one_before(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    first = commit(ckpts, nodes, gen, 10, creds)
-    second = commit(ckpts, nodes, gen, 20, creds)
+    gen, creds, (first, second) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
     ckpts.unreadable("job", second, failure("a", gen, "manifest.json is missing"), creds["a"])
     assert pointers(rdzv) == (first, first)
     assert named(rdzv, seal_with_peers(rdzv, nodes)[0]) == first
@@ -98,8 +96,7 @@ def test_only_a_member_of_the_running_generation_marks_a_committed_version(
     ckpts: Checkpoints, rdzv: Rendezvous
 ) -> None:
     nodes = ["a", "b"]
-    gen, creds = seal_with_peers(rdzv, nodes)
-    good = commit(ckpts, nodes, gen, 10, creds)
+    gen, creds, (good,) = seal_and_save(ckpts, rdzv, nodes, [10])
     pending = begin_all(ckpts, nodes, gen, 20, creds)
     with pytest.raises(InvalidCredential):
         ckpts.unreadable("job", good, failure("a", gen), creds["b"])
