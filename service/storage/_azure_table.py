@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -12,7 +11,17 @@ from azure.data.tables import EdmType, EntityProperty, TableClient, UpdateMode
 
 from ..errors import BadRequest
 from ._azure_errors import storage_errors
-from ._table import BatchOp, Cond, Entity, Page, Table, Value, matches
+from ._table import (
+    BatchOp,
+    Cond,
+    Entity,
+    Page,
+    Table,
+    Value,
+    continuation_cursor,
+    continuation_token,
+    matches,
+)
 
 __all__ = ["AzureTable"]
 
@@ -119,8 +128,9 @@ class AzureTable(Table):
         )
         token: dict[str, str] | None = None
         if continuation is not None:
+            cursor = continuation_cursor(continuation)
             try:
-                token = json.loads(base64.urlsafe_b64decode(continuation.encode()))
+                token = json.loads(cursor)
             except ValueError as exc:
                 raise BadRequest("malformed continuation token") from exc
         with storage_errors(f"query {self.name}/{partition_key}"):
@@ -137,8 +147,7 @@ class AzureTable(Table):
         ]
         if not next_token:
             return Page(entities, None)
-        encoded = base64.urlsafe_b64encode(json.dumps(next_token).encode()).decode()
-        return Page(entities, encoded)
+        return Page(entities, continuation_token(json.dumps(next_token)))
 
     def _batch(self, ops: list[BatchOp]) -> list[Entity | None]:
         operations = [_operation(op) for op in ops]

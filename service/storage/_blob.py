@@ -12,6 +12,7 @@ from typing import BinaryIO, Literal
 
 from ..errors import BadRequest, InvalidName
 from ._names import check_blob_name, check_blob_prefix
+from ._port import Port
 
 __all__ = ["Access", "BlobInfo", "BlobStore", "Data"]
 
@@ -33,7 +34,7 @@ class BlobInfo:
     last_modified: float  # seconds since the epoch
 
 
-class BlobStore(abc.ABC):
+class BlobStore(Port):
     """Objects named like paths (``jobs/j1/v3/rank-0.safetensors``) in one container.
 
     Names are non-empty, at most 1024 characters, ``/``-separated segments that are
@@ -41,8 +42,6 @@ class BlobStore(abc.ABC):
     control characters; any other name is refused with :class:`InvalidName` here,
     before a request is sent. Adapters implement the ``_``-prefixed hooks.
     """
-
-    name: str
 
     def put(
         self, name: str, data: Data, *, if_absent: bool = False, length: int | None = None
@@ -202,17 +201,6 @@ class BlobStore(abc.ABC):
         """
         self._forget(check_blob_prefix(scope, folder=True))
 
-    @abc.abstractmethod
-    def ping(self) -> None:
-        """Checks that the container answers (readiness).
-
-        Raises:
-            StorageUnavailable: It does not.
-        """
-
-    def close(self) -> None:  # noqa: B027 - optional hook, most adapters hold nothing
-        """Releases connections; the container is unusable afterwards."""
-
     # Adapter hooks: arguments are checked, errors must be the domain's.
     @abc.abstractmethod
     def _put(self, name: str, data: Data, if_absent: bool, length: int | None) -> BlobInfo: ...
@@ -238,5 +226,5 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     def _revoke(self, scope: str) -> None: ...
 
-    def _forget(self, scope: str) -> None:  # noqa: B027 - only a backend that keeps state
+    def _forget(self, scope: str) -> None:
         pass

@@ -18,8 +18,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
-from ..errors import AlreadyExists, BadRequest, Modified, NotFound, StorageUnavailable
-from ._table import BatchOp, Cond, Entity, Page, Table, Value
+from ..errors import AlreadyExists, Modified, NotFound, StorageUnavailable
+from ._table import (
+    BatchOp,
+    Cond,
+    Entity,
+    Page,
+    Table,
+    Value,
+    continuation_cursor,
+    continuation_token,
+)
 
 __all__ = ["LocalTable"]
 
@@ -252,12 +261,8 @@ class LocalTable(Table):
         sql = "SELECT rk, etag, data FROM entities WHERE tbl=? AND pk=?"
         args: list[object] = [self.name, partition_key]
         if continuation is not None:
-            try:
-                after = base64.urlsafe_b64decode(continuation.encode()).decode()
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise BadRequest("malformed continuation token") from exc
             sql += " AND rk > ?"
-            args.append(after)
+            args.append(continuation_cursor(continuation))
         for cond in where:
             path = f'$."{cond.name}"'
             sql += (
@@ -275,8 +280,7 @@ class LocalTable(Table):
         if len(entities) <= page_size:
             return Page(entities, None)
         entities = entities[:page_size]
-        token = base64.urlsafe_b64encode(entities[-1].row_key.encode()).decode()
-        return Page(entities, token)
+        return Page(entities, continuation_token(entities[-1].row_key))
 
     def ping(self) -> None:
         try:

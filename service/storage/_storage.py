@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from ..errors import BadRequest
 from ._blob import BlobStore
 from ._budget import Health
+from ._port import Port
 from ._table import Table
 
 __all__ = [
@@ -138,7 +139,7 @@ class Storage(abc.ABC):
         self._tables.clear()
         self._blobs.clear()
 
-    def _opened(self) -> list[Table | BlobStore]:
+    def _opened(self) -> list[Port]:
         return [*self._tables.values(), *self._blobs.values()]
 
     def describe(self) -> str:

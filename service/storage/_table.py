@@ -6,14 +6,26 @@ Modelled on Azure Table storage, whose semantics both adapters follow exactly.
 from __future__ import annotations
 
 import abc
+import base64
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import BadRequest
 from ._names import MAX_BATCH_OPS, check_entity, check_key, check_property_name
+from ._port import Port
 
-__all__ = ["BatchOp", "Cond", "Entity", "Page", "Table", "Value", "matches"]
+__all__ = [
+    "BatchOp",
+    "Cond",
+    "Entity",
+    "Page",
+    "Table",
+    "Value",
+    "continuation_cursor",
+    "continuation_token",
+    "matches",
+]
 
 #: The property types a table stores. ``int`` is stored as a 64-bit integer, ``float`` as a
 #: double. ``None`` means "absent": such properties are not stored and are not read back.
@@ -98,7 +110,7 @@ class BatchOp:
     if_match: str | None = None
 
 
-class Table(abc.ABC):
+class Table(Port):
     """A table of entities, addressed by ``(partition_key, row_key)``.
 
     Keys are non-empty strings of at most 1 KiB without ``/ \\ # ?`` or control
@@ -108,8 +120,6 @@ class Table(abc.ABC):
 
     Adapters implement the ``_``-prefixed hooks, which receive checked arguments.
     """
-
-    name: str
 
     def insert(self, entity: Entity) -> Entity:
         """Creates an entity that must not exist yet.
@@ -240,17 +250,6 @@ class Table(abc.ABC):
             checked.append(op)
         return self._batch(checked)
 
-    @abc.abstractmethod
-    def ping(self) -> None:
-        """Checks that the table answers (readiness).
-
-        Raises:
-            StorageUnavailable: It does not.
-        """
-
-    def close(self) -> None:  # noqa: B027 - optional hook, most adapters hold nothing
-        """Releases connections; the table is unusable afterwards."""
-
     # Adapter hooks: arguments are checked, errors must be the domain's.
     @abc.abstractmethod
     def _insert(self, entity: Entity) -> Entity: ...
@@ -278,6 +277,24 @@ class Table(abc.ABC):
 
     @abc.abstractmethod
     def _batch(self, ops: list[BatchOp]) -> list[Entity | None]: ...
+
+
+def continuation_token(cursor: str) -> str:
+    """The opaque token a :class:`Page` hands out for an adapter's ``cursor`` (where
+    the next page starts, in the adapter's own terms)."""
+    return base64.urlsafe_b64encode(cursor.encode()).decode()
+
+
+def continuation_cursor(token: str) -> str:
+    """The adapter's cursor in a token :func:`continuation_token` made.
+
+    Raises:
+        BadRequest: ``token`` is not one (a caller's typo, or another adapter's).
+    """
+    try:
+        return base64.urlsafe_b64decode(token.encode()).decode()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest("malformed continuation token") from exc
 
 
 def _checked(entity: Entity) -> Entity:
