@@ -42,101 +42,82 @@ class _Jobs(Collector):
         self.versions = versions
 
     def collect(self) -> Iterator[Metric]:
-        generation = GaugeMetricFamily(
-            "rallypoint_job_generation", "The job's current generation number", labels=["job"]
-        )
-        world = GaugeMetricFamily(
-            "rallypoint_job_world_size", "Members of the running generation", labels=["job"]
-        )
-        members = GaugeMetricFamily(
-            "rallypoint_job_members", "Members by heartbeat state", labels=["job", "state"]
-        )
-        waiting = GaugeMetricFamily(
-            "rallypoint_job_waiting_nodes", "Nodes waiting for the next generation", labels=["job"]
-        )
-        ended = GaugeMetricFamily(
-            "rallypoint_job_generations_ended",
-            "Generations that ended (in the kept history), by reason",
-            labels=["job", "reason"],
-        )
-        step = GaugeMetricFamily(
-            "rallypoint_job_checkpoint_step",
-            "Step of the latest committed checkpoint",
-            labels=["job"],
-        )
-        durable_step = GaugeMetricFamily(
-            "rallypoint_job_durable_checkpoint_step",
-            "Step of the newest checkpoint whose every file is in blob storage",
-            labels=["job"],
-        )
-        versions = GaugeMetricFamily(
-            "rallypoint_checkpoint_versions",
-            "Checkpoint versions kept, by durability: pending, committed with some files "
-            "only in nodes' memory, or all in blob storage",
-            labels=["job", "durability"],
-        )
-        quarantined = GaugeMetricFamily(
-            "rallypoint_checkpoint_quarantined",
-            "Checkpoint versions kept that an operator quarantined (never resumed from)",
-            labels=["job"],
-        )
-        unrecoverable = GaugeMetricFamily(
-            "rallypoint_checkpoint_unrecoverable",
-            "Checkpoint versions kept that a rank could not load when they were named "
-            "(never resumed from again)",
-            labels=["job"],
-        )
-        blocked = GaugeMetricFamily(
-            "rallypoint_job_blocked",
-            "1 while the job's open round holds back from a world size that failed to load "
-            "its checkpoint in the generations before (see the job's status: blocked)",
-            labels=["job"],
-        )
-        nodes_out = GaugeMetricFamily(
-            "rallypoint_nodes_quarantined",
-            "Nodes the job does not admit (an operator's quarantine, or lost too often)",
-            labels=["job"],
-        )
+        gauges = {
+            name: GaugeMetricFamily(f"rallypoint_{name}", documentation, labels=["job", *labels])
+            for name, (documentation, labels) in _JOB_GAUGES.items()
+        }
         for job in self.read():
-            blocked.add_metric([job.job_id], 1 if job.blocked else 0)
-            nodes_out.add_metric([job.job_id], len(job.quarantined_nodes))
-            generation.add_metric([job.job_id], job.generation)
-            world.add_metric([job.job_id], job.world_size)
+            job_id = job.job_id
+            gauges["job_blocked"].add_metric([job_id], 1 if job.blocked else 0)
+            gauges["nodes_quarantined"].add_metric([job_id], len(job.quarantined_nodes))
+            gauges["job_generation"].add_metric([job_id], job.generation)
+            gauges["job_world_size"].add_metric([job_id], job.world_size)
             for state in ("alive", "late", "dead", "left"):
                 count = sum(m.state == state for m in job.members)
-                members.add_metric([job.job_id, state], count)
-            waiting.add_metric([job.job_id], len(job.waiting))
+                gauges["job_members"].add_metric([job_id, state], count)
+            gauges["job_waiting_nodes"].add_metric([job_id], len(job.waiting))
             reasons: dict[str, int] = {}
             for g in job.history:
                 if g.ended_reason:
                     kind = _reason_kind(g.ended_reason)
                     reasons[kind] = reasons.get(kind, 0) + 1
             for kind, count in sorted(reasons.items()):
-                ended.add_metric([job.job_id, kind], count)
+                gauges["job_generations_ended"].add_metric([job_id, kind], count)
             if job.checkpoint is not None:
-                step.add_metric([job.job_id], job.checkpoint.step)
+                gauges["job_checkpoint_step"].add_metric([job_id], job.checkpoint.step)
             if job.durable is not None:
-                durable_step.add_metric([job.job_id], job.durable.step)
+                gauges["job_durable_checkpoint_step"].add_metric([job_id], job.durable.step)
             if self.versions is not None:
-                counts = self.versions(job.job_id)
+                counts = self.versions(job_id)
                 for durability in _DURABILITIES:
-                    versions.add_metric([job.job_id, durability], counts.get(durability, 0))
-                quarantined.add_metric([job.job_id], counts.get("quarantined", 0))
-                unrecoverable.add_metric([job.job_id], counts.get("unrecoverable", 0))
-        yield from (
-            generation,
-            world,
-            members,
-            waiting,
-            ended,
-            step,
-            durable_step,
-            versions,
-            quarantined,
-            unrecoverable,
-            blocked,
-            nodes_out,
-        )
+                    gauges["checkpoint_versions"].add_metric(
+                        [job_id, durability], counts.get(durability, 0)
+                    )
+                for mark in ("quarantined", "unrecoverable"):
+                    gauges[f"checkpoint_{mark}"].add_metric([job_id], counts.get(mark, 0))
+        yield from gauges.values()
+
+
+#: Each job's gauges, in the order they are exposed: the name after ``rallypoint_``, its
+#: help, and the labels after ``job``.
+_JOB_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "job_generation": ("The job's current generation number", ()),
+    "job_world_size": ("Members of the running generation", ()),
+    "job_members": ("Members by heartbeat state", ("state",)),
+    "job_waiting_nodes": ("Nodes waiting for the next generation", ()),
+    "job_generations_ended": (
+        "Generations that ended (in the kept history), by reason",
+        ("reason",),
+    ),
+    "job_checkpoint_step": ("Step of the latest committed checkpoint", ()),
+    "job_durable_checkpoint_step": (
+        "Step of the newest checkpoint whose every file is in blob storage",
+        (),
+    ),
+    "checkpoint_versions": (
+        "Checkpoint versions kept, by durability: pending, committed with some files "
+        "only in nodes' memory, or all in blob storage",
+        ("durability",),
+    ),
+    "checkpoint_quarantined": (
+        "Checkpoint versions kept that an operator quarantined (never resumed from)",
+        (),
+    ),
+    "checkpoint_unrecoverable": (
+        "Checkpoint versions kept that a rank could not load when they were named "
+        "(never resumed from again)",
+        (),
+    ),
+    "job_blocked": (
+        "1 while the job's open round holds back from a world size that failed to load "
+        "its checkpoint in the generations before (see the job's status: blocked)",
+        (),
+    ),
+    "nodes_quarantined": (
+        "Nodes the job does not admit (an operator's quarantine, or lost too often)",
+        (),
+    ),
+}
 
 
 # "node b left: preempted" -> "left": the kind of ending, not the node (bounded labels);
