@@ -6,7 +6,7 @@ import importlib.metadata
 import logging
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +44,33 @@ def test_azure_spec_uses_the_connection_string(azurite: str) -> None:
     storage.ping()
 
 
-def test_a_batch_starts_no_threads(azurite: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def count_threads(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[threading.Thread]]:
+    """Call it to count the threads this process starts from then on (they still
+    start): the list they are added to."""
+
+    def count() -> list[threading.Thread]:
+        started: list[threading.Thread] = []
+        start = threading.Thread.start
+
+        def counted(thread: threading.Thread) -> None:
+            started.append(thread)
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", counted)
+        return started
+
+    return count
+
+
+def test_a_batch_starts_no_threads(
+    azurite: str, count_threads: Callable[[], list[threading.Thread]]
+) -> None:
     # azure-core would start a thread pool per transaction (and one per changeset): at
     # a rendezvous of a thousand joins, starting those threads cost more than the writes.
     assert use_batch_path()  # as `rallypoint serve` does at start-up
     table = open_storage("azure", connection_string=azurite, prefix="threads").table("jobs")
-    started: list[threading.Thread] = []
-    start = threading.Thread.start
-
-    def counted(thread: threading.Thread) -> None:
-        started.append(thread)
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", counted)
+    started = count_threads()
     table.batch([BatchOp("upsert", Entity("p", f"r{i}", {"v": i})) for i in range(100)])
     assert started == []
     assert sorted(e.data["v"] for e in table.query("p")) == list(range(100))
@@ -117,7 +131,9 @@ def stock_batches(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[logging.LogR
 
 
 def test_outside_the_tested_releases_batches_take_azure_cores_path(
-    azurite: str, stock_batches: list[logging.LogRecord], monkeypatch: pytest.MonkeyPatch
+    azurite: str,
+    stock_batches: list[logging.LogRecord],
+    count_threads: Callable[[], list[threading.Thread]],
 ) -> None:
     from azure.core.pipeline import Pipeline
 
@@ -130,14 +146,7 @@ def test_outside_the_tested_releases_batches_take_azure_cores_path(
     )
     [warning] = stock_batches  # once, however many tables
     assert "not a release the batch path was tested on" in warning.getMessage()
-    started: list[threading.Thread] = []
-    start = threading.Thread.start
-
-    def counted(thread: threading.Thread) -> None:
-        started.append(thread)
-        start(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", counted)
+    started = count_threads()
     table.batch([BatchOp("upsert", Entity("p", f"r{i}", {"v": i})) for i in range(100)])
     other.batch([BatchOp("insert", Entity("p", "a")), BatchOp("insert", Entity("p", "b"))])
     assert started, "azure-core's own path prepares sub-requests in its thread pools"
