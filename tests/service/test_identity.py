@@ -23,6 +23,7 @@ import pytest
 
 from rallypoint.client import (
     CREDENTIAL_HEADER,
+    Assignment,
     ElasticClient,
     InvalidCredential,
     JobSpec,
@@ -50,13 +51,17 @@ def spec(nodes: int, timeout: float = 60) -> JobSpec:
     )
 
 
+def join_at_once(clients: list[ElasticClient], s: JobSpec | None = None) -> list[Assignment]:
+    """Every client joins at once, each from a thread: their assignments."""
+    with ThreadPoolExecutor(len(clients)) as pool:
+        return list(pool.map(lambda c: c.join("127.0.0.1", spec=s), clients))
+
+
 def join(url: str, names: list[str], s: JobSpec | None = None, **kw: Any) -> list[ElasticClient]:
     """Clients of ``names``, joined into one generation of exactly them (by default a job
     of exactly that many nodes)."""
     clients = [ElasticClient(url, JOB, n, **kw) for n in names]
-    s = s or spec(len(names))
-    with ThreadPoolExecutor(len(clients)) as pool:
-        assignments = list(pool.map(lambda c: c.join("127.0.0.1", spec=s), clients))
+    assignments = join_at_once(clients, s or spec(len(names)))
     assert len({a.generation for a in assignments}) == 1
     assert all(c.credential for c in clients)
     return clients
@@ -266,11 +271,7 @@ def test_a_retried_join_gets_the_same_credential_and_a_new_join_a_new_one(start:
     # A new join of a (a restarted process): a new registration, a new credential, and
     # the old one acts for nothing any more.
     renewed = ElasticClient(url, JOB, "a")
-    threads = [threading.Thread(target=c.join, args=("127.0.0.1",)) for c in (renewed, b)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    join_at_once([renewed, b])
     assert renewed.assignment is not None and renewed.assignment.generation == 2
     assert renewed.credential not in (None, credential)
     before = snapshot(url, ["a", "b"])
@@ -338,11 +339,7 @@ def test_store_writes_go_only_into_the_running_generation(start: Start) -> None:
     assert store(b, 1, op="check", keys=["k"]).json()["found"] is True
     # Generation 2 seals (a and a newcomer): the writes refused above left nothing in it.
     c = ElasticClient(url, JOB, "c")
-    threads = [threading.Thread(target=n.join, args=("127.0.0.1",)) for n in (a, c)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    join_at_once([a, c])
     assert a.assignment is not None and a.assignment.generation == 2
     assert store(a, 2, op="num_keys").json()["count"] == 0
     assert store(a, 2, op="check", keys=["k"]).json()["found"] is False
