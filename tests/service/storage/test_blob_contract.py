@@ -5,9 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,6 +15,8 @@ from rallypoint.service.errors import AlreadyExists, BadRequest, InvalidName, No
 from rallypoint.service.storage import BlobStore, Storage
 from rallypoint.trainer import TransferDenied, TransferNotFound, download, upload
 from rallypoint.trainer.checkpoint._transfer import upload_parts
+
+from ..._race import one_winner
 
 MiB = 1 << 20
 MINUTE = timedelta(minutes=1)
@@ -92,20 +92,11 @@ def test_ranges(blobs: BlobStore) -> None:
 
 
 def test_create_if_absent_race_has_one_winner(blobs: BlobStore) -> None:
-    barrier = threading.Barrier(8)
+    def create(i: int) -> None:
+        blobs.put("race/manifest.json", f"writer {i}".encode() * 1000, if_absent=True)
 
-    def create(i: int) -> bool:
-        barrier.wait()
-        try:
-            blobs.put("race/manifest.json", f"writer {i}".encode() * 1000, if_absent=True)
-            return True
-        except AlreadyExists:
-            return False
-
-    with ThreadPoolExecutor(8) as pool:
-        wins = list(pool.map(create, range(8)))
-    assert wins.count(True) == 1
-    assert blobs.get("race/manifest.json") == f"writer {wins.index(True)}".encode() * 1000
+    winner = one_winner(create, AlreadyExists)
+    assert blobs.get("race/manifest.json") == f"writer {winner}".encode() * 1000
 
 
 def test_failed_upload_leaves_the_old_object(blobs: BlobStore) -> None:
