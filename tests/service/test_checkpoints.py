@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -37,6 +38,12 @@ TIMEOUT = 600.0
 @pytest.fixture
 def ckpts(rdzv: Rendezvous, blobs: BlobStore) -> Checkpoints:
     return Checkpoints(rdzv, blobs, keep=2, timeout=timedelta(seconds=TIMEOUT))
+
+
+def shard_report(node: str, gen: int, size: int, **fields: Any) -> ReportShard:
+    """``node``'s report of its one file, ``shard.safetensors`` of ``size`` bytes."""
+    shard = ShardFile(name="shard.safetensors", size=size, checksum="x:1")
+    return ReportShard(node_id=node, generation=gen, files=[shard], **fields)
 
 
 def test_ranks_racing_to_begin_a_step_get_one_version(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
@@ -105,8 +112,7 @@ def test_unuploaded_or_wrong_size_files_are_refused(
 ) -> None:
     gen, creds = seal(rdzv, ["a"])
     begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
-    files = [ShardFile(name="shard.safetensors", size=10, checksum="x:1")]
-    report = ReportShard(node_id="a", generation=gen, files=files)
+    report = shard_report("a", gen, 10)
     with pytest.raises(IncompleteUpload):
         ckpts.report("job", begun.version, report, creds["a"])
     blobs.put(f"job/v{begun.version:010d}/rank-00000/shard.safetensors", b"12345")
@@ -124,14 +130,8 @@ def test_a_zombie_from_an_ended_generation_is_refused(
     begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
     blobs.put(f"job/v{begun.version:010d}/rank-00000/shard.safetensors", b"zombie")
     rdzv.leave("job", "b", gen, "preempted", creds["b"])  # the generation ends
-    files = [ShardFile(name="shard.safetensors", size=6, checksum="x:1")]
     with pytest.raises(StaleGeneration):
-        ckpts.report(
-            "job",
-            begun.version,
-            ReportShard(node_id="a", generation=gen, files=files),
-            creds["a"],
-        )
+        ckpts.report("job", begun.version, shard_report("a", gen, 6), creds["a"])
     with pytest.raises(StaleGeneration):
         ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=2), creds["a"])
     with pytest.raises(UnknownNode):
@@ -148,28 +148,16 @@ def test_a_report_for_another_generations_version_is_refused(
     old = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
     rdzv.leave("job", "a", gen, "restart", creds["a"])
     gen2, creds = seal(rdzv, ["a"])
-    files = [ShardFile(name="shard.safetensors", size=1, checksum="x:1")]
     with pytest.raises(CheckpointConflict):
-        ckpts.report(
-            "job",
-            old.version,
-            ReportShard(node_id="a", generation=gen2, files=files),
-            creds["a"],
-        )
+        ckpts.report("job", old.version, shard_report("a", gen2, 1), creds["a"])
 
 
 def test_metadata_over_the_limit_is_refused(ckpts: Checkpoints, rdzv: Rendezvous) -> None:
     gen, creds = seal(rdzv, ["a"])
     begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=1), creds["a"])
-    files = [ShardFile(name="shard.safetensors", size=1, checksum="x:1")]
-    huge = {"blob": "x" * (600 * 1024)}
+    huge = shard_report("a", gen, 1, metadata={"blob": "x" * (600 * 1024)})
     with pytest.raises(InvalidRequest):
-        ckpts.report(
-            "job",
-            begun.version,
-            ReportShard(node_id="a", generation=gen, files=files, metadata=huge),
-            creds["a"],
-        )
+        ckpts.report("job", begun.version, huge, creds["a"])
 
 
 def test_unfinished_versions_are_collected_after_the_timeout(
@@ -180,10 +168,7 @@ def test_unfinished_versions_are_collected_after_the_timeout(
     # Rank a uploads and reports step 20; rank b dies mid-upload.
     begun = ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=20), creds["a"])
     blobs.put(f"job/v{begun.version:010d}/rank-00000/shard.safetensors", b"half")
-    files = [ShardFile(name="shard.safetensors", size=4, checksum="x:1")]
-    info = ckpts.report(
-        "job", begun.version, ReportShard(node_id="a", generation=gen, files=files), creds["a"]
-    )
+    info = ckpts.report("job", begun.version, shard_report("a", gen, 4), creds["a"])
     assert info.state == "pending" and info.reported == 1
     assert ckpts.collect("job") == []  # not yet: its uploads may still finish
     clock.advance(TIMEOUT + 1)
@@ -239,9 +224,7 @@ def test_two_coordinators_commit_one_version(
             "job", BeginCheckpoint(node_id=node, generation=gen, step=7), creds[node]
         )
         blobs.put(f"job/v{begun.version:010d}/rank-{begun.rank:05d}/shard.safetensors", b"x")
-        files = [ShardFile(name="shard.safetensors", size=1, checksum="x:1")]
-        report = ReportShard(node_id=node, generation=gen, files=files)
-        return ckpts.report("job", begun.version, report, creds[node]).state
+        return ckpts.report("job", begun.version, shard_report(node, gen, 1), creds[node]).state
 
     with ThreadPoolExecutor(6) as pool:
         states = list(pool.map(rank, range(6)))
@@ -330,14 +313,11 @@ def test_only_a_members_own_credential_begins_reports_or_restores(
     committed = save(ckpts, blobs, ["a", "b"], gen, 1, creds)
     begun = ckpts.begin("job", BeginCheckpoint(node_id="b", generation=gen, step=2), creds["b"])
     blobs.put(f"job/v{begun.version:010d}/rank-00001/shard.safetensors", b"b@2")
-    files = [ShardFile(name="shard.safetensors", size=3, checksum="x:1")]
     ckpts.begin("job", BeginCheckpoint(node_id="a", generation=gen, step=2), creds["a"])
     before = (rdzv.get_job("job"), ckpts.versions("job"))
     for wrong in (creds["a"], None, "A" * 43):
         with pytest.raises(InvalidCredential):
-            ckpts.report(
-                "job", begun.version, ReportShard(node_id="b", generation=gen, files=files), wrong
-            )
+            ckpts.report("job", begun.version, shard_report("b", gen, 3), wrong)
         with pytest.raises(InvalidCredential):
             ckpts.begin("job", BeginCheckpoint(node_id="b", generation=gen, step=3), wrong)
         with pytest.raises(InvalidCredential):
