@@ -7,8 +7,8 @@ read the job and query the partition. Per job that this process serves, one task
   long-polls read it from memory) and wakes the long-polls when it changes;
 - calls :meth:`Rendezvous.tick` (seal an open round, end a generation with a silent
   member) as soon as a join asks and otherwise at least every ``max_tick``;
-- writes the heartbeats it received since its last pass as batches of 100, and keeps
-  the nodes long-polling here alive the same way;
+- writes the heartbeats it received since its last pass as batches of 100, each stamped
+  with the time it arrived, and keeps the nodes long-polling here alive the same way;
 - reads the job at once, for every request that names a generation newer than the
   snapshot (another replica sealed it since this one's last pass), before any of them is
   answered: behind a balancer that sends each request to the next replica, a node's
@@ -81,12 +81,14 @@ class _JobState:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    beats: dict[str, int] = field(default_factory=dict)
-    dropped: dict[str, float] = field(default_factory=dict)
+    # Each node's queued beat: its generation and when it arrived (see Driver.dropped).
+    beats: dict[str, tuple[int, float]] = field(default_factory=dict)
+    dropped: dict[str, object] = field(default_factory=dict)
     waiters: Counter[str] = field(default_factory=Counter)
     creating: asyncio.Lock = field(default_factory=asyncio.Lock)
     tick_now: bool = True
     failing_since: float | None = None  # the first of the passes failing since
+    pass_seconds: float = 0.0  # how long the last storage pass took
     last_used: float = field(default_factory=time.monotonic)
     error: BaseException | None = None
     task: asyncio.Task[None] | None = None
@@ -102,7 +104,9 @@ class Driver:
         interval: Seconds between passes: the age of a snapshot, the delay of a beat.
         max_tick: Seconds between ticks at most, which bounds failure detection.
         idle: Seconds without requests after which a job's task stops.
-        reconnect: Seconds a member whose heartbeat watch was cut has to beat again.
+        reconnect: Seconds a node whose heartbeat watch (a held heartbeat, or a held
+            join) was cut has to beat again, to which the duration of this process's
+            last storage pass is added (a beat through another replica waits for one).
         grace: Seconds that :meth:`snapshot` answers with the last job read while
             storage does not answer: nothing can change a job meanwhile, as nobody can
             write it, so heartbeats go on being answered through a storage outage.
@@ -115,7 +119,7 @@ class Driver:
         interval: float = 0.1,
         max_tick: float = 0.5,
         idle: float = 30.0,
-        reconnect: float = 1.0,
+        reconnect: float = 0.25,
         grace: float = 60.0,
     ) -> None:
         self.rdzv = rdzv
@@ -246,28 +250,42 @@ class Driver:
                 state.changed.set_result(None)
             state.changed = asyncio.get_running_loop().create_future()
 
-    def queue_beat(self, job_id: str, node_id: str, generation: int) -> None:
-        """Queues a heartbeat; it is written within one interval."""
+    def queue_beat(self, job_id: str, node_id: str, generation: int) -> float:
+        """Queues a heartbeat; it is written within one interval, stamped with the time
+        it arrived, which it returns (a held beat's cut is judged against it)."""
         state = self._state(job_id)
-        state.beats[node_id] = generation
+        arrived = self.rdzv.clock()
+        state.beats[node_id] = (generation, arrived)
         state.dropped.pop(node_id, None)
+        return arrived
 
-    def dropped(self, job_id: str, node_id: str) -> None:
-        """A member's heartbeat watch was cut: its process exited (the kernel closes its
+    def dropped(self, job_id: str, node_id: str, since: float | None = None) -> None:
+        """A node's heartbeat watch was cut: its process exited (the kernel closes its
         sockets when a process dies, even by SIGKILL). A live client reconnects at once;
-        if no beat of the node arrives here within ``reconnect`` seconds, nor reaches
-        storage through another replica, it counts as silent now rather than at the end
-        of its heartbeat timeout."""
+        if no beat of the node arrives here within ``reconnect`` seconds (and this
+        process's last storage pass), nor reaches storage through another replica, it
+        counts as silent now rather than at the end of its heartbeat timeout.
+
+        Args:
+            since: Only a beat that arrived later counts as the node's return: for a
+                held heartbeat, the time that beat arrived (a later request is the
+                node's; the held beat's own write may reach storage after the cut: a
+                node killed within a pass of its beat was found only at the timeout);
+                by default now (a held join, whose waits are beaten for by the driver).
+        """
         state = self._state(job_id)
-        at = time.time()
-        state.dropped[node_id] = at
+        since = self.rdzv.clock() if since is None else since
+        mark = object()
+        state.dropped[node_id] = mark
 
         async def check() -> None:
-            await asyncio.sleep(self.reconnect)
-            if state.dropped.get(node_id) != at:
+            await asyncio.sleep(self.reconnect + state.pass_seconds)
+            if state.dropped.get(node_id) is not mark:
                 return  # it beat again here
             del state.dropped[node_id]
-            if await anyio.to_thread.run_sync(self.rdzv.expire, job_id, node_id, at):
+            if node_id in state.waiters:
+                return  # it waits here again
+            if await anyio.to_thread.run_sync(self.rdzv.expire, job_id, node_id, since):
                 log.info("job %s: node %s dropped its heartbeat watch", job_id, node_id)
                 self.poke(job_id)
 
@@ -280,6 +298,12 @@ class Driver:
         """Marks a node as long-polling here, which keeps its heartbeat fresh."""
         state = self._state(job_id)
         state.waiters[node_id] += 1
+        # Its first wait here is a beat at once, not at the next waiters' beat: a join
+        # that follows a cut one (through any replica) must reach storage within the
+        # reconnect window.
+        state.dropped.pop(node_id, None)
+        if node_id not in state.beats:
+            state.beats[node_id] = (0, self.rdzv.clock())
         try:
             yield
         finally:
@@ -321,8 +345,9 @@ class Driver:
             beats, state.beats = state.beats, {}
             try:
                 if state.waiters and started >= next_waiter_beat:
+                    now = self.rdzv.clock()
                     for node_id in state.waiters:
-                        beats.setdefault(node_id, 0)
+                        beats.setdefault(node_id, (0, now))
                     next_waiter_beat = started + timeout / 3
                 tick = (state.tick_now and started >= earliest_poked_tick) or started >= next_tick
                 if tick:
@@ -344,6 +369,7 @@ class Driver:
                     )
                 state.error = None
                 state.failing_since = None
+                state.pass_seconds = time.monotonic() - started
             except Exception as exc:  # storage down, job deleted: report to requests, retry
                 if state.failing_since is None:
                     log.warning("job %s: %s", job_id, exc)
@@ -365,7 +391,7 @@ class Driver:
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
     def _storage_pass(
-        self, job_id: str, beats: dict[str, int], tick: bool, budget: float
+        self, job_id: str, beats: dict[str, tuple[int, float]], tick: bool, budget: float
     ) -> tuple[Job, float | None]:
         """A pass's storage work, in one worker thread: writes the beats, then ticks (or
         reads the job) and warms the sealed generation's cache.
@@ -382,11 +408,11 @@ class Driver:
             The job, and the tick's wait (None without a tick).
         """
         with each_try_within(budget):
-            by_generation: dict[int, list[str]] = {}
-            for node_id, generation in beats.items():
-                by_generation.setdefault(generation, []).append(node_id)
+            by_generation: dict[int, dict[str, float]] = {}
+            for node_id, (generation, arrived) in beats.items():
+                by_generation.setdefault(generation, {})[node_id] = arrived
             for generation, nodes in by_generation.items():
-                self.rdzv.record_beats(job_id, nodes, generation)
+                self.rdzv.record_beats(job_id, nodes, generation, at=nodes)
             wait: float | None = None
             if tick:
                 fresh, wait = self.rdzv.tick(job_id)

@@ -756,20 +756,35 @@ class Rendezvous:
             and node.node_id in self.sealed(job.job_id, job.generation).ranks
         )
 
-    def record_beats(self, job_id: str, node_ids: Iterable[str], generation: int = 0) -> None:
-        """Records that nodes are alive now (in batches of 100 of one partition)."""
+    def record_beats(
+        self,
+        job_id: str,
+        node_ids: Iterable[str],
+        generation: int = 0,
+        *,
+        at: Mapping[str, float] | None = None,
+    ) -> None:
+        """Records that nodes are alive (in batches of 100 of one partition).
+
+        Args:
+            at: When each node's beat arrived; a node it does not name: now. (A beat is
+                written up to a pass after it arrived: stamped with its write, it could
+                hide the cut of the held heartbeat it came with, see :meth:`expire`.)
+        """
         now = self.clock()
         by_partition: dict[str, list[BatchOp]] = {}
         for n in dict.fromkeys(node_ids):
             partition = self._partition(job_id, n)
-            by_partition.setdefault(partition, []).append(_beat_op(partition, n, now, generation))
+            when = now if at is None else at.get(n, now)
+            by_partition.setdefault(partition, []).append(_beat_op(partition, n, when, generation))
 
         for ops in by_partition.values():
             for start in range(0, len(ops), 100):
                 self.table.batch(ops[start : start + 100])
 
     def expire(self, job_id: str, node_id: str, since: float) -> bool:
-        """Marks a node silent, unless it beat after ``since`` (through any replica).
+        """Marks a node silent, unless a beat of it arrived after ``since`` (through any
+        replica). A node marked silent is not sealed into a round (see :meth:`tick`).
 
         Returns:
             Whether it was marked (by ETag condition: a beat written meanwhile wins).
@@ -961,9 +976,16 @@ class Rendezvous:
             # Too few even if all are alive: spares reading every beat at each tick while
             # thousands of nodes register.
             return False, math.inf
-        beats = self._beats(job.job_id)
+        cut: set[str] = set()
+        beats = self._beats(job.job_id, cut)
         timeout = _seconds(spec.heartbeat_timeout)
-        waiting = seal.alive(registered, beats, now, self.resumed_at, timeout)
+        # A node whose held join was cut and that did not beat since is gone: its
+        # seal would only end the generation at once (a watch is held from the join).
+        waiting = [
+            n
+            for n in seal.alive(registered, beats, now, self.resumed_at, timeout)
+            if n.node_id not in cut
+        ]
         if len(waiting) < spec.min_nodes:
             return False, math.inf
         previous: dict[str, int] = {}

@@ -59,12 +59,12 @@ class Settings(BaseSettings):
     #: last view of each job and stays ready. Past it, it reports unready and answers
     #: 503 (see docs/OPERATIONS.md, "Storage outages").
     storage_grace: float = Field(60.0, gt=0, le=3600)
-    #: Seconds a member whose held heartbeat was cut (its process died, or a proxy cut
-    #: it) has to beat again before its generation ends: the floor of a node loss's
-    #: detection. Lower detects sooner; a beat through another replica must reach
-    #: storage within it, so below a heartbeat interval a cut connection of a live
-    #: node can end its generation.
-    heartbeat_reconnect: float = Field(1.0, gt=0, le=30)
+    #: Seconds a node whose held heartbeat or held join was cut (its process died, or a
+    #: proxy cut it) has to beat again before its generation ends or its round leaves
+    #: it out: the floor of a node loss's detection. The replica adds its last storage
+    #: pass's duration (a beat through another replica waits for one). Lower detects
+    #: sooner; a live node's reconnection must beat within it.
+    heartbeat_reconnect: float = Field(0.25, gt=0, le=30)
 
     @field_validator("storage")
     @classmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from dataclasses import replace
@@ -217,54 +218,86 @@ async def _await_seal(
     # sealed missed a seal through another replica (a round's own seal wakes the wait).
     join_timeout = (await driver.snapshot(job_id, round - 1))[0].spec.join_timeout.total_seconds()
     deadline = time.monotonic() + wait
-    with driver.waiting(job_id, node_id):
-        while True:
-            job, changed = await driver.snapshot(job_id)
-            # Before the seal, or with the generation cached, no storage is read: stay on
-            # the event loop rather than hop to a thread for each of a thousand waiters.
-            if job.generation < round or rdzv.cached(job_id, round) is not None:
-                outcome = rdzv.outcome(job, node_id, round)
-            else:
-                outcome = await anyio.to_thread.run_sync(rdzv.outcome, job, node_id, round)
-            if outcome == "missed":
-                # Sealed without this node (it came too late): it wants the next one.
-                node = await anyio.to_thread.run_sync(
-                    functools.partial(
-                        rdzv.register,
-                        job_id,
-                        node_id,
-                        node.addr,
-                        node.port,
-                        None,
-                        node.join_id,
-                        node.peer,
-                        node.registration,  # the same join: the caller's credential holds
-                        known=job,
-                    )
+    # The held join is the node's watch until its first held heartbeat: a cut one (its
+    # process died while it waited) keeps it out of the round, as a cut heartbeat ends
+    # a generation, rather than sealing a dead node and finding it at the timeout.
+    gone = hang_up(request.receive)
+    try:
+        with driver.waiting(job_id, node_id):
+            reply = await _wait_for_seal(
+                job_id, node, join_timeout, deadline, rdzv, driver, response, gone
+            )
+    finally:
+        gone.cancel()
+    if reply is None:
+        # Out of the driver's waiters first: their beats would hide the cut.
+        driver.dropped(job_id, node_id)
+        response.status_code = 202
+        return JoinReply(status="waiting", round=node.round, credential=credential)
+    return reply
+
+
+async def _wait_for_seal(
+    job_id: str,
+    node: Node,
+    join_timeout: float,
+    deadline: float,
+    rdzv: Rendezvous,
+    driver: Driver,
+    response: Response,
+    gone: asyncio.Future[None],
+) -> JoinReply | Response | None:
+    """The wait of :func:`_await_seal`; None once the caller hung up."""
+    node_id, round, credential = node.node_id, node.round, node.credential
+    while True:
+        job, changed = await driver.snapshot(job_id)
+        # Before the seal, or with the generation cached, no storage is read: stay on
+        # the event loop rather than hop to a thread for each of a thousand waiters.
+        if job.generation < round or rdzv.cached(job_id, round) is not None:
+            outcome = rdzv.outcome(job, node_id, round)
+        else:
+            outcome = await anyio.to_thread.run_sync(rdzv.outcome, job, node_id, round)
+        if outcome == "missed":
+            # Sealed without this node (it came too late): it wants the next one.
+            node = await anyio.to_thread.run_sync(
+                functools.partial(
+                    rdzv.register,
+                    job_id,
+                    node_id,
+                    node.addr,
+                    node.port,
+                    None,
+                    node.join_id,
+                    node.peer,
+                    node.registration,  # the same join: the caller's credential holds
+                    known=job,
                 )
-                round = node.round
-                driver.poke(job_id)
+            )
+            round = node.round
+            driver.poke(job_id)
+            continue
+        if outcome is not None:
+            return _sealed_reply(job_id, node, outcome)
+        if rdzv.clock() - node.joined_at > join_timeout:
+            # Not refused before storage is read: the round may have sealed through
+            # another replica since this one's last pass.
+            if (await driver.snapshot(job_id, round))[0].generation >= round:
                 continue
-            if outcome is not None:
-                return _sealed_reply(job_id, node, outcome)
-            if rdzv.clock() - node.joined_at > join_timeout:
-                # Not refused before storage is read: the round may have sealed through
-                # another replica since this one's last pass.
-                if (await driver.snapshot(job_id, round))[0].generation >= round:
-                    continue
-                blocked = rdzv.blocked(job)
-                raise JoinTimeout(
-                    f"round {round} of job {job_id!r} did not seal within {join_timeout:.0f} s"
-                    + (f"; {blocked}" if blocked else "")
-                )
-            left = deadline - time.monotonic()
-            if left <= 0 or driver.closing or await request.is_disconnected():
-                response.status_code = 202
-                return JoinReply(status="waiting", round=round, credential=credential)
-            # The seal resolves ``changed``; the timeout only paces the join-timeout and
-            # disconnect checks, and a vanished waiter must not look alive for long.
-            pace = max(1.0, job.spec.heartbeat_timeout.total_seconds() / 3)
-            await until_changed(changed, min(left, pace))
+            blocked = rdzv.blocked(job)
+            raise JoinTimeout(
+                f"round {round} of job {job_id!r} did not seal within {join_timeout:.0f} s"
+                + (f"; {blocked}" if blocked else "")
+            )
+        left = deadline - time.monotonic()
+        if gone.done():
+            return None
+        if left <= 0 or driver.closing:
+            response.status_code = 202
+            return JoinReply(status="waiting", round=round, credential=credential)
+        # The seal resolves ``changed`` and a hang-up ``gone``; the timeout only paces
+        # the join-timeout checks.
+        pace = max(1.0, job.spec.heartbeat_timeout.total_seconds() / 3)
+        await until_changed(changed, min(left, pace), gone)
 
 
 @router.post(
@@ -341,8 +374,9 @@ async def answer_heartbeat(
             node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
         credentials.check(node.cred, credential, node_id)
     state.metrics.heartbeats.labels(job_id).inc()  # a beat of the node itself
+    arrived = None
     if action == "continue":
-        driver.queue_beat(job_id, node_id, generation or 0)
+        arrived = driver.queue_beat(job_id, node_id, generation or 0)
     if generation is not None and wait > 0 and action == "continue" and not driver.closing:
         # Held until the job changes, the caller hangs up, or the hold ends.
         deadline = time.monotonic() + wait
@@ -355,7 +389,7 @@ async def answer_heartbeat(
                 await until_changed(changed, left, gone)
                 if gone.done():
                     # The member's process is gone (or will reconnect at once: see dropped).
-                    driver.dropped(job_id, node_id)
+                    driver.dropped(job_id, node_id, arrived)
                     break
                 job, changed = await driver.snapshot(job_id)
                 action = rdzv.judge_beat(job, node_id, generation)

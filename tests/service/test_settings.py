@@ -13,11 +13,11 @@ from rallypoint.service.settings import Settings
 
 
 def test_the_heartbeat_reconnect_window_is_the_drivers(tmp_path: Path) -> None:
-    settings = Settings(storage=f"local:{tmp_path}", heartbeat_reconnect=0.25)
+    settings = Settings(storage=f"local:{tmp_path}", heartbeat_reconnect=1.0)
     with TestClient(create_app(settings)) as client:
-        assert client.app.state.driver.reconnect == 0.25  # type: ignore[attr-defined]
-    with TestClient(create_app(Settings(storage=f"local:{tmp_path}"))) as client:
         assert client.app.state.driver.reconnect == 1.0  # type: ignore[attr-defined]
+    with TestClient(create_app(Settings(storage=f"local:{tmp_path}"))) as client:
+        assert client.app.state.driver.reconnect == 0.25  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("seconds", [0, -1, 31])
