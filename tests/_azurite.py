@@ -116,6 +116,16 @@ class Azurite:
     def thaw(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
 
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Frozen (:meth:`freeze`) while the block runs, as an account that hangs; thawed
+        after it, however it ends."""
+        self.freeze()
+        try:
+            yield
+        finally:
+            self.thaw()
+
     def kill(self) -> None:
         """SIGKILL, as a crash (what it persisted survives)."""
         if self.proc is not None and self.proc.poll() is None:

@@ -22,6 +22,7 @@ from rallypoint.service.storage import (
     AzureStorage,
     Entity,
     Health,
+    Table,
     each_try_within,
     remaining,
     within,
@@ -148,12 +149,18 @@ def azure(own_azurite: Azurite) -> Iterator[AzureStorage]:
     storage.close()
 
 
+@pytest.fixture
+def table(azure: AzureStorage) -> Table:
+    """The ``azure`` storage's table of jobs, with one row: ``p``/``r``, ``x`` = 1."""
+    jobs = azure.table("jobs")
+    jobs.upsert(Entity("p", "r", {"x": 1}))
+    return jobs
+
+
 @pytest.mark.azurite
 def test_work_that_grows_with_a_job_limits_each_try_not_the_whole(
-    azure: AzureStorage, own_azurite: Azurite
+    table: Table, own_azurite: Azurite
 ) -> None:
-    table = azure.table("jobs")
-    table.upsert(Entity("p", "r", {"x": 1}))
     # A tick of a large job: many reads, together longer than the limit (the pauses stand
     # for the reads of ten thousand rows); each read is quick, so none fails.
     with each_try_within(0.3):
@@ -166,24 +173,18 @@ def test_work_that_grows_with_a_job_limits_each_try_not_the_whole(
             table.get("p", "r")
             time.sleep(0.2)
     # A frozen account still shows within the limit of one try.
-    own_azurite.freeze()
-    try:
+    with own_azurite.frozen():
         started = time.monotonic()
         with each_try_within(1.0), pytest.raises(StorageUnavailable):
             table.get("p", "r")
         assert time.monotonic() - started < 2.5
-    finally:
-        own_azurite.thaw()
 
 
 @pytest.mark.azurite
 def test_a_call_under_a_deadline_fails_within_it_when_storage_is_frozen(
-    azure: AzureStorage, own_azurite: Azurite
+    azure: AzureStorage, table: Table, own_azurite: Azurite
 ) -> None:
-    table = azure.table("jobs")
-    table.upsert(Entity("p", "r", {"x": 1}))
-    own_azurite.freeze()
-    try:
+    with own_azurite.frozen():
         started = time.monotonic()
         with within(1.0), pytest.raises(StorageUnavailable):
             table.get("p", "r")
@@ -194,8 +195,6 @@ def test_a_call_under_a_deadline_fails_within_it_when_storage_is_frozen(
             table.upsert(Entity("p", "r", {"x": 2}))
         assert time.monotonic() - started < 0.5
         assert azure.health.down_for() > 0
-    finally:
-        own_azurite.thaw()
     # Back: the next try after the probe interval goes through and closes the breaker.
     deadline = time.monotonic() + 10
     while True:
@@ -221,15 +220,11 @@ def test_a_write_during_an_outage_is_503_with_retry_after(
     from rallypoint.service.settings import Settings
 
     app = create_app(Settings(storage=f"local:{tmp_path}"), storage=azure)
-    with TestClient(app) as coordinator:
-        own_azurite.freeze()
-        try:
-            reply = coordinator.post(
-                "/v1/jobs/j/join",
-                json={"node_id": "a", "addr": "h", "spec": {"min_nodes": 1, "max_nodes": 1}},
-            )
-        finally:
-            own_azurite.thaw()
+    with TestClient(app) as coordinator, own_azurite.frozen():
+        reply = coordinator.post(
+            "/v1/jobs/j/join",
+            json={"node_id": "a", "addr": "h", "spec": {"min_nodes": 1, "max_nodes": 1}},
+        )
     assert reply.status_code == 503 and reply.json()["code"] == "storage_unavailable"
     assert reply.headers["Retry-After"] == "1"
 
