@@ -18,6 +18,7 @@ import pytest
 from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 from rallypoint.trainer import ElasticSampler
 
+from .._state_checks import STATE_CHECKS
 from .._support import status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -25,12 +26,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 #: DeepSpeed on CPU: its accelerator, and gloo under it.
 DS_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
-WORKER = r'''
+WORKER = (
+    r"""
 import argparse, io, json, os, time
 import torch, torch.distributed as dist
 import xxhash
 import deepspeed
-from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import ElasticSampler, PreemptionWatcher, SavePolicy
 import rallypoint.trainer.deepspeed as rp_deepspeed
@@ -58,49 +59,17 @@ def event(kind, **fields):
     with open(args.events, "a") as f:
         f.write(json.dumps(line) + "\n")
 
-def tensors(value, out):
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, dict):
-        for k in sorted(value, key=str):
-            tensors(value[k], out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            tensors(v, out)
-
-def saves_back(engine):
-    # A user's own torch.save of the resumed state loads back equal (issue 36).
-    state = {"model": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
-    buf = io.BytesIO(); torch.save(state, buf); buf.seek(0)
-    old, new = [], []; tensors(state, old); tensors(torch.load(buf, weights_only=False), new)
-    # Bit for bit: a NaN (uninitialized padding of a flat buffer) equals itself here.
-    bits = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return len(old) == len(new) and all(
-        x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
-        for x, y in zip(old, new))
+"""
+    + STATE_CHECKS
+    + r'''
+def state(engine):
+    return {"model": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict()}
 
 def digests(engine):
     """This rank's model (its ZeRO-3 partition) and optimizer partition, gathered."""
-    mine = []
-    for p in engine.module.parameters():
-        mine.append(getattr(p, "ds_tensor", p))
+    mine = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
     tensors(engine.optimizer.state_dict(), mine)
-    h = xxhash.xxh3_64()
-    for t in mine:
-        h.update(t.detach().float().contiguous().numpy().tobytes())
-    out = [None] * world
-    dist.all_gather_object(out, h.hexdigest())
-    return out
-
-def full_digest(engine):
-    """The consolidated state, whatever the partitioning: each parameter's full fp32
-    value and Adam moments (gathered: every rank calls it)."""
-    h = xxhash.xxh3_64()
-    for _, p in engine.module.named_parameters():
-        for t in (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"),
-                  safe_get_full_optimizer_state(p, "exp_avg_sq")):
-            h.update(t.detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    return gathered_digests(mine)
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
@@ -129,10 +98,10 @@ latest = os.path.join(os.environ["SAVE_DIR"], "latest")
 event("resumed", version=restored.version if restored else None,
       step=engine.global_steps + 1,
       digests=digests(engine) if restored else None,
-      full=full_digest(engine) if restored else None,
+      full=full_digest(engine.module) if restored else None,
       saved_by=checkpoints.saved_dp_world_size, reshard_s=checkpoints.reshard_seconds,
       bytes_from=restored.bytes_from if restored else None,
-      saves_back=saves_back(engine) if restored else None,
+      saves_back=saves_back(state(engine)) if restored else None,
       sampler=sampler.state_dict(), accumulation=accumulation,
       # What this node's folder's `latest` said while the version loaded: DeepSpeed's
       # rank 0 rewrites it at each save, so the end of a run no longer shows it.
@@ -155,7 +124,7 @@ def train_step(s, indices):
         event("step", step=s, loss=round(loss.item(), 5))
     stop = watcher.should_stop()
     if s % args.every == 0 or stop:
-        d, full = digests(engine), full_digest(engine)
+        d, full = digests(engine), full_digest(engine.module)
         if rank == 0:
             event("saving", step=s, digests=d, full=full)
         # The sampler's position is part of the version: DeepSpeed keeps client_state
@@ -182,6 +151,7 @@ checkpoints.wait()
 event("finished", step=engine.global_steps, loss=round(loss.item(), 5))
 checkpoints.close()
 '''
+)
 
 
 def test_import_of_rallypoint_trainer_imports_no_framework() -> None:

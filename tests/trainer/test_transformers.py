@@ -32,6 +32,7 @@ from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 from rallypoint.trainer import ElasticSampler, WorldSizeError
 from rallypoint.trainer._transformers import EpochSampler, horizon_steps, job_batch_plan
 
+from .._state_checks import STATE_CHECKS
 from .._support import status
 from .._versions import final_model, largest_relative_difference
 
@@ -128,7 +129,8 @@ def test_job_batch_plan_keeps_the_first_generations_global_batch() -> None:
 #: DeepSpeed on CPU: its accelerator, and gloo under it; one thread per process.
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
-WORKER = r"""
+WORKER = (
+    r"""
 import argparse, io, json, os, time
 import torch, torch.distributed as dist
 import xxhash
@@ -196,48 +198,18 @@ class Recording(RallypointTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.losses.append(float(loss)); return loss
 
-def tensors(value, out):
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, dict):
-        for k in sorted(value, key=str):
-            tensors(value[k], out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            tensors(v, out)
-
-def state():
+"""
+    + STATE_CHECKS
+    + r"""
+def rank_state():
     # Model (replicated) and this rank's optimizer state (with ZeRO, its partition).
     optimizer = trainer.model_wrapped.optimizer if a.zero else trainer.optimizer
     return {"model": trainer.model.state_dict(), "optimizer": optimizer.state_dict()}
 
-def saves_back():
-    # A user's own torch.save of the resumed state loads back equal (issue 36).
-    buf = io.BytesIO(); torch.save(state(), buf); buf.seek(0)
-    old, new = [], []; tensors(state(), old); tensors(torch.load(buf, weights_only=False), new)
-    # Bit for bit: a NaN (uninitialized padding of a flat buffer) equals itself here.
-    bits = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return len(old) == len(new) and all(
-        x.dtype == y.dtype and x.shape == y.shape and torch.equal(bits(x), bits(y))
-        for x, y in zip(old, new))
-
 def digests():
     mine = []
-    tensors(state(), mine)
-    h = xxhash.xxh3_64()
-    for t in mine:
-        h.update(t.detach().float().contiguous().numpy().tobytes())
-    out = [None] * dist.get_world_size(); dist.all_gather_object(out, h.hexdigest()); return out
-
-def full_digest():
-    # ZeRO: the consolidated state (each parameter's full fp32 value and Adam moments),
-    # equal whatever the partitioning, so comparable across a reshard; every rank gathers.
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-    h = xxhash.xxh3_64()
-    for _, p in trainer.model_wrapped.module.named_parameters():
-        for t in (safe_get_full_fp32_param(p), safe_get_full_optimizer_state(p, "exp_avg"), safe_get_full_optimizer_state(p, "exp_avg_sq")):
-            h.update(t.detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()
+    tensors(rank_state(), mine)
+    return gathered_digests(mine)
 
 def resharded():
     # Only after a reshard: DeepSpeed's rigid ZeRO-2 load leaves the moments unreadable
@@ -252,7 +224,7 @@ class Log(TrainerCallback):
         with open(a.events, "a") as fh: fh.write(json.dumps(line) + "\n")
     def on_train_begin(self, args, state, control, **kw):
         r = trainer.restored
-        self.ev("resumed", version=r.version if r else None, step=state.global_step + 1, digests=digests() if r else None, bytes_from=r.bytes_from if r else None, saves_back=saves_back() if r else None, full=full_digest() if r and resharded() else None, max_steps=state.max_steps, plan=trainer.batch_plan.describe())
+        self.ev("resumed", version=r.version if r else None, step=state.global_step + 1, digests=digests() if r else None, bytes_from=r.bytes_from if r else None, saves_back=saves_back(rank_state()) if r else None, full=full_digest(trainer.model_wrapped.module) if r and resharded() else None, max_steps=state.max_steps, plan=trainer.batch_plan.describe())
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs: self.loss = round(float(logs["loss"]), 5)
     def on_step_end(self, args, state, control, **kw):
@@ -265,7 +237,7 @@ class Log(TrainerCallback):
                 time.sleep(0.05)
     def on_save(self, args, state, control, **kw):
         self.saved = True
-        d, full = digests(), full_digest() if a.zero else None
+        d, full = digests(), full_digest(trainer.model_wrapped.module) if a.zero else None
         if dist.get_rank() == 0:
             self.ev("saving", step=state.global_step, digests=d, full=full)
             if trainer.emergency:
@@ -277,6 +249,7 @@ trainer = Recording(keep_global_batch=not a.keep_per_device, model=model, args=a
 trainer.train(resume_from_checkpoint=True)
 trainer.checkpoints.close()
 """
+)
 
 
 def stale_output_dir(path: Path) -> Path:
