@@ -11,17 +11,8 @@ from azure.data.tables import EdmType, EntityProperty, TableClient, UpdateMode
 
 from ..errors import BadRequest
 from ._azure_errors import storage_errors
-from ._table import (
-    BatchOp,
-    Cond,
-    Entity,
-    Page,
-    Table,
-    Value,
-    continuation_cursor,
-    continuation_token,
-    matches,
-)
+from ._continuation import continuation_cursor, continuation_token
+from ._table import BatchOp, Cond, Entity, Page, Table, Value, matches
 
 __all__ = ["AzureTable"]
 

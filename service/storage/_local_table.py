@@ -19,16 +19,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..errors import AlreadyExists, Modified, NotFound, StorageUnavailable
-from ._table import (
-    BatchOp,
-    Cond,
-    Entity,
-    Page,
-    Table,
-    Value,
-    continuation_cursor,
-    continuation_token,
-)
+from ._continuation import continuation_cursor, continuation_token
+from ._table import BatchOp, Cond, Entity, Page, Table, Value
 
 __all__ = ["LocalTable"]
 

@@ -6,7 +6,6 @@ Modelled on Azure Table storage, whose semantics both adapters follow exactly.
 from __future__ import annotations
 
 import abc
-import base64
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -15,17 +14,7 @@ from ..errors import BadRequest
 from ._names import MAX_BATCH_OPS, check_entity, check_key, check_property_name
 from ._port import Port
 
-__all__ = [
-    "BatchOp",
-    "Cond",
-    "Entity",
-    "Page",
-    "Table",
-    "Value",
-    "continuation_cursor",
-    "continuation_token",
-    "matches",
-]
+__all__ = ["BatchOp", "Cond", "Entity", "Page", "Table", "Value", "matches"]
 
 #: The property types a table stores. ``int`` is stored as a 64-bit integer, ``float`` as a
 #: double. ``None`` means "absent": such properties are not stored and are not read back.
@@ -277,24 +266,6 @@ class Table(Port):
 
     @abc.abstractmethod
     def _batch(self, ops: list[BatchOp]) -> list[Entity | None]: ...
-
-
-def continuation_token(cursor: str) -> str:
-    """The opaque token a :class:`Page` hands out for an adapter's ``cursor`` (where
-    the next page starts, in the adapter's own terms)."""
-    return base64.urlsafe_b64encode(cursor.encode()).decode()
-
-
-def continuation_cursor(token: str) -> str:
-    """The adapter's cursor in a token :func:`continuation_token` made.
-
-    Raises:
-        BadRequest: ``token`` is not one (a caller's typo, or another adapter's).
-    """
-    try:
-        return base64.urlsafe_b64decode(token.encode()).decode()
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadRequest("malformed continuation token") from exc
 
 
 def _checked(entity: Entity) -> Entity:
