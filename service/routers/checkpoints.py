@@ -7,7 +7,7 @@ between trainers and storage.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import anyio.to_thread
 from fastapi import APIRouter, Body, Path
@@ -46,6 +46,7 @@ router = APIRouter(
 VersionNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
 
 _T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # What a report of a member about one version can answer: it is fenced like every
 # report of a member (its node, its generation) and names a version that must exist.
@@ -217,11 +218,14 @@ async def quarantine(
     )
 
 
-@router.delete(
-    "/{version}/quarantine",
-    dependencies=[AdminOnly],
-    responses=errors(UnknownJob, UnknownCheckpoint),
-)
+def _clears_mark(path: str) -> Callable[[_F], _F]:
+    """The route of an operator's clearing a mark off a version (admin token only)."""
+    return router.delete(
+        path, dependencies=[AdminOnly], responses=errors(UnknownJob, UnknownCheckpoint)
+    )
+
+
+@_clears_mark("/{version}/quarantine")
 async def unquarantine(
     job_id: JobId, version: VersionNumber, checkpoints: CheckpointsDep, driver: DriverDep
 ) -> CheckpointInfo:
@@ -231,11 +235,7 @@ async def unquarantine(
     return await _then_refresh(driver, job_id, lambda: checkpoints.unquarantine(job_id, version))
 
 
-@router.delete(
-    "/{version}/unrecoverable",
-    dependencies=[AdminOnly],
-    responses=errors(UnknownJob, UnknownCheckpoint),
-)
+@_clears_mark("/{version}/unrecoverable")
 async def recover(
     job_id: JobId, version: VersionNumber, checkpoints: CheckpointsDep, driver: DriverDep
 ) -> CheckpointInfo:
