@@ -34,6 +34,7 @@ __all__ = [
     "example_script",
     "free_port",
     "judge",
+    "stop_process",
 ]
 
 # One line of the example's ``--events`` file, or a mark the demo adds to its timeline.
@@ -45,6 +46,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[Any] | None, grace_s: float) -> None:
+    """Stops ``proc`` if it still runs: SIGTERM, and SIGKILL if it has not exited
+    ``grace_s`` seconds later."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def example_script() -> Path:
@@ -124,13 +138,7 @@ class Coordinator:
         self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s=15)
 
 
 @dataclass

@@ -13,16 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from rallypoint.cli.processes import free_port, stop_process
+
 ROOT = Path(__file__).resolve().parent.parent
 ACCOUNT = "devstoreaccount1"
 # Azurite's documented, public development key.
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _listening(port: int) -> bool:
@@ -138,12 +134,8 @@ class Azurite:
         seconds otherwise, so a SIGKILL also loses the last seconds' writes, which
         Azure itself never does)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.thaw()
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+            self.thaw()  # a stopped process would not see the SIGTERM
+            stop_process(self.proc, grace_s=10)
 
     def stop(self) -> None:
         self.terminate()

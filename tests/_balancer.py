@@ -21,7 +21,9 @@ from typing import Any
 
 import httpx
 
-from ._azurite import Azurite, free_port
+from rallypoint.cli.processes import free_port, stop_process
+
+from ._azurite import Azurite
 from ._coordinator import Coordinator
 
 __all__ = ["REPLICAS", "Balancer", "Topology", "haproxy_binary"]
@@ -121,13 +123,7 @@ class Balancer:
         return int(max(sessions, key=lambda name: sessions[name])[1:])
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s=10)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

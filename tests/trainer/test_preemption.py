@@ -17,10 +17,10 @@ import httpx
 import pytest
 
 from rallypoint.cli.fake_imds import FakeImds
+from rallypoint.cli.processes import free_port
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import RESTART_EXIT_CODE, PreemptionWatcher
 
-from .._azurite import free_port
 from ..conftest import Spawn
 
 

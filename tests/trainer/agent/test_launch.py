@@ -19,11 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli.processes import judge
+from rallypoint.cli.processes import free_port, judge
 from rallypoint.client import ElasticClient, RetryPolicy, TransportError
 from rallypoint.trainer import torchrun_argv
 
-from ..._azurite import free_port
 from ...conftest import Spawn
 
 ENV = {"RALLYPOINT_URL": "http://coord:8080", "RALLYPOINT_JOB": "job1"}
