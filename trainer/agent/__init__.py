@@ -8,11 +8,14 @@ generation's assignment for the workers that regroup in place (they read it thro
 
 from ._board import REGROUP_ENV, Board, Posted
 from ._launch import RUN_ENV, run, torchrun_argv
+from ._quiet import QUIET_ENV, QUIET_WAIT_ENV, generation_end, install_excepthook
 from ._rendezvous import BACKEND, RallypointRendezvousHandler, RendezvousSettings
 from ._store import CoordinatorStore
 
 __all__ = [
     "BACKEND",
+    "QUIET_ENV",
+    "QUIET_WAIT_ENV",
     "REGROUP_ENV",
     "RUN_ENV",
     "Board",
@@ -20,6 +23,8 @@ __all__ = [
     "Posted",
     "RallypointRendezvousHandler",
     "RendezvousSettings",
+    "generation_end",
+    "install_excepthook",
     "run",
     "torchrun_argv",
 ]

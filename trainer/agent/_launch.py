@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
+from ._quiet import generation_end, stop_quietly
+
 __all__ = [
     "DEFAULT_MAX_RESTARTS",
     "RUN_ENV",
@@ -24,7 +26,8 @@ __all__ = [
 ]
 
 #: Workers that fail in a collective when a peer dies count as restarts in torchrun;
-#: membership changes the plugin reports do not. Room for many of the former.
+#: membership changes the plugin reports do not. A worker whose generation ended waits to
+#: be stopped for the change (._quiet), so few of the former remain; room for many.
 DEFAULT_MAX_RESTARTS = 100
 #: The variables ``rallypoint run`` reads (besides AzureML's and torchrun's ``PET_*``).
 RUN_ENV = (
@@ -273,6 +276,14 @@ def _worker(module: bool, target: str, *args: str) -> None:
     except SystemExit as exc:
         if exc.code not in (None, 0):
             raise
+    except Exception as exc:
+        # Raised here, torch's launcher logs it with its traceback: the generation's
+        # end (a lost peer's collective) says one line instead.
+        reason = generation_end(exc)
+        if reason is None:
+            raise
+        os._exit = real_exit
+        stop_quietly(reason)
     finally:
         os._exit = real_exit
 

@@ -248,6 +248,8 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._agent_world = 0
         self._regroup: threading.Thread | None = None
         self._regroup_failed: str | None = None
+        #: Whether the node said that its generation ended (once a generation).
+        self._said_ended = False
         #: Generations this agent's workers went into in place, and the times its
         #: workers were restarted after regrouping in place had begun (a worker failed).
         self.regroups = 0
@@ -321,6 +323,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
             )
         assignment = self._join()
         self._assignment = assignment
+        self._said_ended = False
         self._export(assignment)
         self._beats = _Beats(self._client, self.settings.heartbeat_interval)
         log.info(
@@ -469,6 +472,18 @@ class RallypointRendezvousHandler(RendezvousHandler):
         if beats is None or beats.ended is None or beats.left:
             return 0
         if not self._board.workers_in_place():
+            if self._assignment is not None and not self._said_ended:
+                # The one line a node says when its generation ends. The workers'
+                # collectives may have failed already: the board tells them so, and
+                # they wait to be stopped instead of printing a traceback (._quiet).
+                generation = self._assignment.generation
+                self._board.post(Posted(generation, ended=True, reason=beats.ended))
+                log.warning(
+                    "rallypoint: generation %d ended: %s; restarting workers",
+                    generation,
+                    beats.ended,
+                )
+                self._said_ended = True
             return 1
         self._regroup = threading.Thread(
             target=self._regroup_in_place, args=(beats.ended,), name="rallypoint-regroup"

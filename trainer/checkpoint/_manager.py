@@ -47,6 +47,7 @@ from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, KeepBes
 
 from .._bytes import tensor_bytes
 from .._regroup import Generation, generations
+from ..agent import generation_end, install_excepthook
 from ..errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -157,6 +158,17 @@ class SaveHandle:
         return self._future.result(timeout)
 
 
+def _report_failure(step: int, exc: BaseException) -> None:
+    """Logs a save that failed, as an error unless the generation ended under it (a peer
+    lost mid-save: the agent says so in one line, and the next generation resumes from
+    the last committed version)."""
+    reason = generation_end(exc)
+    if reason is None:
+        log.error("checkpoint of step %d failed: %s", step, exc)
+    else:
+        log.info("checkpoint of step %d stopped: the generation ended (%s)", step, reason)
+
+
 class CheckpointManager:
     """Saves and restores a training process's state through the coordinator.
 
@@ -226,6 +238,8 @@ class CheckpointManager:
         self.generation = assignment.generation
         #: This node's memory tier, when a Rallypoint agent runs it.
         self.memory = NodeMemory.from_env(client.job_id, client.node_id)
+        # Under the agent, a worker that fails as its generation ends says one line.
+        install_excepthook()
         # Into the memory tier's files, else buffers allocated at the first save and
         # reused (pinned for CUDA): fresh memory costs a page fault per 4 KiB on first
         # touch.
@@ -403,10 +417,10 @@ class CheckpointManager:
                 )
         except CheckpointException as exc:
             cause = _cause(exc, writer.rank)
-            log.error("checkpoint of step %d failed: %s", writer.step, cause)
+            _report_failure(writer.step, cause)
             raise cause from exc
         except Exception as exc:
-            log.error("checkpoint of step %d failed: %s", writer.step, exc)
+            _report_failure(writer.step, exc)
             raise
         finally:
             staged.close(self.memory)
