@@ -8,6 +8,7 @@ job whose every rank resumes from the good version.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -65,13 +66,40 @@ class Racing:
         return getattr(self.table, name)
 
 
-def racing(
-    storage: Storage, clock: Clock, blobs: BlobStore, hook: Callable[[], object]
-) -> tuple[Checkpoints, Racing]:
-    """A second coordinator replica on the same storage, whose next job write races."""
-    table = Racing(storage.table("jobs"), hook)
-    other = Rendezvous(table, clock)  # type: ignore[arg-type]  # a Table in all it does
-    return Checkpoints(other, blobs, keep=3, timeout=timedelta(seconds=600)), table
+Replica = Callable[[Callable[[], object]], tuple[Checkpoints, Racing]]
+
+
+@pytest.fixture
+def racing(storage: Storage, clock: Clock, blobs: BlobStore) -> Replica:
+    """Starts a second coordinator replica on the same storage, whose next job write
+    races: ``hook`` runs just before it."""
+
+    def replica(hook: Callable[[], object]) -> tuple[Checkpoints, Racing]:
+        table = Racing(storage.table("jobs"), hook)
+        other = Rendezvous(table, clock)  # type: ignore[arg-type]  # a Table in all it does
+        return Checkpoints(other, blobs, keep=3, timeout=timedelta(seconds=600)), table
+
+    return replica
+
+
+@dataclass(frozen=True)
+class HalfCommitted:
+    """A generation of a and b that committed ``good`` (step 10) and ``bad`` (step 20),
+    and began ``newest`` (step 30), which a has reported: b's report commits it."""
+
+    gen: int
+    creds: dict[str, str]
+    good: int
+    bad: int
+    newest: int
+
+
+def half_committed(ckpts: Checkpoints, rdzv: Rendezvous) -> HalfCommitted:
+    nodes = ["a", "b"]
+    gen, creds, (good, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
+    newest = begin_all(ckpts, nodes, gen, 30, creds)
+    report(ckpts, "a", gen, newest, creds)
+    return HalfCommitted(gen, creds, good, bad, newest)
 
 
 def test_quarantining_the_latest_moves_both_pointers_back_and_the_next_seal_skips_it(
@@ -240,42 +268,34 @@ def test_what_cannot_be_quarantined(ckpts: Checkpoints, rdzv: Rendezvous) -> Non
 
 
 def test_a_commit_racing_a_quarantine_is_not_lost(
-    ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
+    ckpts: Checkpoints, rdzv: Rendezvous, racing: Replica
 ) -> None:
-    nodes = ["a", "b"]
-    gen, creds, (_, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
-    newest = begin_all(ckpts, nodes, gen, 30, creds)
-    report(ckpts, "a", gen, newest, creds)
-
+    half = half_committed(ckpts, rdzv)
     # The quarantine reads the job (latest: bad); b's report commits the newest version
     # before the quarantine's batch; the quarantine judges again.
-    other, table = racing(storage, clock, blobs, lambda: report(ckpts, "b", gen, newest, creds))
-    other.quarantine("job", bad)
+    other, table = racing(lambda: report(ckpts, "b", half.gen, half.newest, half.creds))
+    other.quarantine("job", half.bad)
     assert table.tries == 2
-    assert pointers(rdzv) == (newest, newest)
-    assert ckpts.get("job", bad).quarantined
+    assert pointers(rdzv) == (half.newest, half.newest)
+    assert ckpts.get("job", half.bad).quarantined
 
 
 def test_a_quarantine_racing_a_commit_does_not_lose_the_commit(
-    ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
+    ckpts: Checkpoints, rdzv: Rendezvous, racing: Replica
 ) -> None:
-    nodes = ["a", "b"]
-    gen, creds, (good, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
-    newest = begin_all(ckpts, nodes, gen, 30, creds)
-    report(ckpts, "a", gen, newest, creds)
-
+    half = half_committed(ckpts, rdzv)
     # b's report (through the other replica) reads the job (latest: bad); the
     # quarantine moves the pointer back to good before the commit's batch; the commit
     # judges again and moves it forward from there.
-    other, table = racing(storage, clock, blobs, lambda: ckpts.quarantine("job", bad))
-    assert report(other, "b", gen, newest, creds) == "committed"
+    other, table = racing(lambda: ckpts.quarantine("job", half.bad))
+    assert report(other, "b", half.gen, half.newest, half.creds) == "committed"
     assert table.tries == 2
-    assert pointers(rdzv) == (newest, newest)
-    assert ckpts.get("job", bad).quarantined and not ckpts.get("job", good).latest
+    assert pointers(rdzv) == (half.newest, half.newest)
+    assert ckpts.get("job", half.bad).quarantined and not ckpts.get("job", half.good).latest
 
 
 def test_a_seal_racing_a_quarantine_names_the_good_version(
-    ckpts: Checkpoints, rdzv: Rendezvous, storage: Storage, clock: Clock, blobs: BlobStore
+    ckpts: Checkpoints, rdzv: Rendezvous, clock: Clock, racing: Replica
 ) -> None:
     nodes = ["a", "b"]
     gen, creds, (good, bad) = seal_and_save(ckpts, rdzv, nodes, [10, 20])
@@ -286,7 +306,7 @@ def test_a_seal_racing_a_quarantine_names_the_good_version(
 
     # Another replica's tick judges the seal (names bad), then the quarantine lands
     # before its CAS: the seal fails and the next tick names the good version.
-    other, table = racing(storage, clock, blobs, lambda: ckpts.quarantine("job", bad))
+    other, table = racing(lambda: ckpts.quarantine("job", bad))
     other.rdzv.tick("job")
     other.rdzv.tick("job")
     job = rdzv.get_job("job")
