@@ -89,6 +89,7 @@ class _JobState:
     tick_now: bool = True
     failing_since: float | None = None  # the first of the passes failing since
     pass_seconds: float = 0.0  # how long the last storage pass took
+    passes: int = 0  # storage passes ended (written or failed)
     last_used: float = field(default_factory=time.monotonic)
     error: BaseException | None = None
     task: asyncio.Task[None] | None = None
@@ -277,9 +278,18 @@ class Driver:
         since = self.rdzv.clock() if since is None else since
         mark = object()
         state.dropped[node_id] = mark
+        # The cut request's own beat, not yet written, must not be written after the
+        # mark below: a beat's write replaces the mark (a pass taking it now is waited
+        # for). It arrived before the cut, so it proves nothing.
+        queued = state.beats.get(node_id)
+        if queued is not None and queued[1] <= since:
+            del state.beats[node_id]
+        passes = state.passes
 
         async def check() -> None:
             await asyncio.sleep(self.reconnect + state.pass_seconds)
+            while state.passes <= passes and state.task is not None and not state.task.done():
+                await asyncio.sleep(self.interval / 4)  # the pass under way at the cut
             if state.dropped.get(node_id) is not mark:
                 return  # it beat again here
             del state.dropped[node_id]
@@ -382,6 +392,7 @@ class Driver:
                     # beats it did not see may have been lost (see Rendezvous.storage_lost).
                     state.beats = {**beats, **state.beats}
                     self.rdzv.storage_lost()
+            state.passes += 1
             if job is not None:
                 self._publish(state, job, started)
             state.ready.set()
