@@ -14,7 +14,20 @@ loop runs once per generation (``CheckpointManager.generations``), and only the 
 of a node that died or joins start anew.
 
 The data is made here, from a seed (a noisy random pattern per class), so the loss has
-somewhere to go and nothing is downloaded.
+somewhere to go and nothing is downloaded. Each item carries its index, which
+``--log-items`` writes down, with the rank's exact loss, for every optimizer step a rank
+trains.
+
+The ``ElasticSampler`` keeps the position in the epoch at any world size. By default each
+rank trains ``--batch-size`` per step, so the global batch follows the world. With
+``--global-batch N`` it stays N at every world size: ``plan_batch`` splits it into a
+per-rank micro-batch (``--batch-size`` or the largest smaller one that fits) and
+accumulation steps, the epoch's tail too short for a whole step is skipped, and a world
+size that does not divide N is refused before training, naming those that do. Through
+3 -> 2 -> 3 nodes every item of each epoch is trained once, apart from the steps a
+restart rolled back, and the run ends after as many optimizer steps as an uninterrupted
+one (``tests/e2e/test_train_ddp_elastic.py``). ``--save-last`` saves the last step too, so
+the trained model is a version (``rallypoint checkpoints export JOB latest``).
 
 A resume is exact: with a replacement node (the same world size), a run through a node
 SIGKILL ends bit-identical to an uninterrupted one, dropout included
@@ -27,6 +40,8 @@ nothing from the RNG just restored.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -42,7 +57,17 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from rallypoint.client import ElasticClient
-from rallypoint.trainer import CheckpointManager, ElasticSampler, PreemptionWatcher
+from rallypoint.trainer import (
+    BatchPlan,
+    CheckpointManager,
+    ElasticSampler,
+    PreemptionWatcher,
+    plan_batch,
+)
+
+# One optimizer step's batches on one rank: (images, labels, indices), one per
+# accumulation step.
+Step = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def process_started() -> float | None:
@@ -89,7 +114,14 @@ class SmallCNN(nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="train until this step")
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument(
+        "--batch-size", type=int, default=32, help="per rank (with --global-batch: at most)"
+    )
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        help="samples per optimizer step at every world size (accumulation makes it up)",
+    )
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
@@ -109,6 +141,12 @@ def main() -> None:
         help="a checkpoint due while the last one still uploads: wait for it, or skip",
     )
     parser.add_argument("--events", help="append JSON lines of what happened to this file")
+    parser.add_argument(
+        "--log-items", action="store_true", help="log the items each rank trains at each step"
+    )
+    parser.add_argument(
+        "--save-last", action="store_true", help="save the last step too (the trained model)"
+    )
     parser.add_argument(
         "--in-place",
         action="store_true",
@@ -138,17 +176,21 @@ def main() -> None:
                 f.write(json.dumps(line) + "\n")
 
     torch.manual_seed(args.seed)
-    dataset = TensorDataset(*synthetic_cifar(args.samples, args.seed))
+    dataset = indexed(*synthetic_cifar(args.samples, args.seed))
     model = SmallCNN(args.dropout).to(device)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    sampler = ElasticSampler(
-        args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=args.batch_size
-    )
-    loader = data_loader(dataset, sampler, args.batch_size)
     checkpoints = CheckpointManager(
         client, progress=False, persist_every=args.persist_every, if_busy=args.if_busy
     )
+    # A world that cannot split the global batch is reported as a failed load: after two
+    # such generations the job waits for another size instead of restarting.
+    with checkpoints.loading():
+        plan = batch_plan(args, rank, world)
+    sampler = ElasticSampler(
+        args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=plan.micro_batch
+    )
+    loader = data_loader(dataset, sampler, plan.micro_batch)
 
     step = 0
     # What fails while loading is reported: a load that cannot succeed at this world
@@ -164,18 +206,27 @@ def main() -> None:
         started=process_started(),
         pid=os.getpid(),
         bytes_from=restored.bytes_from if restored else None,
+        plan=dataclasses.asdict(plan),
     )
 
     def state() -> dict[str, object]:
         return snapshot(model, optimizer, sampler)
 
-    saved = -1
+    saved = step - 1  # the version restored, if any
     loss = torch.tensor(float("nan"))
     with PreemptionWatcher(client) as watcher:
-        for x, y in batches(loader, sampler, world):
+        for batches in optimizer_steps(loader, sampler, plan, whole=args.global_batch is not None):
             if step >= args.steps:
                 break
-            loss = train_step(ddp, optimizer, sampler, x.to(device), y.to(device), args.step_time)
+            loss = train_step(ddp, optimizer, sampler, batches, device, args.step_time)
+            if args.log_items:
+                event(
+                    "items",
+                    step=step,
+                    epoch=sampler.epoch,
+                    indices=items(batches),
+                    loss=float(loss.item()).hex(),
+                )
             if rank == 0:
                 event("step", step=step, loss=round(loss.item(), 4))
             if step % args.checkpoint_every == 0:
@@ -191,6 +242,8 @@ def main() -> None:
                 event("emergency", step=step, version=info.version if info else None)
                 watcher.finish()  # leaves (the notified node) or awaits the restart
             step += 1
+    if args.save_last and saved != step - 1:
+        checkpoints.save(state(), step - 1, rank_state=rank_state(), blocking=True, persist=True)
     checkpoints.wait()
     event("finished", step=step, loss=round(loss.item(), 4), digest=digest(model, optimizer))
     checkpoints.close()
@@ -207,14 +260,52 @@ def data_loader(
     return DataLoader(dataset, batch_size, sampler=sampler, generator=torch.Generator())
 
 
-def batches(
-    loader: DataLoader[tuple[torch.Tensor, ...]], sampler: ElasticSampler, world: int
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's batches without end: the rest of this epoch, then the next."""
+def indexed(images: torch.Tensor, labels: torch.Tensor) -> TensorDataset:
+    """The dataset, each item with its index: what a rank trained can be told from it."""
+    return TensorDataset(images, labels, torch.arange(len(labels)))
+
+
+def batch_plan(args: argparse.Namespace, rank: int, world: int) -> BatchPlan:
+    """This world's per-rank batch and accumulation steps. With ``--global-batch``, those
+    that keep it (``WorldSizeError`` for a world that cannot split it); without, the
+    per-rank batch is kept and the global batch follows the world."""
+    if args.global_batch is None:
+        return BatchPlan(args.batch_size * world, world, args.batch_size, 1)
+    plan = plan_batch(args.global_batch, world, micro_batch=args.batch_size)
+    if rank == 0:
+        print(plan.describe(), flush=True)
+    return plan
+
+
+def optimizer_steps(
+    loader: DataLoader[tuple[torch.Tensor, ...]],
+    sampler: ElasticSampler,
+    plan: BatchPlan,
+    whole: bool,
+) -> Iterator[Step]:
+    """This rank's optimizer steps without end, each ``plan.accumulation`` batches: the
+    rest of this epoch, then the next. With ``whole`` (the global batch kept), every step
+    takes the whole global batch and an epoch's tail too short for one is skipped, so
+    each epoch has the same steps at every world size; without, an epoch's last batch
+    may be short, as a ``DataLoader``'s is."""
     while True:
-        if sampler.remaining < (loader.batch_size or 1) * world:
+        if sampler.remaining < plan.global_batch:
             sampler.set_epoch(sampler.epoch + 1)
-        yield from loader
+        batches: Step = []
+        for x, y, i in loader:
+            batches.append((x, y, i))
+            if len(batches) == plan.accumulation:
+                yield batches
+                batches = []
+                if whole and sampler.remaining < plan.global_batch:
+                    break  # the rest is this epoch's tail: the loader would deal it
+        if batches and not whole:
+            yield batches
+
+
+def items(batches: Step) -> list[int]:
+    """The indices of the items one optimizer step trained on this rank."""
+    return [index for _, _, i in batches for index in i.tolist()]
 
 
 def rank_state() -> dict[str, torch.Tensor]:
@@ -246,19 +337,26 @@ def digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
 
 
 def train_step(
-    ddp: nn.Module,
+    ddp: DistributedDataParallel,
     optimizer: torch.optim.Optimizer,
     sampler: ElasticSampler,
-    x: torch.Tensor,
-    y: torch.Tensor,
+    batches: Step,
+    device: torch.device,
     step_time: float,
 ) -> torch.Tensor:
-    """One step; its loss."""
-    loss = nn.functional.cross_entropy(ddp(x), y)
+    """One optimizer step over this rank's batches, gradients averaged over all of them
+    (synchronized across ranks with the last); its loss, the mean over the batches."""
     optimizer.zero_grad()
-    torch.autograd.backward(loss)
+    loss = torch.zeros((), device=device)
+    for n, (x, y, _) in enumerate(batches, 1):
+        # Each batch's share of the step's mean; only the last backward all-reduces.
+        sync = contextlib.nullcontext() if n == len(batches) else ddp.no_sync()
+        with sync:
+            part = nn.functional.cross_entropy(ddp(x.to(device)), y.to(device)) / len(batches)
+            torch.autograd.backward(part)
+        loss += part.detach()
     optimizer.step()
-    sampler.advance()
+    sampler.advance(len(batches))
     if step_time:
         time.sleep(step_time)
     return loss
@@ -308,7 +406,7 @@ def main_in_place(args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(args.seed)
-    dataset = TensorDataset(*synthetic_cifar(args.samples, args.seed))
+    dataset = indexed(*synthetic_cifar(args.samples, args.seed))
     model = SmallCNN(args.dropout).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     checkpoints = CheckpointManager(
@@ -329,10 +427,12 @@ def main_in_place(args: argparse.Namespace) -> None:
         )
 
         ddp = DistributedDataParallel(model)  # on this generation's process group
+        with checkpoints.loading():
+            plan = batch_plan(args, rank, world)
         sampler = ElasticSampler(
-            args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=args.batch_size
+            args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=plan.micro_batch
         )
-        loader = data_loader(dataset, sampler, args.batch_size)
+        loader = data_loader(dataset, sampler, plan.micro_batch)
         step = 0
         restored = checkpoints.load_latest()
         if restored is not None:
@@ -351,15 +451,23 @@ def main_in_place(args: argparse.Namespace) -> None:
             in_place=generation.regrouped,
             regroup={**generation.timings, "restored": restored_at},
             resources=resources(),
+            plan=dataclasses.asdict(plan),
         )
-        saved = -1
+        saved = step - 1  # the version restored, if any
+        whole = args.global_batch is not None
         with generation, PreemptionWatcher(client) as watcher:
-            for x, y in batches(loader, sampler, world):
+            for batches in optimizer_steps(loader, sampler, plan, whole=whole):
                 if step >= args.steps:
                     break
-                loss = train_step(
-                    ddp, optimizer, sampler, x.to(device), y.to(device), args.step_time
-                )
+                loss = train_step(ddp, optimizer, sampler, batches, device, args.step_time)
+                if args.log_items:
+                    event(
+                        "items",
+                        step=step,
+                        epoch=sampler.epoch,
+                        indices=items(batches),
+                        loss=float(loss.item()).hex(),
+                    )
                 if rank == 0:
                     event("step", step=step, loss=round(loss.item(), 4))
                 if step % args.checkpoint_every == 0:
@@ -381,6 +489,11 @@ def main_in_place(args: argparse.Namespace) -> None:
                         time.sleep(0.01)
                 generation.check()
                 step += 1
+            if args.save_last and saved != step - 1:  # the loop ran to --steps
+                state = snapshot(model, optimizer, sampler)
+                checkpoints.save(
+                    state, step - 1, rank_state=rank_state(), blocking=True, persist=True
+                )
         if step >= args.steps:
             break
     checkpoints.wait()
