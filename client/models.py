@@ -579,6 +579,9 @@ class HeartbeatReply(_Model):
     action: Literal["continue", "restart"]
     #: The job's latest generation.
     generation: int
+    #: Why the node's generation ended, on a ``restart`` when the coordinator knows
+    #: (``node n2 lost``, ``node n4 joined``): what the agent's one line says.
+    reason: str | None = None
 
 
 class LeaveRequest(_Model):

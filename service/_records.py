@@ -52,6 +52,9 @@ class Job:
     #: times), which may quarantine a node lost too often (:func:`._seal.lost_too_often`).
     quarantined: tuple[QuarantinedNode, ...] = ()
     losses: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    #: The generation that ended last and why, for its members' heartbeats
+    #: (:func:`._seal.end_reason`).
+    last_end: tuple[int, str] | None = None
 
     def quarantine_of(self, node_id: str) -> QuarantinedNode | None:
         return next((q for q in self.quarantined if q.node_id == node_id), None)

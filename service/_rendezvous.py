@@ -166,6 +166,9 @@ def _job(job_id: str, e: Entity) -> Job:
             QuarantinedNode.model_validate(q) for q in json.loads(str(d.get("quarantined") or "[]"))
         ),
         losses={n: tuple(t) for n, t in json.loads(str(d.get("node_losses") or "{}")).items()},
+        last_end=(_int(d, "end_generation"), str(d["end_reason"]))
+        if d.get("end_reason") is not None
+        else None,
     )
 
 
@@ -215,6 +218,9 @@ def _job_entity(job: Job) -> Entity:
                 json.dumps([q.model_dump() for q in job.quarantined]) if job.quarantined else None
             ),
             "node_losses": json.dumps(dict(job.losses)) if job.losses else None,
+            # None in rows from before them, as above.
+            "end_generation": job.last_end[0] if job.last_end else None,
+            "end_reason": job.last_end[1] if job.last_end else None,
         },
     )
 
@@ -568,7 +574,13 @@ class Rendezvous:
         try:
             gen = self.generation(job.job_id, job.generation)
             streak = seal.load_streak(job.load_failure, load_failure)
-            ended = replace(job, status="open", changed_at=now, load_failure=streak)
+            ended = replace(
+                job,
+                status="open",
+                changed_at=now,
+                load_failure=streak,
+                last_end=(job.generation, reason),
+            )
             if self.node_losses is not None:
                 ended = self._count_loss(ended, lost, now)
             self.table.batch(
@@ -1070,6 +1082,11 @@ class Rendezvous:
             StaleGeneration: The generation is newer than any the job sealed.
         """
         return seal.verdict(job, node_id, generation)
+
+    def end_reason(self, job: Job, generation: int | None) -> str | None:
+        """:func:`._seal.end_reason`: why a member's generation ended, for the heartbeat
+        that tells it to restart (None: not known from ``job``)."""
+        return seal.end_reason(job, generation)
 
     def leave(
         self,

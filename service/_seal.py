@@ -44,6 +44,7 @@ __all__ = [
     "admitted",
     "alive",
     "blocked_reason",
+    "end_reason",
     "held_back",
     "join_ends",
     "load_blocked",
@@ -222,6 +223,15 @@ def verdict(job: Job, node_id: str, generation: int | None) -> Literal["continue
     if generation < job.generation or job.status != "sealed":
         return "restart"
     return "continue"
+
+
+def end_reason(job: Job, generation: int | None) -> str | None:
+    """Why the member's ``generation`` ended, for a heartbeat told to restart: the job
+    row keeps the reason of the generation that ended last; a member of an earlier one
+    (several ended since) is told none."""
+    if generation is None or job.last_end is None or job.last_end[0] != generation:
+        return None
+    return job.last_end[1]
 
 
 def load_streak(streak: LoadFailure | None, ended: LoadFailure | None) -> LoadFailure | None:

@@ -395,13 +395,16 @@ async def answer_heartbeat(
                 action = rdzv.judge_beat(job, node_id, generation)
         finally:
             gone.cancel()
-    return _reply(action, job.generation)
+    reason = rdzv.end_reason(job, generation) if action == "restart" else None
+    return _reply(action, job.generation, reason)
 
 
 @functools.lru_cache(maxsize=256)
-def _reply(action: Literal["continue", "restart"], generation: int) -> HeartbeatReply:
-    # Every member gets one of two replies every second: made once (they are frozen).
-    return HeartbeatReply(action=action, generation=generation)
+def _reply(
+    action: Literal["continue", "restart"], generation: int, reason: str | None = None
+) -> HeartbeatReply:
+    # Every member gets one of a few replies every second: made once (they are frozen).
+    return HeartbeatReply(action=action, generation=generation, reason=reason)
 
 
 @router.post(

@@ -40,6 +40,7 @@ def test_a_node_loss_costs_each_survivor_one_line_and_no_traceback(
     for node, log in logs.items():
         said = ENDED.findall(log)
         assert [g for g, _ in said] == ["1"], f"node {node}:\n{log}"
+        assert said[0][1].startswith("node c "), said  # the coordinator's reason
         assert "Traceback" not in log, f"node {node}:\n{log}"
         assert "failed (exitcode" not in log, f"node {node}:\n{log}"  # no failure counted
         assert "checkpoint of step" not in log, f"node {node}:\n{log}"

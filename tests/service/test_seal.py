@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -102,6 +103,15 @@ def test_a_heartbeat_is_told_whether_its_generation_runs() -> None:
     assert seal.verdict(job(2, "open"), "a", 2) == "restart"
     with pytest.raises(StaleGeneration):
         seal.verdict(job(2), "a", 3)
+
+
+def test_a_restarted_member_is_told_why_its_own_generation_ended() -> None:
+    ended = replace(job(3, "open"), last_end=(3, "node c dropped its heartbeat connection"))
+    assert seal.end_reason(ended, 3) == "node c dropped its heartbeat connection"
+    # A member of an earlier generation (several ended since): the job keeps only the last.
+    assert seal.end_reason(ended, 2) is None
+    assert seal.end_reason(job(3, "open"), 3) is None  # a row from before the field
+    assert seal.end_reason(ended, None) is None  # a waiting node was never in one
 
 
 def failed(version: int = 2, world: int = 2, count: int = 1) -> LoadFailure:

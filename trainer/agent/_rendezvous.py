@@ -192,7 +192,7 @@ class _Beats:
                     self.left = True
                     self.ended = f"node {self._client.node_id} left the job"
                 else:
-                    self.ended = f"generation {reply.generation} is the job's latest"
+                    self.ended = reply.reason or f"generation {reply.generation} followed"
                 return
             pause = max(0.0, self._interval - (time.monotonic() - started))
 
