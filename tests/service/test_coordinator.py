@@ -79,10 +79,13 @@ def test_a_silent_member_makes_the_others_restart(start: Start) -> None:
     second = join_all(nodes[:2])
     check_one_generation(second)
     assert second[0].generation == first[0].generation + 1
-    # Survivors keep their relative order.
-    assert [a.node_id for a in sorted(second, key=lambda a: a.rank)] == sorted(
-        ["r0", "r1"], key=lambda n: by_node[n]
-    )
+    # A survivor keeps its rank wherever the world of two has it (its files, its slot
+    # of a layout); one whose rank is gone takes the free one (_seal.slotted). Which
+    # node had rank 0 depends on the threads' join order, so both cases occur here.
+    assert sorted(a.rank for a in second) == [0, 1]
+    for a in second:
+        if by_node[a.node_id] < 2:
+            assert a.rank == by_node[a.node_id], (by_node, a)
 
 
 def test_leaving_restarts_the_others_and_zombies_are_fenced(start: Start) -> None:
