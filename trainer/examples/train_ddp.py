@@ -42,9 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import hashlib
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -56,30 +54,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from rallypoint.client import ElasticClient
+from rallypoint.client import Assignment, ElasticClient
 from rallypoint.trainer import (
     BatchPlan,
     CheckpointManager,
     ElasticSampler,
+    Generation,
     PreemptionWatcher,
+    Restored,
     plan_batch,
 )
+from rallypoint.trainer.examples._events import Event, events, process_started, resources
+from rallypoint.trainer.examples._launch import arguments, start_process_group
 
 # One optimizer step's batches on one rank: (images, labels, indices), one per
 # accumulation step.
 Step = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def process_started() -> float | None:
-    """When this process started (Linux), to tell process start-up from the rest."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def synthetic_cifar(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +102,7 @@ class SmallCNN(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200, help="train until this step")
+    parser = arguments(__doc__.split("\n")[0])
     parser.add_argument(
         "--batch-size", type=int, default=32, help="per rank (with --global-batch: at most)"
     )
@@ -126,21 +115,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dropout", type=float, default=0.0, help="before the head")
-    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps")
-    parser.add_argument(
-        "--persist-every",
-        type=int,
-        default=1,
-        help="every Nth checkpoint goes to blob storage; the rest stay in nodes' memory",
-    )
-    parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
     parser.add_argument(
         "--if-busy",
         choices=("wait", "skip"),
         default="wait",
         help="a checkpoint due while the last one still uploads: wait for it, or skip",
     )
-    parser.add_argument("--events", help="append JSON lines of what happened to this file")
     parser.add_argument(
         "--log-items", action="store_true", help="log the items each rank trains at each step"
     )
@@ -159,21 +139,9 @@ def main() -> None:
 
     client = ElasticClient.from_env()
     assignment = client.join()  # under torchrun: the agent's assignment, no new round
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = start_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda" if cuda else "cpu")
-
-    def event(kind: str, **fields: object) -> None:
-        if args.events:
-            line = {"t": time.time(), "event": kind, "generation": assignment.generation}
-            line.update(rank=rank, world_size=world, **fields)
-            with open(args.events, "a") as f:  # one short append per line: atomic
-                f.write(json.dumps(line) + "\n")
+    event = events(args.events, generation=assignment.generation, rank=rank, world_size=world)
 
     torch.manual_seed(args.seed)
     dataset = indexed(*synthetic_cifar(args.samples, args.seed))
@@ -183,71 +151,189 @@ def main() -> None:
     checkpoints = CheckpointManager(
         client, progress=False, persist_every=args.persist_every, if_busy=args.if_busy
     )
-    # A world that cannot split the global batch is reported as a failed load: after two
-    # such generations the job waits for another size instead of restarting.
-    with checkpoints.loading():
-        plan = batch_plan(args, rank, world)
-    sampler = ElasticSampler(
-        args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=plan.micro_batch
-    )
-    loader = data_loader(dataset, sampler, plan.micro_batch)
+    loop = Loop(args, optimizer, checkpoints, dataset, device)
+    loop.regroup(ddp, rank, world, event)
 
-    step = 0
     # What fails while loading is reported: a load that cannot succeed at this world
     # size ends the generation with its reason instead of restarting forever.
     with checkpoints.resuming() as restored:
-        if restored is not None:
-            step = restore(restored, model, optimizer, sampler)
-    event(
-        "resumed",
-        version=restored.version if restored else None,
-        step=step,
-        pointer=assignment.checkpoint.version if assignment.checkpoint else None,
-        started=process_started(),
-        pid=os.getpid(),
-        bytes_from=restored.bytes_from if restored else None,
-        plan=dataclasses.asdict(plan),
-    )
+        loop.resume(restored)
+    event("resumed", **loop.resumed(restored, assignment))
 
-    def state() -> dict[str, object]:
-        return snapshot(model, optimizer, sampler)
-
-    saved = step - 1  # the version restored, if any
-    loss = torch.tensor(float("nan"))
     with PreemptionWatcher(client) as watcher:
-        for batches in optimizer_steps(loader, sampler, plan, whole=args.global_batch is not None):
-            if step >= args.steps:
-                break
-            loss = train_step(ddp, optimizer, sampler, batches, device, args.step_time)
-            if args.log_items:
-                event(
-                    "items",
-                    step=step,
-                    epoch=sampler.epoch,
-                    indices=items(batches),
-                    loss=float(loss.item()).hex(),
-                )
-            if rank == 0:
-                event("step", step=step, loss=round(loss.item(), 4))
-            if step % args.checkpoint_every == 0:
-                # async: blocks only for the copy
-                checkpoints.save(state(), step, rank_state=rank_state())
-                saved = step
-            if watcher.should_stop():
-                if saved != step:
-                    checkpoints.save(
-                        state(), step, rank_state=rank_state(), blocking=True, persist=True
-                    )
-                info = checkpoints.wait()
-                event("emergency", step=step, version=info.version if info else None)
-                watcher.finish()  # leaves (the notified node) or awaits the restart
-            step += 1
-    if args.save_last and saved != step - 1:
-        checkpoints.save(state(), step - 1, rank_state=rank_state(), blocking=True, persist=True)
-    checkpoints.wait()
-    event("finished", step=step, loss=round(loss.item(), 4), digest=digest(model, optimizer))
-    checkpoints.close()
+        loop.run(watcher)  # a notice ends this process, with an emergency checkpoint
+    loop.finish()
     dist.destroy_process_group()
+
+
+def main_in_place(args: argparse.Namespace) -> None:
+    """The same training, regrouping in place: the model, the optimizer and this process
+    outlive each generation; the process group, DDP and the sampler are the
+    generation's."""
+    client = ElasticClient.from_env()
+    client.join()  # under torchrun: the agent's assignment
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)
+    device = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(args.seed)
+    dataset = indexed(*synthetic_cifar(args.samples, args.seed))
+    model = SmallCNN(args.dropout).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    checkpoints = CheckpointManager(
+        client,
+        progress=False,
+        persist_every=args.persist_every,
+        if_busy=args.if_busy,
+        fence=[model, optimizer],
+    )
+    loop = Loop(args, optimizer, checkpoints, dataset, device)
+    for generation in checkpoints.generations():
+        rank, world = generation.rank, generation.world_size
+        if cuda:
+            torch.cuda.set_device(generation.local_rank)
+        event = events(args.events, generation=generation.number, rank=rank, world_size=world)
+        # On this generation's process group.
+        loop.regroup(DistributedDataParallel(model), rank, world, event)
+        restored = checkpoints.load_latest()  # in place: memory, then peers
+        loop.resume(restored)
+        restored_at = time.time()
+        event(
+            "resumed",
+            **loop.resumed(restored, generation.assignment),
+            in_place=generation.regrouped,
+            regroup={**generation.timings, "restored": restored_at},
+            resources=resources(),
+        )
+        # A membership change ends the block quietly (GenerationEnded, or a collective
+        # failed because a peer went), and the loop goes on in the next generation.
+        with generation, PreemptionWatcher(client) as watcher:
+            loop.run(watcher, generation)
+        if loop.step >= args.steps:
+            break
+    loop.finish()
+    dist.destroy_process_group()
+
+
+class Loop:
+    """The training loop, and where it is: the step to run next, the last step saved and
+    the last loss. In place, one loop outlives the generations; each gives it its DDP
+    model and sampler (:meth:`regroup`) and its version to resume from (:meth:`resume`).
+
+    Args:
+        args: The command line.
+        optimizer: The optimizer of the model that :meth:`regroup`'s DDP wraps.
+        checkpoints: What saves and loads.
+        dataset: The whole dataset, with each item's index.
+        device: Where the model is.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        optimizer: torch.optim.Optimizer,
+        checkpoints: CheckpointManager,
+        dataset: TensorDataset,
+        device: torch.device,
+    ) -> None:
+        self.args, self.optimizer, self.checkpoints = args, optimizer, checkpoints
+        self.dataset, self.device = dataset, device
+        self.step = 0
+        self.saved = -1
+        self.loss = torch.tensor(float("nan"))
+
+    def regroup(self, ddp: DistributedDataParallel, rank: int, world: int, event: Event) -> None:
+        """Takes a generation's DDP model, rank and world size: the per-rank batch, the
+        sampler and the loader follow from them."""
+        self.ddp, self.model, self.rank, self.event = ddp, ddp.module, rank, event
+        # A world that cannot split the global batch is reported as a failed load: after
+        # two such generations the job waits for another size instead of restarting.
+        with self.checkpoints.loading():
+            self.plan = batch_plan(self.args, rank, world)
+        self.sampler = ElasticSampler(
+            self.args.samples,
+            rank=rank,
+            world_size=world,
+            seed=self.args.seed,
+            batch_size=self.plan.micro_batch,
+        )
+        self.loader = data_loader(self.dataset, self.sampler, self.plan.micro_batch)
+
+    def resume(self, restored: Restored | None) -> None:
+        """Loads ``restored`` into the model, the optimizer, the sampler and this rank's
+        RNG, to run the step after it; without one, the loop starts at step 0."""
+        self.step = 0
+        if restored is not None:
+            self.step = restore(restored, self.model, self.optimizer, self.sampler)
+        self.saved = self.step - 1  # the version restored, if any
+
+    def resumed(self, restored: Restored | None, assignment: Assignment) -> dict[str, object]:
+        """The ``resumed`` event's fields: what was restored, from where, and the plan."""
+        return {
+            "version": restored.version if restored else None,
+            "step": self.step,
+            "pointer": assignment.checkpoint.version if assignment.checkpoint else None,
+            "started": process_started(),
+            "pid": os.getpid(),
+            "bytes_from": restored.bytes_from if restored else None,
+            "plan": dataclasses.asdict(self.plan),
+        }
+
+    def run(self, watcher: PreemptionWatcher, generation: Generation | None = None) -> None:
+        """Trains up to ``--steps``, saving every ``--checkpoint-every`` steps (and the
+        last with ``--save-last``). On a preemption notice every rank stops at the same
+        step with an emergency checkpoint: the notified node leaves, and the others
+        await the restart or, in place (``generation``), the generation's end."""
+        args = self.args
+        whole = args.global_batch is not None
+        for batches in optimizer_steps(self.loader, self.sampler, self.plan, whole=whole):
+            if self.step >= args.steps:
+                break
+            self.loss = train_step(
+                self.ddp, self.optimizer, self.sampler, batches, self.device, args.step_time
+            )
+            if args.log_items:
+                self.event(
+                    "items",
+                    step=self.step,
+                    epoch=self.sampler.epoch,
+                    indices=items(batches),
+                    loss=float(self.loss.item()).hex(),
+                )
+            if self.rank == 0:
+                self.event("step", step=self.step, loss=round(self.loss.item(), 4))
+            if self.step % args.checkpoint_every == 0:
+                self.save(self.step)  # async: blocks only for the copy
+            if watcher.should_stop():
+                if self.saved != self.step:
+                    self.save(self.step, now=True)
+                info = self.checkpoints.wait()
+                self.event("emergency", step=self.step, version=info.version if info else None)
+                if generation is None or watcher.notice is not None:
+                    watcher.finish()  # leaves (the notified node) or awaits the restart
+                while True:  # a survivor in place: the departure ends the generation
+                    generation.check()
+                    time.sleep(0.01)
+            if generation is not None:
+                generation.check()
+            self.step += 1
+        if args.save_last and self.saved != self.step - 1:  # the loop ran to --steps
+            self.save(self.step - 1, now=True)
+
+    def save(self, step: int, *, now: bool = False) -> None:
+        """Saves the state after ``step`` asynchronously, or ``now``: to storage whatever
+        ``--persist-every`` says, and complete when this returns."""
+        state = snapshot(self.model, self.optimizer, self.sampler)
+        self.checkpoints.save(state, step, rank_state=rank_state(), blocking=now, persist=now)
+        self.saved = step
+
+    def finish(self) -> None:
+        """Waits for the last save, writes the ``finished`` event (the trained state's
+        digest with it) and closes the checkpoint manager."""
+        self.checkpoints.wait()
+        digested = digest(self.model, self.optimizer)
+        self.event("finished", step=self.step, loss=round(self.loss.item(), 4), digest=digested)
+        self.checkpoints.close()
 
 
 def data_loader(
@@ -371,144 +457,6 @@ def snapshot(
         "optimizer": optimizer.state_dict(),
         "sampler": sampler.state_dict(),
     }
-
-
-def resources() -> dict[str, int]:
-    """This process's resident memory (KiB), threads and open file descriptors (Linux):
-    a process that regroups in place must not grow them generation after generation."""
-    try:
-        with open("/proc/self/status") as f:
-            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        return {
-            "rss_kib": rss,
-            "threads": len(os.listdir("/proc/self/task")),
-            "fds": len(os.listdir("/proc/self/fd")),
-        }
-    except (OSError, StopIteration, ValueError):
-        return {}
-
-
-def emit(path: str | None, kind: str, **fields: object) -> None:
-    """Appends one event line to ``path`` (one short append per line: atomic)."""
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"t": time.time(), "event": kind, **fields}) + "\n")
-
-
-def main_in_place(args: argparse.Namespace) -> None:
-    """The same training, regrouping in place: the model, the optimizer and this process
-    outlive each generation; the process group, DDP and the sampler are the
-    generation's."""
-    client = ElasticClient.from_env()
-    client.join()  # under torchrun: the agent's assignment
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        torch.set_num_threads(1)
-    device = torch.device("cuda" if cuda else "cpu")
-    torch.manual_seed(args.seed)
-    dataset = indexed(*synthetic_cifar(args.samples, args.seed))
-    model = SmallCNN(args.dropout).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    checkpoints = CheckpointManager(
-        client,
-        progress=False,
-        persist_every=args.persist_every,
-        if_busy=args.if_busy,
-        fence=[model, optimizer],
-    )
-    step = 0
-    loss = torch.tensor(float("nan"))
-    for generation in checkpoints.generations():
-        rank, world = generation.rank, generation.world_size
-        if cuda:
-            torch.cuda.set_device(generation.local_rank)
-        event = functools.partial(
-            emit, args.events, generation=generation.number, rank=rank, world_size=world
-        )
-
-        ddp = DistributedDataParallel(model)  # on this generation's process group
-        with checkpoints.loading():
-            plan = batch_plan(args, rank, world)
-        sampler = ElasticSampler(
-            args.samples, rank=rank, world_size=world, seed=args.seed, batch_size=plan.micro_batch
-        )
-        loader = data_loader(dataset, sampler, plan.micro_batch)
-        step = 0
-        restored = checkpoints.load_latest()
-        if restored is not None:
-            step = restore(restored, model, optimizer, sampler)
-        restored_at = time.time()
-        event(
-            "resumed",
-            version=restored.version if restored else None,
-            step=step,
-            pointer=generation.assignment.checkpoint.version
-            if generation.assignment.checkpoint
-            else None,
-            started=process_started(),
-            pid=os.getpid(),
-            bytes_from=restored.bytes_from if restored else None,
-            in_place=generation.regrouped,
-            regroup={**generation.timings, "restored": restored_at},
-            resources=resources(),
-            plan=dataclasses.asdict(plan),
-        )
-        saved = step - 1  # the version restored, if any
-        whole = args.global_batch is not None
-        with generation, PreemptionWatcher(client) as watcher:
-            for batches in optimizer_steps(loader, sampler, plan, whole=whole):
-                if step >= args.steps:
-                    break
-                loss = train_step(ddp, optimizer, sampler, batches, device, args.step_time)
-                if args.log_items:
-                    event(
-                        "items",
-                        step=step,
-                        epoch=sampler.epoch,
-                        indices=items(batches),
-                        loss=float(loss.item()).hex(),
-                    )
-                if rank == 0:
-                    event("step", step=step, loss=round(loss.item(), 4))
-                if step % args.checkpoint_every == 0:
-                    state = snapshot(model, optimizer, sampler)
-                    checkpoints.save(state, step, rank_state=rank_state())
-                    saved = step
-                if watcher.should_stop():
-                    if saved != step:
-                        state = snapshot(model, optimizer, sampler)
-                        checkpoints.save(
-                            state, step, rank_state=rank_state(), blocking=True, persist=True
-                        )
-                    info = checkpoints.wait()
-                    event("emergency", step=step, version=info.version if info else None)
-                    if watcher.notice is not None:
-                        watcher.finish()  # this node leaves: the others regroup
-                    while True:  # a survivor: the departure ends the generation
-                        generation.check()
-                        time.sleep(0.01)
-                generation.check()
-                step += 1
-            if args.save_last and saved != step - 1:  # the loop ran to --steps
-                state = snapshot(model, optimizer, sampler)
-                checkpoints.save(
-                    state, step - 1, rank_state=rank_state(), blocking=True, persist=True
-                )
-        if step >= args.steps:
-            break
-    checkpoints.wait()
-    emit(
-        args.events,
-        "finished",
-        generation=generation.number,
-        rank=generation.rank,
-        world_size=generation.world_size,
-        step=step,
-        loss=round(loss.item(), 4),
-        digest=digest(model, optimizer),
-    )
-    checkpoints.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

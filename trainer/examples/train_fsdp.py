@@ -16,9 +16,6 @@ a fixed stride, so the loss has somewhere to go and nothing is downloaded.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
 from typing import Any
 
@@ -33,6 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import CheckpointManager, PreemptionWatcher
+from rallypoint.trainer.examples._events import events
+from rallypoint.trainer.examples._launch import arguments, start_process_group
 
 
 class Block(nn.Module):
@@ -100,23 +99,13 @@ def digests(state: dict[str, Any]) -> dict[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200, help="train until this step")
+    parser = arguments(__doc__.split("\n")[0])
     parser.add_argument("--batch-size", type=int, default=8, help="per process")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--context", type=int, default=32)
-    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps")
-    parser.add_argument(
-        "--persist-every",
-        type=int,
-        default=1,
-        help="every Nth checkpoint goes to blob storage; the rest stay in nodes' memory",
-    )
-    parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
-    parser.add_argument("--events", help="append JSON lines of what happened to this file")
     parser.add_argument(
         "--digests", action="store_true", help="record every tensor's hash at saves and loads"
     )
@@ -124,22 +113,10 @@ def main() -> None:
 
     client = ElasticClient.from_env()
     assignment = client.join()  # under torchrun: the agent's assignment, no new round
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = start_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda" if cuda else "cpu")
     mesh = init_device_mesh(device.type, (world,))
-
-    def event(kind: str, **fields: object) -> None:
-        if args.events:
-            line = {"t": time.time(), "event": kind, "generation": assignment.generation}
-            line.update(rank=rank, world_size=world, **fields)
-            with open(args.events, "a") as f:  # one short append per line: atomic
-                f.write(json.dumps(line) + "\n")
+    event = events(args.events, generation=assignment.generation, rank=rank, world_size=world)
 
     torch.manual_seed(0)  # the same initial weights everywhere, sharded below
     model = TinyTransformer(args.vocab, args.dim, args.layers, 4, args.context).to(device)

@@ -17,7 +17,6 @@ Model, data and checkpointing are those of ``train_ddp.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from datetime import timedelta
@@ -68,6 +67,7 @@ def main() -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from rallypoint.trainer import CheckpointManager, ElasticSampler
+    from rallypoint.trainer.examples._events import events
     from rallypoint.trainer.examples.train_ddp import SmallCNN, synthetic_cifar
 
     torch.set_num_threads(1)
@@ -79,12 +79,7 @@ def main() -> None:
         timeout=timedelta(seconds=60),
     )
 
-    def event(kind: str, **fields: object) -> None:
-        if args.events:
-            line = {"t": time.time(), "event": kind, "generation": a.generation}
-            line.update(rank=a.rank, world_size=a.world_size, **fields)
-            with open(args.events, "a") as f:
-                f.write(json.dumps(line) + "\n")
+    event = events(args.events, generation=a.generation, rank=a.rank, world_size=a.world_size)
 
     images, labels = synthetic_cifar(args.samples, 0)
     model = SmallCNN()

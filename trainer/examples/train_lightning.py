@@ -19,10 +19,8 @@ sampler with an ``ElasticSampler`` and keeps the global batch (``--batch-size`` 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
-import json
 import os
 import time
 from typing import Any
@@ -36,6 +34,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from rallypoint.trainer import SavePolicy
+from rallypoint.trainer.examples._events import events
+from rallypoint.trainer.examples._launch import arguments
 from rallypoint.trainer.examples.train_ddp import SmallCNN, synthetic_cifar
 from rallypoint.trainer.lightning import RallypointDDPStrategy, RallypointModelParallelStrategy
 
@@ -133,21 +133,15 @@ class Events(L.Callback):
     """Appends what happened to a JSON-lines file (the tests' ``judge`` reads it)."""
 
     def __init__(self, path: str | None, digests: bool, step_time: float, samples: bool) -> None:
-        self.path, self.digests, self.step_time = path, digests, step_time
+        self.digests, self.step_time = digests, step_time
         self.samples = samples
         self.step = 0
         self.final: str | None = None  # the digest when training ended
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.generation = int(os.environ.get("RALLYPOINT_GENERATION", "0"))
+        generation = int(os.environ.get("RALLYPOINT_GENERATION", "0"))
+        self.event = events(path, generation=generation, rank=self.rank, world_size=self.world)
         self.loss = float("nan")
-
-    def event(self, kind: str, **fields: object) -> None:
-        if self.path:
-            line = {"t": time.time(), "event": kind, "generation": self.generation}
-            line.update(rank=self.rank, world_size=self.world, **fields)
-            with open(self.path, "a") as f:  # one short append per line: atomic
-                f.write(json.dumps(line) + "\n")
 
     def state_digest(self, trainer: L.Trainer) -> str:
         strategy = trainer.strategy
@@ -225,23 +219,13 @@ class Events(L.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200, help="train until this step")
+    parser = arguments(__doc__.split("\n")[0])
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--strategy", choices=("ddp", "model-parallel"), default="ddp")
-    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps")
-    parser.add_argument(
-        "--persist-every",
-        type=int,
-        default=1,
-        help="every Nth checkpoint goes to blob storage; the rest stay in nodes' memory",
-    )
     parser.add_argument("--checkpoint-dir", help="ModelCheckpoint's dirpath")
     parser.add_argument("--ckpt-path", help="passed to fit(); the coordinator's version wins")
-    parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
-    parser.add_argument("--events", help="append JSON lines of what happened to this file")
     parser.add_argument("--digests", action="store_true", help="hash the state at saves/loads")
     parser.add_argument("--log-samples", action="store_true", help="log each batch's indices")
     parser.add_argument("--epochs", type=int, default=-1, help="max_epochs (-1: --steps alone)")

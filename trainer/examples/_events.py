@@ -1,0 +1,61 @@
+"""What the examples write down: one JSON line an event, appended to ``--events``, and
+what a process says about itself in them (when it started, what it holds).
+
+The tests, the benchmarks and ``rallypoint.cli.processes.judge`` read these lines; every
+line has ``t`` and ``event``, and a trainer's lines also ``generation``, ``rank`` and
+``world_size`` (:func:`events`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Protocol
+
+
+class Event(Protocol):
+    """Writes one event of ``kind`` with ``fields`` (a rank's :func:`events`)."""
+
+    def __call__(self, kind: str, **fields: object) -> None: ...
+
+
+def emit(path: str | None, kind: str, **fields: object) -> None:
+    """Appends one event line to ``path``, if there is one (one short append per line:
+    atomic, so the ranks of a node can share the file)."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"t": time.time(), "event": kind, **fields}) + "\n")
+
+
+def events(path: str | None, *, generation: int, rank: int, world_size: int) -> Event:
+    """What a rank writes its events with: each line says which generation and rank."""
+    return functools.partial(emit, path, generation=generation, rank=rank, world_size=world_size)
+
+
+def process_started() -> float | None:
+    """When this process started (Linux), to tell process start-up from the rest."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def resources() -> dict[str, int]:
+    """This process's resident memory (KiB), threads and open file descriptors (Linux):
+    a process that regroups in place must not grow them generation after generation."""
+    try:
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return {
+            "rss_kib": rss,
+            "threads": len(os.listdir("/proc/self/task")),
+            "fds": len(os.listdir("/proc/self/fd")),
+        }
+    except (OSError, StopIteration, ValueError):
+        return {}

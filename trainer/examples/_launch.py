@@ -1,0 +1,41 @@
+"""How the torchrun examples start: the command-line options they share, and the process
+group of a worker that torchrun restarts on every membership change."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def arguments(description: str) -> argparse.ArgumentParser:
+    """A parser with the options every torchrun example takes: how long it trains
+    (``--steps``, ``--step-time``), how often it saves (``--checkpoint-every``,
+    ``--persist-every``) and where its events go (``--events``). Each example adds its
+    own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=200, help="train until this step")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps")
+    parser.add_argument(
+        "--persist-every",
+        type=int,
+        default=1,
+        help="every Nth checkpoint goes to blob storage; the rest stay in nodes' memory",
+    )
+    parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
+    parser.add_argument("--events", help="append JSON lines of what happened to this file")
+    return parser
+
+
+def start_process_group() -> torch.device:
+    """Builds this worker's process group from torchrun's environment (NCCL on CUDA, gloo
+    on CPU); the device it trains on."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(1)  # several ranks share a CPU machine's cores
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return torch.device("cuda" if cuda else "cpu")
