@@ -138,15 +138,12 @@ def test_storage_frozen_for_30_s_during_training_costs_no_restart(
     c = cluster(topology, "freeze", tmp_path, steps=100, script=script)
     try:
         step_at(c, 10)
-        topology.azurite.freeze()
-        frozen_at = time.time()
-        try:
+        with topology.azurite.frozen():
+            frozen_at = time.time()
             time.sleep(30)  # the outage under test, not a wait for a result
             # Every replica stays in the balancer: storage is down for all of them.
             assert all(s["status"] == "UP" for s in topology.balancer.stats().values())
             during = [e for e in c.events() if e["event"] == "step" and e["t"] > frozen_at + 5]
-        finally:
-            topology.azurite.thaw()
         thawed_at = time.time()
         history = finish(c, topology, 100)
     finally:
