@@ -574,6 +574,13 @@ class HeartbeatRequest(_Model):
 
 
 class HeartbeatReply(_Model):
+    """A heartbeat's answer. Unlike the other models it ignores fields it does not know:
+    every member reads one every second, and an agent older than its coordinator must
+    not lose its job's heartbeats to a field added since (the coordinator leaves out
+    ``reason`` where it has none, so such an agent reads the same bytes as before)."""
+
+    model_config = ConfigDict({**_Model.model_config, "extra": "ignore"})
+
     #: ``restart``: the generation ended (a member died or left, or a node wants in);
     #: stop, re-join and resume from the checkpoint.
     action: Literal["continue", "restart"]

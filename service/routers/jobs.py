@@ -303,6 +303,7 @@ async def _wait_for_seal(
 @router.post(
     "/{job_id}/nodes/{node_id}/heartbeat",
     responses=errors(UnknownJob, UnknownNode, StaleGeneration),
+    response_model_exclude_none=True,  # as the fast path: no ``reason`` where none
 )
 async def heartbeat(
     job_id: JobId,

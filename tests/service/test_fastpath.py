@@ -83,3 +83,30 @@ def test_the_fast_path_answers_every_beat_as_the_route_does(
         assert answers[0].content == answers[1].content, what
         for header in ("content-type", "www-authenticate"):
             assert answers[0].headers.get(header) == answers[1].headers.get(header), what
+
+
+def test_a_restart_says_why_and_a_continue_is_the_bytes_it_always_was(
+    replicas: tuple[TestClient, TestClient],
+) -> None:
+    """Both ways alike: ``reason`` only where the coordinator has one, so an agent older
+    than the field reads every ``continue`` as before."""
+    fast, route = replicas
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    spec = JobSpec(min_nodes=1, max_nodes=2, last_call=timedelta(0)).model_dump(mode="json")
+    first = {"node_id": "a", "addr": "h", "port": 1, "spec": spec}
+    joined = fast.post("/v1/jobs/job/join", json=first, headers=admin).json()
+    member = {**admin, CREDENTIAL_HEADER: joined["credential"]}
+    path = "/v1/jobs/job/nodes/a/heartbeat"
+    for client in (fast, route):
+        beat = client.post(path, json={"generation": 1}, headers=member)
+        assert beat.content == b'{"action":"continue","generation":1}', beat.text
+    # A newcomer ends generation 1 (the job may grow to 2).
+    fast.post("/v1/jobs/job/join", json={"node_id": "b", "addr": "h", "port": 2}, headers=admin)
+    for client in (fast, route):
+        # ``generation`` is the job's latest as each replica's snapshot has it (b's join
+        # may have sealed generation 2 already): the rest is the same both ways.
+        reply = client.post(path, json={"generation": 1}, headers=member).json()
+        assert {k: reply[k] for k in ("action", "reason")} == {
+            "action": "restart",
+            "reason": "node b joined",
+        }, reply
