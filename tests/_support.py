@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
 import httpx
 
-from rallypoint.cli.processes import Coordinator
+from rallypoint.cli.processes import Cluster, Coordinator, Event
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, JobSpec, ShardFile
 from rallypoint.trainer import CheckpointManager, upload
 
@@ -27,7 +28,9 @@ __all__ = [
     "cli",
     "clients",
     "join_all",
+    "kept_and_rolled_back",
     "managers",
+    "run_to_the_end",
     "save_by_hand",
     "spec",
     "status",
@@ -106,3 +109,27 @@ def status(coordinator: Coordinator, job: str) -> dict[str, Any]:
     reply.raise_for_status()
     body: dict[str, Any] = reply.json()
     return body
+
+
+def kept_and_rolled_back(log: Sequence[Event], kind: str) -> tuple[list[Event], list[Event]]:
+    """The ``kind`` events (one per step and rank: the items it trained) of the steps a
+    run kept, and those of the steps a restart rolled back: trained at or after the step
+    a later generation resumed at."""
+    resumed_at = {e["generation"]: e["step"] for e in log if e["event"] == "resumed"}
+    kept, lost = [], []
+    for e in (e for e in log if e["event"] == kind):
+        later = [step for g, step in resumed_at.items() if g > e["generation"]]
+        (lost if later and e["step"] >= min(later) else kept).append(e)
+    return kept, lost
+
+
+def run_to_the_end(cluster: Cluster, nodes: Sequence[str] = ("u", "v", "w")) -> None:
+    """Starts an agent for each of ``nodes`` and lets the job run to its end, undisturbed
+    (the reference a test compares an elastic run with); every agent must exit 0."""
+    try:
+        for node in nodes:
+            cluster.add(node)
+        codes = cluster.wait(timeout=200)
+    finally:
+        cluster.stop()
+    assert codes == dict.fromkeys(nodes, 0), codes

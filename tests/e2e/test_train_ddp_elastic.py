@@ -26,7 +26,7 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 
-from .._support import status
+from .._support import kept_and_rolled_back, run_to_the_end, status
 from .._versions import final_model, largest_relative_difference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -100,17 +100,6 @@ def signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def split(log: Sequence[Event]) -> tuple[list[Event], list[Event]]:
-    """The ``items`` events of the steps the run kept, and those of steps a restart
-    rolled back (trained at or after the step a later generation resumed at)."""
-    resumed_at = {e["generation"]: e["step"] for e in log if e["event"] == "resumed"}
-    kept, lost = [], []
-    for e in (e for e in log if e["event"] == "items"):
-        later = [step for g, step in resumed_at.items() if g > e["generation"]]
-        (lost if later and e["step"] >= min(later) else kept).append(e)
-    return kept, lost
-
-
 def by_step(events: Sequence[Event]) -> dict[int, list[int]]:
     """Each step's items, all ranks together, sorted."""
     steps: dict[int, list[int]] = {}
@@ -156,13 +145,7 @@ def uninterrupted(coordinator: Coordinator, tmp_path: Path) -> list[Event]:
     work = tmp_path / "uninterrupted"
     work.mkdir()
     cluster = ddp_cluster(coordinator, "ddp-reference", work, "3:3", step_time=0.0)
-    try:
-        for node in ("u", "v", "w"):
-            cluster.add(node)
-        codes = cluster.wait(timeout=200)
-    finally:
-        cluster.stop()
-    assert codes == {"u": 0, "v": 0, "w": 0}, codes
+    run_to_the_end(cluster)
     history = status(coordinator, "ddp-reference")["history"]
     assert [g["world_size"] for g in history] == [3], history
     return cluster.events()
@@ -202,7 +185,7 @@ def test_each_item_is_trained_once_an_epoch_through_a_shrink_and_a_growth(
 
     # The two-rank generation committed steps of its own, which the third resumed from.
     assert history[2]["checkpoint"]["step"] >= history[1]["checkpoint"]["step"] + 1
-    kept, lost = split(log)
+    kept, lost = kept_and_rolled_back(log, "items")
     steps = by_step(kept)
     assert sorted(steps) == list(range(STEPS))
     assert all(len(indices) == GLOBAL_BATCH for indices in steps.values())
@@ -232,7 +215,7 @@ def test_each_item_is_trained_once_an_epoch_through_a_shrink_and_a_growth(
         assert len(set(indices)) == len(indices) and set(indices) <= set(steps[step]), step
     print(f"{len(redone)} rolled-back steps re-done: {sorted(redone)}")
     # The same items in the same steps as the uninterrupted run.
-    reference_kept, reference_lost = split(reference)
+    reference_kept, reference_lost = kept_and_rolled_back(reference, "items")
     assert not reference_lost
     assert by_step(reference_kept) == steps
     # Until the kill the two runs are one run: every rank's loss the same, bit for bit.

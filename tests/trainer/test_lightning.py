@@ -35,7 +35,7 @@ from rallypoint.trainer._lightning import _EpochSampler, _rebuilt, resume_positi
 from rallypoint.trainer.errors import WorldSizeError
 from rallypoint.trainer.lightning import RallypointDDPStrategy
 
-from .._support import status
+from .._support import kept_and_rolled_back, run_to_the_end, status
 from .._versions import final_model, largest_relative_difference
 
 pytestmark = pytest.mark.timeout(180)
@@ -257,17 +257,6 @@ def elastic_cluster(
     return cluster
 
 
-def kept_batches(log: Sequence[Event]) -> tuple[list[Event], list[Event]]:
-    """The batches whose steps the run kept, and those of steps a restart rolled back
-    (trained after the version the next generation resumed from)."""
-    resumed_at = {e["generation"]: e["step"] for e in log if e["event"] == "resumed"}
-    kept, lost = [], []
-    for e in (e for e in log if e["event"] == "batch"):
-        later = [step for g, step in resumed_at.items() if g > e["generation"]]
-        (lost if later and e["step"] >= min(later) else kept).append(e)
-    return kept, lost
-
-
 def sample_counts(batches: Sequence[Event]) -> dict[int, Counter[int]]:
     """How often each sample was trained, by epoch."""
     counts: dict[int, Counter[int]] = {}
@@ -333,7 +322,7 @@ def check_elastic_run(
                 assert (e["version"], e["step"]) == (pointer["version"], pointer["step"])
                 assert e["digest"] == saved[pointer["step"]]
                 assert pointer["step"] % 10, "the test means to resume mid-epoch"
-    kept, lost = kept_batches(log)
+    kept, lost = kept_and_rolled_back(log, "batch")
     counts = sample_counts(kept)
     assert sorted(counts) == [0, 1, 2]
     for epoch, count in counts.items():
@@ -375,13 +364,7 @@ def against_uninterrupted(
     work.mkdir()
     args = ("--strategy", strategy, *extra)
     cluster = elastic_cluster(coordinator, f"{job}-ref", work, "3:3", ELASTIC_STEPS, *args)
-    try:
-        for node in ("u", "v", "w"):
-            cluster.add(node)
-        codes = cluster.wait(timeout=200)
-    finally:
-        cluster.stop()
-    assert codes == {"u": 0, "v": 0, "w": 0}, codes
+    run_to_the_end(cluster)
     step, model = final_model(coordinator, job, tmp_path, "state_dict.")
     reference_step, reference = final_model(coordinator, f"{job}-ref", work, "state_dict.")
     assert step == reference_step == ELASTIC_STEPS  # the same number of optimizer steps
@@ -436,7 +419,7 @@ def test_lightning_ddp_through_a_node_kill_ends_bit_identical_to_an_uninterrupte
     runs = {}
     for name, cluster in (("clean", clean), ("killed", killed)):
         log = cluster.events()
-        kept, lost = kept_batches(log)
+        kept, lost = kept_and_rolled_back(log, "batch")
         finished = {e["digest"] for e in log if e["event"] == "finished"}
         assert len(finished) == 1  # every rank alike
         runs[name] = (
