@@ -26,8 +26,9 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import anyio.to_thread
 from starlette.types import Receive
@@ -41,6 +42,8 @@ from .storage import each_try_within, within
 __all__ = ["Driver", "hang_up", "until_changed"]
 
 log = logging.getLogger("rallypoint.driver")
+
+_T = TypeVar("_T")
 
 
 async def until_changed(
@@ -239,6 +242,17 @@ class Driver:
         started = time.monotonic()
         job = await anyio.to_thread.run_sync(self.rdzv.get_job, job_id)
         self._publish(self._state(job_id), job, started)
+
+    async def changed_by(self, job_id: str, change: Callable[[], _T]) -> _T:
+        """Runs ``change`` (a write to the job) off the event loop, then :meth:`refresh`:
+        this replica's heartbeats answer from the job as it is now (a restart at once).
+
+        Returns:
+            What ``change`` returned.
+        """
+        result = await anyio.to_thread.run_sync(change)
+        await self.refresh(job_id)
+        return result
 
     @staticmethod
     def _publish(state: _JobState, job: Job, read_at: float) -> None:

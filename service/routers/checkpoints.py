@@ -25,7 +25,6 @@ from rallypoint.client.models import (
 )
 
 from .._contract import errors
-from .._driver import Driver
 from ..deps import AdminOnly, Auth, CheckpointsDep, Credential, DriverDep, JobId
 from ..errors import (
     CheckpointConflict,
@@ -45,7 +44,6 @@ router = APIRouter(
 
 VersionNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]
 
-_T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 # What a report of a member about one version can answer: it is fenced like every
@@ -53,14 +51,6 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _MEMBER_REPORT_ERRORS = errors(
     UnknownJob, UnknownNode, UnknownCheckpoint, StaleGeneration, CheckpointConflict
 )
-
-
-async def _then_refresh(driver: Driver, job_id: str, change: Callable[[], _T]) -> _T:
-    """Runs ``change`` off the event loop, then refreshes this replica's copy of the
-    job: its heartbeats answer from the job as it is now (a restart at once)."""
-    result = await anyio.to_thread.run_sync(change)
-    await driver.refresh(job_id)
-    return result
 
 
 @router.post(
@@ -132,8 +122,8 @@ async def unreadable(
     is marked unrecoverable, with the reason, and never named again; the generation
     ends, and the next one resumes from the newest version still recoverable. Fenced
     like every report of a member."""
-    return await _then_refresh(
-        driver, job_id, lambda: checkpoints.unreadable(job_id, version, body, credential)
+    return await driver.changed_by(
+        job_id, lambda: checkpoints.unreadable(job_id, version, body, credential)
     )
 
 
@@ -156,8 +146,8 @@ async def load_failed(
     round of that size waits for a world of another size instead of failing a third
     time (``blocked`` in the job's status). Fenced like every report of a member, and
     only for the version its generation was named."""
-    return await _then_refresh(
-        driver, job_id, lambda: checkpoints.load_failed(job_id, version, body, credential)
+    return await driver.changed_by(
+        job_id, lambda: checkpoints.load_failed(job_id, version, body, credential)
     )
 
 
@@ -211,8 +201,7 @@ async def quarantine(
     if it was the latest (or the newest durable), that pointer moves back to the newest
     good version. The running generation goes on unless ``restart``. Idempotent."""
     request = body or QuarantineRequest()
-    return await _then_refresh(
-        driver,
+    return await driver.changed_by(
         job_id,
         lambda: checkpoints.quarantine(job_id, version, request.reason, restart=request.restart),
     )
@@ -232,7 +221,7 @@ async def unquarantine(
     """Clears a version's quarantine (operator only); if it was saved by the job's
     latest generation and is newer than the latest, the pointer moves forward to it
     again. Idempotent."""
-    return await _then_refresh(driver, job_id, lambda: checkpoints.unquarantine(job_id, version))
+    return await driver.changed_by(job_id, lambda: checkpoints.unquarantine(job_id, version))
 
 
 @_clears_mark("/{version}/unrecoverable")
@@ -242,4 +231,4 @@ async def recover(
     """Clears a version's ``unrecoverable`` mark (operator only), once the copies a rank
     could not read are back or the cause was elsewhere: it may be named again, and the
     latest moves forward to it as for an unquarantine. Idempotent."""
-    return await _then_refresh(driver, job_id, lambda: checkpoints.recover(job_id, version))
+    return await driver.changed_by(job_id, lambda: checkpoints.recover(job_id, version))

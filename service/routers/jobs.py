@@ -445,8 +445,7 @@ async def remove_node(
     """The operator takes a node out (admin token; no node credential): as if it had
     left, so its generation ends and the others restart without it; its agent stops
     rather than joining again."""
-    await anyio.to_thread.run_sync(rdzv.remove, job_id, node_id, f"node {node_id} removed")
-    await driver.refresh(job_id)
+    await driver.changed_by(job_id, lambda: rdzv.remove(job_id, node_id, f"node {node_id} removed"))
     return {"status": "removed"}
 
 
@@ -465,8 +464,7 @@ async def quarantine_node(
     removal. The node need not have joined. Idempotent (the first mark stays). Returns
     the job's quarantined nodes."""
     reason = (body or NodeQuarantineRequest()).reason
-    job = await anyio.to_thread.run_sync(rdzv.quarantine_node, job_id, node_id, reason)
-    await driver.refresh(job_id)  # heartbeats on this replica answer "restart" at once
+    job = await driver.changed_by(job_id, lambda: rdzv.quarantine_node(job_id, node_id, reason))
     return list(job.quarantined)
 
 
@@ -478,8 +476,7 @@ async def unquarantine_node(
 ) -> list[QuarantinedNode]:
     """Admits a quarantined node again (admin token), its counted losses forgotten.
     Idempotent. Returns the job's quarantined nodes."""
-    job = await anyio.to_thread.run_sync(rdzv.unquarantine_node, job_id, node_id)
-    await driver.refresh(job_id)
+    job = await driver.changed_by(job_id, lambda: rdzv.unquarantine_node(job_id, node_id))
     return list(job.quarantined)
 
 
