@@ -13,6 +13,11 @@ goes, and the clock runs until rank 0 completes a training step at world size 3:
   platform sends next, SIGTERM to the agent.
 - ``join``: three agents train to step 30, then a fourth is started; the clock runs from
   its start to rank 0's first step at world size 4.
+- ``standby``: four agents train and a fifth parks beside them
+  (``--rdzv-conf standbys=1``); then rank 2's node is SIGKILLed, and the clock runs until
+  rank 0's first step at world size 4 again, the standby in the lost node's rank. Stock
+  c10d has no standby: its fifth agent (``--nnodes=3:4``) waits as a spare, and the clock
+  runs the same way.
 
 Rallypoint runs in up to three setups, each node with a memory tier of its own (as on
 separate machines):
@@ -47,7 +52,7 @@ authoritative checkpoint to resume from); "steps lost" is rallypoint's only.
 Usage::
 
     python bench/recovery.py [--limit 100] [--only rallypoint|rallypoint-in-place|c10d]
-        [--kind worker|kill|preempt|join] [--repeat 1]
+        [--kind worker|kill|preempt|join|standby] [--repeat 1]
     python bench/recovery.py --kind chaos [--rounds 10] [--seed 0]
 """
 
@@ -74,6 +79,7 @@ from rallypoint.trainer.memory import MEMORY_ENV
 
 STEP_TIME = 0.05
 AGENTS = ("n0", "n1", "n2", "n3")
+STANDBY = "s0"
 
 # The anchor's worker: the example's model and data, plain DDP, events like the example's.
 ANCHOR = textwrap.dedent(
@@ -142,6 +148,7 @@ def rallypoint(
             persist_every=10 if memory else 1,
             memory=workdir / "shm" if memory else None,
             in_place=in_place,
+            standbys=1 if kind == "standby" else 0,
         )
         first: dict[str, Any] | None = None
         try:
@@ -149,6 +156,9 @@ def rallypoint(
             for node in AGENTS[:3] if kind == "join" else AGENTS:
                 cluster.add(node)
             cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
+            if kind == "standby":
+                cluster.add(STANDBY)
+                _parked(coordinator.url, cluster.job, limit)
             world = 3 if kind in ("kill", "preempt") else 4
             generation = max(e["generation"] for e in cluster.events())
             if kind == "join":
@@ -159,7 +169,7 @@ def rallypoint(
                 started = time.time()
                 if kind == "worker":
                     os.kill(_worker_of_rank(cluster, 2), signal.SIGKILL)
-                elif kind == "kill":
+                elif kind in ("kill", "standby"):
                     cluster.kill(victim)
                 else:
                     imds.schedule(victim)
@@ -223,6 +233,11 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
         # c10d's first round waits out its last call (30 s) for the fourth node of 3:4.
         cluster.wait_for(step_with(3 if kind == "join" else 4), timeout=120)
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
+        if kind == "standby":
+            # c10d's spare: a node beyond max_nodes waits in its wait list.
+            cluster.add(STANDBY)
+            spare_at = time.time()
+            cluster.wait_for(lambda e: e["event"] == "step" and e["t"] > spare_at + 5, timeout=120)
         victim = AGENTS[-1]  # not the store's host: that one takes the job down with it
         at_kill = max(e["step"] for e in cluster.events() if e["event"] == "step")
         started = time.time()
@@ -236,7 +251,7 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
                 with contextlib.suppress(OSError):
                     if b"anchor.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
                         os.kill(pid, signal.SIGKILL)
-        elif kind == "kill":
+        elif kind in ("kill", "standby"):
             cluster.kill(victim)
         else:
             cluster.terminate(victim)
@@ -292,6 +307,19 @@ def _member_of_rank(url: str, job: str, rank: int) -> str:
     return str(next(m["node_id"] for m in members if m["rank"] == rank))
 
 
+def _parked(url: str, job: str, limit: float) -> None:
+    """Waits until the job shows a standby."""
+    import httpx
+
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        waiting = httpx.get(f"{url}/v1/jobs/{job}", timeout=10).json()["waiting"]
+        if any(w["standby"] for w in waiting):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"no standby parked within {limit} s")
+
+
 def _history(url: str, job: str) -> list[dict[str, Any]]:
     import httpx
 
@@ -317,21 +345,22 @@ FAMILIES = {
     "c10d": ("c10d",),
 }
 KINDS = {
-    "rallypoint": ("worker", "kill", "preempt", "join"),
+    "rallypoint": ("worker", "kill", "preempt", "join", "standby"),
     # A notice persists the emergency version either way; a newcomer reads the memory
     # tier of a peer, which blob storage only has no stand-in for.
     "rallypoint-blob": ("worker", "kill"),
-    "rallypoint-in-place": ("worker", "kill", "join"),
+    "rallypoint-in-place": ("worker", "kill", "join", "standby"),
     # last_call=0 seals the newcomer's generation at once: what the 2 s wait for more
     # newcomers costs a join.
     "rallypoint-in-place-lc0": ("join",),
-    "c10d": ("worker", "kill", "preempt", "join"),
+    "c10d": ("worker", "kill", "preempt", "join", "standby"),
 }
 LABELS = {
     "worker": "SIGKILL of a worker (rank 2)",
     "kill": "SIGKILL of a node (rank 2)",
     "preempt": "preemption notice / SIGTERM",
     "join": "a node joins (3 -> 4)",
+    "standby": "SIGKILL of a node, a standby (4)",
 }
 
 

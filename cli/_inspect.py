@@ -153,9 +153,16 @@ def print_status(status: JobStatus, out: TextIO) -> None:
     if status.waiting:
         out.write("\nwaiting\n")
         _table(
-            ["NODE", "ADDRESS", "ROUND", "WAITING", "HEARTBEAT"],
+            ["NODE", "ADDRESS", "ROUND", "WAITING", "HEARTBEAT", "AS"],
             [
-                (w.node_id, w.addr, w.round, _age(w.waiting_for), _age(w.heartbeat_age))
+                (
+                    w.node_id,
+                    w.addr,
+                    w.round,
+                    _age(w.waiting_for),
+                    _age(w.heartbeat_age),
+                    "standby" if w.standby else "joiner",
+                )
                 for w in status.waiting
             ],
             out,

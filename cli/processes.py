@@ -174,6 +174,7 @@ class Cluster:
             (``memory/NODE``), as on separate machines; None: the agents' default
             (``/dev/shm``, shared by the agents of this machine).
         in_place: The example's workers regroup in place (``--in-place``).
+        standbys: Nodes that park beyond ``MAX`` (``--rdzv-conf standbys``).
     """
 
     def __init__(
@@ -196,6 +197,7 @@ class Cluster:
         nproc: int = 1,
         memory: Path | None = None,
         in_place: bool = False,
+        standbys: int = 0,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
         self.nproc = nproc
@@ -205,6 +207,8 @@ class Cluster:
         self.conf = f"heartbeat_timeout={heartbeat_timeout},last_call={last_call}"
         if join_timeout is not None:
             self.conf += f",join_timeout={join_timeout}"
+        if standbys:
+            self.conf += f",standbys={standbys}"
         self.imds_url = imds_url
         self.script = (
             list(script)

@@ -359,8 +359,13 @@ class ElasticClient:
         last_call: timedelta = timedelta(seconds=5),
         heartbeat_timeout: timedelta = timedelta(seconds=10),
         join_timeout: timedelta = timedelta(seconds=600),
+        standbys: int = 0,
     ) -> JobSummary:
         """Creates the job; harmless if it exists with the same parameters.
+
+        Args:
+            standbys: Nodes that park beside a full generation and take a lost
+                member's rank (``JobSpec.standbys``).
 
         Raises:
             JobConflict: It exists with other parameters.
@@ -371,6 +376,7 @@ class ElasticClient:
             last_call=last_call,
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=join_timeout,
+            standbys=standbys,
         )
         reply = self._request("PUT", self._job, spec)
         return JobSummary.model_validate_json(reply.content)
@@ -454,7 +460,9 @@ class ElasticClient:
         agent's assignment, checkpoint pointer included, and starts no round.
 
         Each request is a long-poll the coordinator holds for at most 30 s, so no proxy
-        cuts it; between them the client polls again until the seal or ``timeout``.
+        cuts it; between them the client polls again until the seal or ``timeout``. A
+        node that joins a full generation of a job with standbys (``JobSpec.standbys``)
+        parks: it waits, with no timeout, until a member is lost and it takes its rank.
 
         Args:
             addr: How other nodes reach this one; defaults to the host name.
@@ -498,7 +506,22 @@ class ElasticClient:
         )
         if reply.credential:
             self._credential(reply.credential)
+        parked = False
         while reply.assignment is None:
+            if reply.status == "standby":
+                # Parked beside a full generation (JobSpec.standbys): it waits for as
+                # long as that generation runs, so the timeout starts again from each
+                # reply that says so (the coordinator runs none against a standby).
+                if not parked:
+                    log.info(
+                        "rallypoint: node %s parks as a standby of job %s (round %d)",
+                        self.node_id,
+                        self.job_id,
+                        reply.round,
+                    )
+                    parked = True
+                if timeout is not None:
+                    deadline = time.monotonic() + timeout.total_seconds()
             if deadline is not None and time.monotonic() >= deadline:
                 raise JoinTimeout(
                     f"round {reply.round} of job {self.job_id!r} did not seal within {timeout}",

@@ -182,6 +182,13 @@ class JobSpec(_Model):
     heartbeat_timeout: Annotated[timedelta, _seconds(1)] = timedelta(seconds=10)
     #: How long a joiner waits for its generation to seal before giving up.
     join_timeout: Annotated[timedelta, _seconds(0)] = timedelta(seconds=600)
+    #: Nodes that park beyond a full generation (``max_nodes`` members): their agents
+    #: run, their workers do not start, and none ends the running generation. When a
+    #: member is lost, a standby takes its rank in the next generation, so the world
+    #: keeps its size and every other member its rank (ZeRO, tensor and pipeline
+    #: layouts load without resharding). 0: a node beyond a full generation is refused
+    #: with ``job_full`` and retries, as before.
+    standbys: int = Field(0, ge=0, le=MAX_NODES_LIMIT)
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
@@ -555,9 +562,11 @@ class Assignment(_Model):
 
 
 class JoinReply(_Model):
-    """``sealed`` carries the assignment; ``waiting`` means poll again for ``round``."""
+    """``sealed`` carries the assignment; ``waiting`` means poll again for ``round``;
+    ``standby``: the node is parked beyond a full generation (``JobSpec.standbys``) and
+    polls again, with no join timeout, until a member is lost and it takes its rank."""
 
-    status: Literal["sealed", "waiting"]
+    status: Literal["sealed", "waiting", "standby"]
     round: int
     assignment: Assignment | None = None
     #: The credential of this registration of the node (in the reply to ``join``):
@@ -639,6 +648,9 @@ class WaitingNode(_Model):
     round: int
     waiting_for: float
     heartbeat_age: float | None
+    #: Parked beyond the running generation, ready to take a lost member's rank
+    #: (``JobSpec.standbys``); False for a node that waits for an open round.
+    standby: bool = False
 
 
 class LoadFailure(_Model):

@@ -55,7 +55,9 @@ class _Jobs(Collector):
             for state in ("alive", "late", "dead", "left"):
                 count = sum(m.state == state for m in job.members)
                 gauges["job_members"].add_metric([job_id, state], count)
-            gauges["job_waiting_nodes"].add_metric([job_id], len(job.waiting))
+            standbys = sum(1 for w in job.waiting if w.standby)
+            gauges["job_waiting_nodes"].add_metric([job_id], len(job.waiting) - standbys)
+            gauges["job_standby_nodes"].add_metric([job_id], standbys)
             reasons: dict[str, int] = {}
             for g in job.history:
                 if g.ended_reason:
@@ -85,6 +87,7 @@ _JOB_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "job_world_size": ("Members of the running generation", ()),
     "job_members": ("Members by heartbeat state", ("state",)),
     "job_waiting_nodes": ("Nodes waiting for the next generation", ()),
+    "job_standby_nodes": ("Nodes parked as standbys beside a full generation", ()),
     "job_generations_ended": (
         "Generations that ended (in the kept history), by reason",
         ("reason",),

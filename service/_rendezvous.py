@@ -138,6 +138,7 @@ def _spec_data(spec: JobSpec) -> dict[str, int | float]:
         "last_call": _seconds(spec.last_call),
         "heartbeat_timeout": _seconds(spec.heartbeat_timeout),
         "join_timeout": _seconds(spec.join_timeout),
+        "standbys": spec.standbys,
     }
 
 
@@ -149,6 +150,7 @@ def _job(job_id: str, e: Entity) -> Job:
         last_call=timedelta(seconds=_float(d, "last_call")),
         heartbeat_timeout=timedelta(seconds=_float(d, "heartbeat_timeout")),
         join_timeout=timedelta(seconds=_float(d, "join_timeout")),
+        standbys=_int(d, "standbys") if d.get("standbys") is not None else 0,  # rows before
     )
     return Job(
         job_id=job_id,
@@ -722,11 +724,17 @@ class Rendezvous:
                 # a retry of a join that already registered
                 return replace(row, credential=credential)
             if job.status == "sealed":
-                self.end_generation(
-                    job, seal.join_ends(job, self.sealed(job_id, job.generation), node_id)
-                )
-                job = self.get_job(job_id)
-                continue
+                running = self.sealed(job_id, job.generation)
+                if not (
+                    job.spec.standbys
+                    and seal.parks(job, running, node_id, self._standbys(job, node_id))
+                ):
+                    self.end_generation(job, seal.join_ends(job, running, node_id))
+                    job = self.get_job(job_id)
+                    continue
+                # A standby: it registers for the next round and ends nothing. (Two that
+                # park at once may both count one free place: the one the next seal
+                # leaves out joins again and is refused as job_full, as without standbys.)
             now = self.clock()
             node = Node(
                 node_id,
@@ -760,13 +768,22 @@ class Rendezvous:
             return replace(node, credential=credential)
 
     def _registered(self, job: Job, node: Node) -> bool:
-        """Whether a registration still stands: its round is open, or sealed with it."""
-        if job.status == "open":
+        """Whether a registration still stands: its round is open, or it parks for the
+        next round as a standby, or its round sealed with it."""
+        if job.status == "open" or seal.parked(job, node.round):
             return node.round == job.round
         return (
             node.round == job.generation
             and node.node_id in self.sealed(job.job_id, job.generation).ranks
         )
+
+    def _standbys(self, job: Job, but: str) -> int:
+        """How many nodes other than ``but`` park as standbys beside the running
+        generation (:func:`._seal.parked`)."""
+        rows = self._nodes(
+            job.job_id, (Cond("round", "eq", job.round), Cond("state", "eq", "waiting"))
+        )
+        return sum(1 for n in rows if n.node_id != but)
 
     def record_beats(
         self,
@@ -1246,6 +1263,7 @@ class Rendezvous:
                 round=n.round,
                 waiting_for=now - n.joined_at,
                 heartbeat_age=now - beats[n.node_id] if n.node_id in beats else None,
+                standby=seal.parked(job, n.round),
             )
             for n in nodes.values()
             if n.state == "waiting" and n.round >= job.round and n.node_id not in current

@@ -15,6 +15,10 @@ ETag compare-and-swap. What makes it ask:
 - a departure: a node's leave or the operator's removal ends its generation
   (:meth:`~._rendezvous.Rendezvous.leave`, ``remove``); a quarantine with ``restart``
   does too (``_checkpoints.py``);
+- a join to a full generation parks the newcomer as a standby instead (:func:`parks`)
+  while the job has room for one: it ends nothing, waits with no join timeout
+  (:func:`parked`), and the next round's seal gives it the rank of the member that was
+  lost (:func:`slotted`);
 - a heartbeat: :func:`verdict` tells a member whether its generation still runs;
 - a rank that cannot load the checkpoint its generation named (``_checkpoints.py``,
   ``load_failed``) ends the generation; the job counts such ends in a row
@@ -51,6 +55,8 @@ __all__ = [
     "load_streak",
     "losses",
     "lost_too_often",
+    "parked",
+    "parks",
     "ranked",
     "seal_waits",
     "silent",
@@ -92,15 +98,41 @@ def lost_too_often(times: Sequence[float], limit: int | None) -> bool:
 def join_ends(job: Job, running: Generation, node_id: str) -> str:
     """Why a join ends the running generation: a newcomer wants in, or a member came
     back (its process restarted), and either way the next generation must include it.
+    (A newcomer that :func:`parks` ends nothing: the caller asks that first.)
 
     Raises:
-        JobFull: A newcomer, and the generation already has ``max_nodes`` members.
+        JobFull: A newcomer, and the generation already has ``max_nodes`` members (and
+            the job as many standbys as its spec allows).
     """
     if node_id in running.ranks:
         return f"member {node_id} re-joined"
     if len(running.members) >= job.spec.max_nodes:
-        raise JobFull(f"job {job.job_id!r} runs with max_nodes={job.spec.max_nodes} members")
+        standbys = f" and {job.spec.standbys} standbys" if job.spec.standbys else ""
+        raise JobFull(
+            f"job {job.job_id!r} runs with max_nodes={job.spec.max_nodes} members{standbys}"
+        )
     return f"node {node_id} joined"
+
+
+def parks(job: Job, running: Generation, node_id: str, standbys: int) -> bool:
+    """Whether a node that joins a running generation parks as a standby rather than
+    end it: a newcomer (a member that re-joins restarted, and must be let back in), the
+    generation full (``max_nodes`` members, so it could only be refused), and fewer
+    than ``spec.standbys`` parked already (``standbys``). Parking costs the members
+    nothing: they never hear of it."""
+    return (
+        node_id not in running.ranks
+        and len(running.members) >= job.spec.max_nodes
+        and standbys < job.spec.standbys
+    )
+
+
+def parked(job: Job, round: int) -> bool:
+    """Whether a node registered for ``round`` waits as a standby: its round is the one
+    after a generation that runs. It waits as long as that generation does, so the join
+    timeout does not run against it (a standby that timed out would leave the job with
+    none at the moment it needs one)."""
+    return job.status == "sealed" and round > job.generation
 
 
 def alive(

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -109,6 +110,28 @@ def status(coordinator: Coordinator, job: str) -> dict[str, Any]:
     reply.raise_for_status()
     body: dict[str, Any] = reply.json()
     return body
+
+
+def status_until(
+    coordinator: Coordinator,
+    job: str,
+    predicate: Callable[[dict[str, Any]], bool],
+    timeout: float = 150,
+    what: str = "the condition",
+) -> dict[str, Any]:
+    """Polls the job's status (every 50 ms) until ``predicate`` holds; that status.
+
+    Raises:
+        TimeoutError: Naming ``what`` and the last status, after ``timeout`` s.
+    """
+    end = time.monotonic() + timeout
+    while True:
+        body = status(coordinator, job)
+        if predicate(body):
+            return body
+        if time.monotonic() >= end:
+            raise TimeoutError(f"{what} not met within {timeout} s: {body}")
+        time.sleep(0.05)
 
 
 def kept_and_rolled_back(log: Sequence[Event], kind: str) -> tuple[list[Event], list[Event]]:

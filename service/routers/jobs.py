@@ -33,6 +33,7 @@ from rallypoint.client.models import (
 )
 
 from .. import _credentials as credentials
+from .. import _seal as seal
 from .. import _timeline
 from .._checkpoints import Checkpoints
 from .._contract import errors
@@ -278,7 +279,11 @@ async def _wait_for_seal(
             continue
         if outcome is not None:
             return _sealed_reply(job_id, node, outcome)
-        if rdzv.clock() - node.joined_at > join_timeout:
+        # A standby waits as long as the generation it parks beside runs; once its
+        # round opens, its join timeout counts from then (``changed_at``), like a
+        # newcomer's from its join.
+        standby = seal.parked(job, round)
+        if not standby and rdzv.clock() - max(node.joined_at, job.changed_at) > join_timeout:
             # Not refused before storage is read: the round may have sealed through
             # another replica since this one's last pass.
             if (await driver.snapshot(job_id, round))[0].generation >= round:
@@ -293,7 +298,9 @@ async def _wait_for_seal(
             return None
         if left <= 0 or driver.closing:
             response.status_code = 202
-            return JoinReply(status="waiting", round=round, credential=credential)
+            return JoinReply(
+                status="standby" if standby else "waiting", round=round, credential=credential
+            )
         # The seal resolves ``changed`` and a hang-up ``gone``; the timeout only paces
         # the join-timeout checks.
         pace = max(1.0, job.spec.heartbeat_timeout.total_seconds() / 3)

@@ -300,11 +300,19 @@ async def job_page(
         + "<h2>Waiting</h2>"
         + _table(
             "waiting",
-            ["node", "address", "round", "waiting", "heartbeat"],
+            ["node", "address", "round", "waiting", "heartbeat", "as"],
             [
-                (w.node_id, w.addr, w.round, f"{w.waiting_for:.1f} s", _age(w.heartbeat_age))
+                (
+                    w.node_id,
+                    w.addr,
+                    w.round,
+                    f"{w.waiting_for:.1f} s",
+                    _age(w.heartbeat_age),
+                    "standby" if w.standby else "joiner",
+                )
                 for w in status.waiting
             ],
+            ["standby" if w.standby else "joiner" for w in status.waiting],
         )
         + (
             "<h2>Quarantined nodes</h2>"

@@ -169,7 +169,7 @@ def test_status_shows_waiting_nodes(url: str) -> None:
     out = cli("status", "growing", "--url", url, "--token", TOKEN).stdout
     assert "generation 0 open" in out
     waiting = out.split("\nwaiting\n")[1].splitlines()
-    assert waiting[0].split() == ["NODE", "ADDRESS", "ROUND", "WAITING", "HEARTBEAT"]
+    assert waiting[0].split() == ["NODE", "ADDRESS", "ROUND", "WAITING", "HEARTBEAT", "AS"]
     assert waiting[1].split()[:3] == ["g-a", "10.0.0.7", "1"]
 
 

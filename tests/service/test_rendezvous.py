@@ -161,6 +161,47 @@ def test_a_full_job_refuses_more_nodes(rdzv: Rendezvous) -> None:
     assert rdzv.get_job("job").status == "sealed"
 
 
+def test_a_standby_parks_beside_a_full_generation_and_takes_a_lost_members_rank(
+    rdzv: Rendezvous, clock: Clock
+) -> None:
+    s = spec(3, 3, last_call=0, timeout=3).model_copy(update={"standbys": 1})
+    join_all(rdzv, ["a", "b", "c"], s)
+    job, _ = rdzv.tick("job")
+    assert (job.generation, job.world_size) == (1, 3)
+    # d parks: it ends nothing, and the members are told to continue.
+    assert join(rdzv, "job", "d", "h", 1, join_id="k1") == 2
+    job = rdzv.get_job("job")
+    assert (job.generation, job.status) == (1, "sealed")
+    assert rdzv.judge_beat(job, "a", 1) == "continue"
+    assert assignment(rdzv, job, "d", 2) is None  # waits for round 2
+    waiting = rdzv.status("job").waiting
+    assert [(w.node_id, w.standby) for w in waiting] == [("d", True)]
+    # The job has room for one standby: e is refused, as a full job refuses without.
+    with pytest.raises(JobFull, match="1 standbys"):
+        join(rdzv, "job", "e", "h", 1)
+    # A retried join of d is the same registration, still parked.
+    first = rdzv.node("job", "d")
+    assert join(rdzv, "job", "d", "h", 1, join_id="k1") == 2
+    assert rdzv.node("job", "d").registration == first.registration
+    assert rdzv.get_job("job").status == "sealed"
+    # b goes silent: d takes its rank, the world keeps its size, a and c theirs.
+    for _ in range(3):
+        clock.advance(1)
+        rdzv.record_beats("job", ["a", "c", "d"], generation=None)
+        rdzv.record_beats("job", ["a", "c"], generation=1)
+        job, _ = rdzv.tick("job")
+    assert (job.generation, job.status) == (1, "open")
+    assert [w.standby for w in rdzv.status("job").waiting] == [False]  # its round is open
+    join_all(rdzv, ["c", "a"])
+    job, _ = rdzv.tick("job")
+    assert (job.generation, job.world_size) == (2, 3)
+    assert ranks(rdzv, job, ["a", "c", "d"], 2) == {"a": 0, "d": 1, "c": 2}
+    # With no standby left, the job's elastic rules are as before: a member re-joining
+    # ends the generation, and a newcomer parks.
+    assert join(rdzv, "job", "b", "h", 1) == 3
+    assert rdzv.get_job("job").status == "sealed"
+
+
 def test_a_member_that_restarts_ends_its_generation(rdzv: Rendezvous) -> None:
     join_all(rdzv, ["a", "b"], spec(2, 2))
     rdzv.tick("job")

@@ -40,6 +40,36 @@ def test_a_join_ends_the_running_generation_unless_it_is_full() -> None:
         seal.join_ends(job(), running("a", "b", "c"), "d")
 
 
+def test_a_newcomer_to_a_full_generation_parks_while_the_job_has_room_for_a_standby() -> None:
+    spare = job()
+    spare = replace(spare, spec=SPEC.model_copy(update={"standbys": 1}))
+    full, short = running("a", "b", "c"), running("a", "b")
+    assert seal.parks(spare, full, "d", standbys=0)
+    assert not seal.parks(spare, full, "e", standbys=1)  # the one place is taken
+    assert not seal.parks(spare, full, "a", standbys=0)  # a member that re-joins restarted
+    assert not seal.parks(spare, short, "d", standbys=0)  # room in the world: it grows
+    assert not seal.parks(job(), full, "d", standbys=0)  # no standbys: refused, as before
+    with pytest.raises(JobFull, match="and 1 standbys"):
+        seal.join_ends(spare, full, "e")
+
+
+def test_a_standby_waits_as_long_as_the_generation_beside_it_runs() -> None:
+    # Round 2 follows the running generation 1: a node registered for it is parked.
+    assert seal.parked(job(1, "sealed"), 2)
+    # Once generation 1 ends, round 2 is open: the node waits as any joiner, and the
+    # join timeout runs again; a node of an earlier round is no standby either.
+    assert not seal.parked(job(1, "open"), 2)
+    assert not seal.parked(job(2, "sealed"), 2)
+
+
+def test_a_standby_takes_the_lost_members_rank_and_the_rest_stays_parked() -> None:
+    previous = {"a": 0, "b": 1, "c": 2}
+    # b was lost; standbys s1 (parked first) and s2 wait: s1 takes rank 1, s2 stays out.
+    waiting = [node("s2", 7), node("c", 9), node("s1", 3), node("a", 9)]
+    chosen = seal.ranked(waiting, previous)[: SPEC.max_nodes]
+    assert [n.node_id for n in seal.slotted(chosen, previous)] == ["a", "s1", "c"]
+
+
 def test_a_node_counts_while_heard_from_within_the_timeout() -> None:
     nodes = [node("a", 0), node("b", 0), node("c", 0)]
     beats = {"a": 95.0, "b": 89.0}  # c never beat

@@ -92,6 +92,8 @@ class RendezvousSettings:
     ``join_timeout``       s; give up joining after this long (default torchrun's
                            ``--rdzv-timeout``, else 600)
     ``store_timeout``      s; how long store reads wait for a key (default 300)
+    ``standbys``           nodes that park beyond ``MAX`` and take a lost member's
+                           rank, so the world keeps its size (default 0)
     =====================  =========================================================
 
     The job is created by the first node with ``--nnodes MIN:MAX`` and these timeouts;
@@ -132,6 +134,7 @@ class RendezvousSettings:
             last_call=seconds("last_call", 5),
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=seconds("join_timeout", params.get_as_int("timeout") or 600),
+            standbys=params.get_as_int("standbys") or 0,
         )
         return cls(
             url=url,

@@ -1,0 +1,98 @@
+"""Standbys end to end: real torchrun agents with ``--rdzv-conf standbys=1``, the DDP
+example with two worker processes a node, a real coordinator, and node SIGKILLs.
+
+A fifth node parks beside a full 4-node generation without ending it; when an active
+node is killed, the standby takes its node rank (so its global ranks), the world keeps
+its size and every other node its rank; a second kill, with no standby left, falls back
+to the elastic rules (the world shrinks). ``judge`` checks that every rank of every
+generation loaded the checkpoint the coordinator named for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rallypoint.cli.processes import Cluster, Coordinator, judge
+
+from .._support import status, status_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+NPROC = 2
+
+
+def step_at(cluster: Cluster, step: int, **where: Any) -> dict[str, Any]:
+    return cluster.wait_for(
+        lambda e: (
+            e["event"] == "step" and e["step"] >= step and all(e[k] == v for k, v in where.items())
+        ),
+        timeout=180,
+    )
+
+
+def node_ranks(coordinator: Coordinator, job: str) -> dict[str, int]:
+    return {m["node_id"]: m["rank"] for m in status(coordinator, job)["members"]}
+
+
+def test_a_standby_takes_a_killed_nodes_ranks_and_the_world_keeps_its_size(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    cluster = Cluster(
+        coordinator.url,
+        "spare",
+        tmp_path,
+        nnodes="3:4",
+        standbys=1,
+        nproc=NPROC,
+        steps=120,
+        memory=tmp_path / "memory",
+    )
+    try:
+        for node in ("a", "b", "c", "d"):
+            cluster.add(node)
+        step_at(cluster, 10, world_size=4 * NPROC)
+        before = node_ranks(coordinator, "spare")
+        cluster.add("s")
+        # The standby parks: shown as one, and the running generation goes on.
+        parked = status_until(
+            coordinator,
+            "spare",
+            lambda body: any(w["standby"] for w in body["waiting"]),
+            what="a standby",
+        )
+        assert [(w["node_id"], w["round"]) for w in parked["waiting"]] == [("s", 2)]
+        at = max(e["step"] for e in cluster.events() if e["event"] == "step")
+        step_at(cluster, at + 10, generation=1)
+        assert len(status(coordinator, "spare")["history"]) == 1
+
+        victim = next(n for n, r in before.items() if r == 2)
+        cluster.kill(victim)
+        step_at(cluster, 0, generation=2)
+        after = node_ranks(coordinator, "spare")
+        # The standby has the victim's node rank, so its global ranks 2*2 and 2*2+1;
+        # every other node kept its own.
+        assert after == {**{n: r for n, r in before.items() if n != victim}, "s": 2}
+        assert status(coordinator, "spare")["world_size"] == 4
+
+        # No standby left: a second kill shrinks the world, as without standbys.
+        second = next(n for n, r in after.items() if r == 1)
+        cluster.kill(second)
+        step_at(cluster, 0, generation=3, world_size=3 * NPROC)
+        codes = cluster.wait(timeout=240)
+        history = status(coordinator, "spare")["history"]
+        verdict = judge(cluster.events(), history)
+    finally:
+        cluster.stop()
+    assert verdict.consistent, verdict.problems
+    assert verdict.final_step == 120, codes
+    assert [g["world_size"] for g in history] == [4, 4, 3]
+    assert (
+        "missed heartbeats" in history[0]["ended_reason"]
+        or "dropped" in (history[0]["ended_reason"])
+    )
+    assert {n: c for n, c in codes.items() if n not in {victim, second}} == dict.fromkeys(
+        [n for n in ("a", "b", "c", "d", "s") if n not in {victim, second}], 0
+    ), codes
