@@ -12,7 +12,7 @@ from azure.data.tables import EdmType, EntityProperty, TableClient, UpdateMode
 from ..errors import BadRequest
 from ._azure_errors import storage_errors
 from ._continuation import continuation_cursor, continuation_token
-from ._table import BatchOp, Cond, Entity, Page, Table, Value, matches
+from ._table import BatchOp, Entity, Page, PageQuery, Table, Value, matches
 
 __all__ = ["AzureTable"]
 
@@ -106,26 +106,21 @@ class AzureTable(Table):
         with storage_errors(f"delete {self.name}/{partition_key}/{row_key}"):
             self._client.submit_transaction([op])
 
-    def _query_page(
-        self,
-        partition_key: str,
-        where: tuple[Cond, ...],
-        page_size: int,
-        continuation: str | None,
-    ) -> Page:
+    def _query_page(self, request: PageQuery) -> Page:
+        partition_key, where = request.partition_key, request.where
         query = " and ".join(
             [f"PartitionKey eq {_literal(partition_key)}"]
             + [f"{c.name} {c.op} {_literal(c.value)}" for c in where]
         )
         token: dict[str, str] | None = None
-        if continuation is not None:
-            cursor = continuation_cursor(continuation)
+        if request.continuation is not None:
+            cursor = continuation_cursor(request.continuation)
             try:
                 token = json.loads(cursor)
             except ValueError as exc:
                 raise BadRequest("malformed continuation token") from exc
         with storage_errors(f"query {self.name}/{partition_key}"):
-            pages = self._client.query_entities(query, results_per_page=page_size).by_page(
+            pages = self._client.query_entities(query, results_per_page=request.page_size).by_page(
                 continuation_token=token  # type: ignore[arg-type]  # the SDK's token is a dict
             )
             raws = list(next(pages))

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from ..errors import AlreadyExists, Modified, NotFound, StorageUnavailable
 from ._continuation import continuation_cursor, continuation_token
-from ._table import BatchOp, Cond, Entity, Page, Table, Value
+from ._table import BatchOp, Entity, Page, PageQuery, Table, Value
 
 __all__ = ["LocalTable"]
 
@@ -243,19 +243,14 @@ class LocalTable(Table):
             raise NotFound(f"entity {partition_key!r}/{row_key!r} does not exist")
         return Entity(partition_key, row_key, _decode(row[1]), row[0])
 
-    def _query_page(
-        self,
-        partition_key: str,
-        where: tuple[Cond, ...],
-        page_size: int,
-        continuation: str | None,
-    ) -> Page:
+    def _query_page(self, request: PageQuery) -> Page:
+        partition_key, page_size = request.partition_key, request.page_size
         sql = "SELECT rk, etag, data FROM entities WHERE tbl=? AND pk=?"
         args: list[object] = [self.name, partition_key]
-        if continuation is not None:
+        if request.continuation is not None:
             sql += " AND rk > ?"
-            args.append(continuation_cursor(continuation))
-        for cond in where:
+            args.append(continuation_cursor(request.continuation))
+        for cond in request.where:
             path = f'$."{cond.name}"'
             sql += (
                 f" AND json_type(data, ?) IN {_JSON_TYPES[type(cond.value)]}"

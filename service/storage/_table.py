@@ -14,7 +14,7 @@ from ..errors import BadRequest
 from ._names import MAX_BATCH_OPS, check_entity, check_key, check_property_name
 from ._port import Port
 
-__all__ = ["BatchOp", "Cond", "Entity", "Page", "Table", "Value", "matches"]
+__all__ = ["BatchOp", "Cond", "Entity", "Page", "PageQuery", "Table", "Value", "matches"]
 
 #: The property types a table stores. ``int`` is stored as a 64-bit integer, ``float`` as a
 #: double. ``None`` means "absent": such properties are not stored and are not read back.
@@ -72,6 +72,20 @@ def matches(data: Mapping[str, Value | None], where: Sequence[Cond]) -> bool:
         if type(value) is not type(cond.value) or not _COMPARE[cond.op](value, cond.value):
             return False
     return True
+
+
+@dataclass(frozen=True)
+class PageQuery:
+    """One checked page request of :meth:`Table.query_page`, as an adapter receives it.
+
+    One object rather than four arguments: the adapters' hooks then take what the port
+    checked as it is, and a new query option is one field, not three signatures.
+    """
+
+    partition_key: str
+    where: tuple[Cond, ...]
+    page_size: int
+    continuation: str | None
 
 
 @dataclass(frozen=True)
@@ -187,7 +201,7 @@ class Table(Port):
                 raise BadRequest(f"unknown filter operator {cond.op!r}")
             if not isinstance(cond.value, (str, int, float)):
                 raise BadRequest(f"cannot filter on a {type(cond.value).__name__} value")
-        return self._query_page(partition_key, tuple(where), page_size, continuation)
+        return self._query_page(PageQuery(partition_key, tuple(where), page_size, continuation))
 
     def query(
         self, partition_key: str, where: Sequence[Cond] = (), *, page_size: int = 1000
@@ -256,13 +270,7 @@ class Table(Port):
     def _delete(self, partition_key: str, row_key: str, if_match: str | None) -> None: ...
 
     @abc.abstractmethod
-    def _query_page(
-        self,
-        partition_key: str,
-        where: tuple[Cond, ...],
-        page_size: int,
-        continuation: str | None,
-    ) -> Page: ...
+    def _query_page(self, query: PageQuery) -> Page: ...
 
     @abc.abstractmethod
     def _batch(self, ops: list[BatchOp]) -> list[Entity | None]: ...
