@@ -14,11 +14,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from types import TracebackType
 from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel
+
+from rallypoint.closing import Closing
 
 from .errors import JoinTimeout, RallypointError, TransportError, error_for
 from .models import (
@@ -153,7 +154,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class ElasticClient:
+class ElasticClient(Closing):
     """A node's handle on one job of a Rallypoint coordinator.
 
     Args:
@@ -923,17 +924,6 @@ class ElasticClient:
 
     def close(self) -> None:
         self._http.close()
-
-    def __enter__(self) -> ElasticClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class Heartbeats:

@@ -32,7 +32,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -44,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, KeepBest, RallypointError
+from rallypoint.closing import Closing
 
 from .._bytes import tensor_bytes
 from .._regroup import Generation, generations
@@ -169,7 +169,7 @@ def _report_failure(step: int, exc: BaseException) -> None:
         log.info("checkpoint of step %d stopped: the generation ended (%s)", step, reason)
 
 
-class CheckpointManager:
+class CheckpointManager(Closing):
     """Saves and restores a training process's state through the coordinator.
 
     Every process of the job (each of torchrun's ``--nproc-per-node`` workers) has its
@@ -805,17 +805,6 @@ class CheckpointManager:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 @contextlib.contextmanager
