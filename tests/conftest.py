@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Generator, Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -188,36 +188,39 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str], 
     }
 
 
-@pytest.fixture
-def start(backend: tuple[list[str], dict[str, str]]) -> Iterator[Start]:
-    """Starts coordinators in this process (``rallypoint serve`` flags after the
-    backend's), each on its own port; all stop after the test."""
-    started: list[InProcessCoordinator] = []
+_Started = TypeVar("_Started", InProcessCoordinator, Coordinator)
 
-    def run(*extra: str) -> InProcessCoordinator:
-        args, env = backend
-        started.append(InProcessCoordinator([*args, *extra], env).start())
+
+def _starter(
+    kind: Callable[[list[str], dict[str, str]], _Started],
+    backend: tuple[list[str], dict[str, str]],
+) -> Iterator[Callable[..., _Started]]:
+    """What ``start`` and ``spawn`` yield: a function that starts a ``kind`` coordinator
+    with the backend's flags and its own after them; all stop after the test."""
+    args, env = backend
+    started: list[_Started] = []
+
+    def run(*extra: str) -> _Started:
+        started.append(kind([*args, *extra], env).start())
         return started[-1]
 
     yield run
     for coordinator in started:
         coordinator.stop()
+
+
+@pytest.fixture
+def start(backend: tuple[list[str], dict[str, str]]) -> Iterator[Start]:
+    """Starts coordinators in this process (``rallypoint serve`` flags after the
+    backend's), each on its own port; all stop after the test."""
+    yield from _starter(InProcessCoordinator, backend)
 
 
 @pytest.fixture
 def spawn(backend: tuple[list[str], dict[str, str]]) -> Iterator[Spawn]:
     """As ``start``, but each a ``rallypoint serve`` process: for tests that kill one,
     read its log, or run it beside other processes (their lane is e2e)."""
-    started: list[Coordinator] = []
-
-    def run(*extra: str) -> Coordinator:
-        args, env = backend
-        started.append(Coordinator([*args, *extra], env).start())
-        return started[-1]
-
-    yield run
-    for coordinator in started:
-        coordinator.stop()
+    yield from _starter(Coordinator, backend)
 
 
 @pytest.fixture
