@@ -8,6 +8,7 @@ behind HAProxy), never from one another; ``tests/test_structure.py`` checks that
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -28,6 +29,7 @@ __all__ = [
     "TOKEN",
     "cli",
     "clients",
+    "committed",
     "join_all",
     "kept_and_rolled_back",
     "managers",
@@ -132,6 +134,25 @@ def status_until(
         if time.monotonic() >= end:
             raise TimeoutError(f"{what} not met within {timeout} s: {body}")
         time.sleep(0.05)
+
+
+def committed(coordinator: Coordinator, job: str, step: int, timeout: float = 150) -> None:
+    """Waits until the job has a committed version of ``step``.
+
+    Raises:
+        TimeoutError: After ``timeout`` s without one.
+    """
+    end = time.monotonic() + timeout
+    url = f"{coordinator.url}/v1/jobs/{job}/checkpoints"
+    while time.monotonic() < end:
+        # A request that fails is asked again: a coordinator under load may drop one.
+        with contextlib.suppress(httpx.HTTPError):
+            answer = httpx.get(url, timeout=5)
+            versions = answer.json() if answer.status_code == 200 else []  # 404: no job yet
+            if any(v["step"] == step and v["state"] == "committed" for v in versions):
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"no committed version of step {step} within {timeout} s")
 
 
 def kept_and_rolled_back(log: Sequence[Event], kind: str) -> tuple[list[Event], list[Event]]:

@@ -21,12 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 
-from .._support import kept_and_rolled_back, run_to_the_end, status
+from .._support import committed, kept_and_rolled_back, run_to_the_end, status
 from .._versions import final_model, largest_relative_difference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -68,19 +67,6 @@ def ddp_cluster(
     # comparison measures the run.
     cluster.script += ["--seed", "2", "--lr", "0.005"]
     return cluster
-
-
-def committed(coordinator: Coordinator, job: str, step: int, timeout: float = 150) -> None:
-    """Waits until the job has a committed version of ``step``."""
-    end = time.monotonic() + timeout
-    url = f"{coordinator.url}/v1/jobs/{job}/checkpoints"
-    while time.monotonic() < end:
-        answer = httpx.get(url, timeout=10)
-        versions = answer.json() if answer.status_code == 200 else []  # 404: no job yet
-        if any(v["step"] == step and v["state"] == "committed" for v in versions):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"no committed version of step {step} within {timeout} s")
 
 
 def ended(coordinator: Coordinator, job: str, generation: int, timeout: float = 150) -> str:

@@ -12,12 +12,10 @@ node's SIGKILL with a replacement must end bit-for-bit where an uninterrupted on
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import subprocess
 import sys
-import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,7 +33,7 @@ from rallypoint.trainer._lightning import _EpochSampler, _rebuilt, resume_positi
 from rallypoint.trainer.errors import WorldSizeError
 from rallypoint.trainer.lightning import RallypointDDPStrategy
 
-from .._support import kept_and_rolled_back, run_to_the_end, status
+from .._support import committed, kept_and_rolled_back, run_to_the_end, status
 from .._versions import final_model, largest_relative_difference
 
 pytestmark = pytest.mark.timeout(180)
@@ -371,20 +369,6 @@ def against_uninterrupted(
     difference = largest_relative_difference(model, reference)
     print(f"{job}: largest relative difference from the uninterrupted run {difference:.3g}")
     assert difference < 1e-4
-
-
-def committed(coordinator: Coordinator, job: str, step: int, timeout: float = 150) -> None:
-    """Waits until the job has a committed version of ``step``."""
-    end = time.monotonic() + timeout
-    url = f"{coordinator.url}/v1/jobs/{job}/checkpoints"
-    while time.monotonic() < end:
-        with contextlib.suppress(httpx.HTTPError):
-            answer = httpx.get(url, timeout=5)
-            versions = answer.json() if answer.status_code == 200 else []  # 404: no job yet
-            if any(v["step"] == step and v["state"] == "committed" for v in versions):
-                return
-        time.sleep(0.05)
-    raise TimeoutError(f"no committed version of step {step} within {timeout} s")
 
 
 @pytest.mark.e2e
