@@ -330,7 +330,7 @@ def _warm(argv: Sequence[str]) -> bool:
 def _launch_warm(argv: Sequence[str]) -> None:
     """What ``torch.distributed.run.run`` does, with :func:`_worker` as the entrypoint
     (a function, as torchrun's own ``--run-path`` uses) and a warm ``forkserver``."""
-    import multiprocessing
+    import multiprocessing.forkserver
 
     import torch.multiprocessing
     from torch.distributed.launcher.api import elastic_launch
@@ -345,6 +345,13 @@ def _launch_warm(argv: Sequence[str]) -> None:
     multiprocessing.set_forkserver_preload(list(WARM_MODULES))
     with tempfile.NamedTemporaryFile(prefix="rallypoint-worker-env-", suffix=".json") as state:
         os.environ[WORKER_ENV_FILE] = state.name  # before the server starts: it inherits it
+        # The server starts now, beside the rendezvous, not at the first worker start:
+        # its imports (seconds) overlap the join, and a standby's server is warm while
+        # it parks, so a replacement's workers fork at once (they inherit nothing of the
+        # agent's later environment either way: the generation's comes in the file).
+        threading.Thread(
+            target=multiprocessing.forkserver.ensure_running, name="rallypoint-warm", daemon=True
+        ).start()
         elastic_launch(config=config, entrypoint=_worker)(
             bool(parsed.module), parsed.training_script, *parsed.training_script_args
         )
