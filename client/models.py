@@ -669,12 +669,18 @@ class LoadFailure(_Model):
     count: int = 1
 
 
-class GenerationInfo(_Model):
+class _Generation(_Model):
+    """What a job's status and its timeline both tell of a generation: its size, when it
+    was sealed, and when and why it ended (None while it runs)."""
+
     generation: int
     world_size: int
     sealed_at: float
     ended_at: float | None = None
     ended_reason: str | None = None
+
+
+class GenerationInfo(_Generation):
     checkpoint: CheckpointPointer | None = None
     #: Set when the generation ended because a rank could not load its checkpoint.
     load_failure: LoadFailure | None = None
@@ -759,14 +765,9 @@ TimelineCause = Literal[
 TIMELINE_GENERATIONS = 200
 
 
-class TimelineGeneration(_Model):
+class TimelineGeneration(_Generation):
     """One generation on a job's timeline."""
 
-    generation: int
-    world_size: int
-    sealed_at: float
-    ended_at: float | None = None
-    ended_reason: str | None = None
     #: ``ended_reason`` in one word (None while it runs).
     cause: TimelineCause | None = None
     #: The version it resumed from (None: from scratch).
