@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Annotated, Literal
 
 import anyio.to_thread
 from fastapi import APIRouter, Body, Header, Request, Response
+from fastapi.types import DecoratedCallable
 from starlette.datastructures import State
 from starlette.types import Receive
 
@@ -56,6 +58,7 @@ from ..errors import (
     JobFull,
     JoinTimeout,
     NodeQuarantined,
+    RallypointServiceError,
     StaleGeneration,
     UnknownJob,
     UnknownNode,
@@ -124,14 +127,23 @@ async def timeline(job_id: JobId, rdzv: RdzvDep, checkpoints: CheckpointsDep) ->
     return await anyio.to_thread.run_sync(read_timeline, rdzv, checkpoints, job_id)
 
 
-@router.post(
-    "/{job_id}/join",
-    response_model=JoinReply,
-    responses={
-        202: {"model": JoinReply, "description": "still waiting: poll /wait"},
-        **errors(UnknownJob, JobConflict, JobFull, NodeQuarantined, JoinTimeout),
-    },
-)
+def _awaits_seal(
+    path: str, poll: str, *refusals: type[RallypointServiceError]
+) -> Callable[[DecoratedCallable], DecoratedCallable]:
+    """The route of a request that waits for its round to seal (a join, a wait): a
+    JoinReply, sealed, or 202 still waiting (``poll`` says where to ask again), or one of
+    the refusals of every round (and ``refusals``: the route's own, after UnknownJob)."""
+    return router.post(
+        path,
+        response_model=JoinReply,
+        responses={
+            202: {"model": JoinReply, "description": f"still waiting: {poll}"},
+            **errors(UnknownJob, *refusals, JobFull, NodeQuarantined, JoinTimeout),
+        },
+    )
+
+
+@_awaits_seal("/{job_id}/join", "poll /wait", JobConflict)
 async def join(
     job_id: JobId,
     body: JoinRequest,
@@ -170,14 +182,7 @@ async def join(
     return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response)
 
 
-@router.post(
-    "/{job_id}/nodes/{node_id}/wait",
-    response_model=JoinReply,
-    responses={
-        202: {"model": JoinReply, "description": "still waiting: poll again"},
-        **errors(UnknownJob, UnknownNode, JobFull, NodeQuarantined, JoinTimeout),
-    },
-)
+@_awaits_seal("/{job_id}/nodes/{node_id}/wait", "poll again", UnknownNode)
 async def wait(
     job_id: JobId,
     node_id: NodeId,
