@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, TypedDict
+
+from typing_extensions import Unpack
 
 from rallypoint.client.models import (
     Assignment,
@@ -28,6 +30,7 @@ from ._support import FILE
 from .conftest import Clock
 
 __all__ = [
+    "Reported",
     "assignment",
     "begin_all",
     "commit",
@@ -242,29 +245,27 @@ def begin_all(
     return version
 
 
+class Reported(TypedDict, total=False):
+    """What a rank's report may add to its files, as the trainer sends it: the version's
+    ``metrics`` and the job's retention rules (``ReportShard``'s fields of those names)."""
+
+    metrics: dict[str, float] | None
+    keep_best: KeepBest | None
+    keep_last: int | None
+
+
 def report(
     ckpts: Checkpoints,
     node: str,
     gen: int,
     version: int,
     creds: dict[str, str],
-    *,
-    metrics: dict[str, float] | None = None,
-    keep_best: KeepBest | None = None,
-    keep_last: int | None = None,
+    **reported: Unpack[Reported],
 ) -> str:
     """``node``'s rank reports its file (in storage), with the version's ``metrics`` and
     retention rules if given; the version's state after it."""
     shard = ShardFile(name=FILE, size=len(node), checksum="x:1")
-    request = ReportShard(
-        node_id=node,
-        generation=gen,
-        files=[shard],
-        storage=True,
-        metrics=metrics,
-        keep_best=keep_best,
-        keep_last=keep_last,
-    )
+    request = ReportShard(node_id=node, generation=gen, files=[shard], storage=True, **reported)
     return ckpts.report("job", version, request, creds[node]).state
 
 
@@ -274,20 +275,12 @@ def commit(
     gen: int,
     step: int,
     creds: dict[str, str],
-    *,
-    metrics: dict[str, float] | None = None,
-    keep_best: KeepBest | None = None,
-    keep_last: int | None = None,
+    **reported: Unpack[Reported],
 ) -> int:
     """A durable version of ``step``, committed by every node's rank (each reports the
     ``metrics`` and retention rules, as the trainer does)."""
     version = begin_all(ckpts, nodes, gen, step, creds)
-    states = [
-        report(
-            ckpts, n, gen, version, creds, metrics=metrics, keep_best=keep_best, keep_last=keep_last
-        )
-        for n in nodes
-    ]
+    states = [report(ckpts, n, gen, version, creds, **reported) for n in nodes]
     assert states[-1] == "committed"
     return version
 
