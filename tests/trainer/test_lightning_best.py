@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import pytest
@@ -133,12 +133,26 @@ def train(url: str, tmp_path: Path) -> tuple[pl.Trainer, Scripted, ElasticClient
     return fitted, model, client
 
 
+class Trained(NamedTuple):
+    url: str
+    fitted: pl.Trainer
+    model: Scripted
+    client: ElasticClient
+
+
+@pytest.fixture
+def trained(start: Start, tmp_path: Path, worker: None) -> Trained:
+    """The run :func:`train` trains on a coordinator started for the test (a test asks
+    for the local backend), and the coordinator's URL."""
+    url = start().url
+    return Trained(url, *train(url, tmp_path))
+
+
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
 def test_the_best_epoch_survives_collection_and_best_and_last_load_it_and_the_newest(
-    start: Start, tmp_path: Path, worker: None
+    trained: Trained, tmp_path: Path
 ) -> None:
-    url = start().url
-    fitted, model, client = train(url, tmp_path)
+    url, fitted, model, client = trained
     steps_per_epoch = 4
     kept = {v.step: v for v in client.checkpoints()}
     best_step, last_step = (BEST + 1) * steps_per_epoch, len(LOSSES) * steps_per_epoch
@@ -175,10 +189,9 @@ def test_the_best_epoch_survives_collection_and_best_and_last_load_it_and_the_ne
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
 def test_a_lightning_version_exports_to_safetensors_under_the_modules_names(
-    start: Start, tmp_path: Path, worker: None
+    trained: Trained, tmp_path: Path
 ) -> None:
-    url = start().url
-    _, model, client = train(url, tmp_path)
+    url, _, model, client = trained
     reader = ElasticClient(url, "job", "reader")
     out = tmp_path / "best.safetensors"
     done = export(reader, out, "best", only="state_dict.", progress=False)
