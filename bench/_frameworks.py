@@ -1,7 +1,8 @@
 """What the framework benchmarks (``frameworks_lightning.py``,
 ``frameworks_hf_deepspeed.py``) share: the model's layers, the coordinator, memory tier
 and one-node jobs their runs save through, and naming the last version as the
-coordinator does at a restart.
+coordinator does at a restart. The command line of a benchmark that measures ``--mib``
+MiB of tensors ``--repeat`` times (these, ``export.py``, ``tiers.py``) is here too.
 """
 
 from __future__ import annotations
@@ -22,28 +23,57 @@ from rallypoint.client import CheckpointPointer, ElasticClient, JobSpec
 from rallypoint.trainer import CheckpointManager
 from tests._coordinator import Coordinator
 
-__all__ = ["WIDTH", "MiB", "command_line", "coordinator", "layers", "name_the_last_version"]
+__all__ = [
+    "WIDTH",
+    "MiB",
+    "command_line",
+    "coordinator",
+    "layers",
+    "measuring",
+    "name_the_last_version",
+    "parsed",
+]
 
 MiB = 1 << 20
 WIDTH = 1024
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def measuring(
+    doc: str, mib: int, repeat: int, mib_help: str | None = None
+) -> argparse.ArgumentParser:
+    """The command line of a benchmark that measures ``--mib`` MiB of tensors, the median
+    of ``--repeat`` rounds: add the benchmark's own options, then :func:`parsed`.
+
+    Args:
+        doc: The benchmark's docstring; its first paragraph is the description.
+        mib: The default ``--mib``.
+        repeat: The default ``--repeat``.
+        mib_help: ``--mib``'s help, if it says more than its name.
+    """
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--mib", type=int, default=mib, help=mib_help)
+    parser.add_argument("--repeat", type=int, default=repeat)
+    return parser
+
+
+def parsed(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options read, and torch left one thread (as each measurement here runs)."""
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    return args
+
+
 def command_line(doc: str, mib: int, optimizer: str) -> argparse.Namespace:
-    """Reads ``--mib`` and ``--repeat``, the options every framework benchmark takes, and
-    leaves torch one thread (as each measurement here runs).
+    """Reads ``--mib`` and ``--repeat``, the options every framework benchmark takes
+    (:func:`measuring`, :func:`parsed`).
 
     Args:
         doc: The benchmark's docstring; its first paragraph is the description.
         mib: The default ``--mib``.
         optimizer: The name of the optimizer the model trains with, for the help.
     """
-    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=mib, help=f"parameters; {optimizer} adds 2x")
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    return args
+    return parsed(measuring(doc, mib, 5, f"parameters; {optimizer} adds 2x"))
 
 
 def layers(mib: int) -> nn.Sequential:

@@ -20,7 +20,6 @@ the run, as a multiple of the state's size.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' coordinator
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _frameworks import ROOT, coordinator
+from _frameworks import ROOT, coordinator, measuring, parsed
 
 # Each measurement in a fresh process, so that its peak memory is its own.
 _PROBE = r"""
@@ -80,12 +79,9 @@ def probe(kind: str, source: str, out: Path, buffer: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib", type=int, default=512)
+    parser = measuring(__doc__, mib=512, repeat=3)
     parser.add_argument("--buffer-mib", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = parsed(parser)
     import torch.distributed.checkpoint as dcp
 
     from rallypoint.trainer import CheckpointManager

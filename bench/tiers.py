@@ -16,7 +16,6 @@ Usage: python bench/tiers.py [--mib 512] [--tensors 32] [--repeat 5]
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import statistics
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 import torch  # noqa: E402
+from _frameworks import measuring, parsed  # noqa: E402
 
 from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
@@ -211,12 +211,9 @@ def copies(url: str, shm: Path, mib: int, tensors: int, repeat: int) -> dict[str
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mib", type=int, default=512)
+    parser = measuring(__doc__, mib=512, repeat=5)
     parser.add_argument("--tensors", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = parsed(parser)
     shm_root = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
     with (
         tempfile.TemporaryDirectory(prefix="bench-tiers-") as tmp,
