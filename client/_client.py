@@ -509,10 +509,11 @@ class ElasticClient(Closing):
             self._credential(reply.credential)
         parked = False
         while reply.assignment is None:
-            if reply.status == "standby":
+            if reply.status == "standby" or parked:
                 # Parked beside a full generation (JobSpec.standbys): it waits for as
                 # long as that generation runs, so the timeout starts again from each
-                # reply that says so (the coordinator runs none against a standby).
+                # reply that says so, and from the first that says its round is open
+                # (the coordinator counts the same way).
                 if not parked:
                     log.info(
                         "rallypoint: node %s parks as a standby of job %s (round %d)",
@@ -520,7 +521,7 @@ class ElasticClient(Closing):
                         self.job_id,
                         reply.round,
                     )
-                    parked = True
+                parked = reply.status == "standby"
                 if timeout is not None:
                     deadline = time.monotonic() + timeout.total_seconds()
             if deadline is not None and time.monotonic() >= deadline:

@@ -88,6 +88,42 @@ def test_a_silent_member_makes_the_others_restart(start: Start) -> None:
             assert a.rank == by_node[a.node_id], (by_node, a)
 
 
+def test_a_standby_waits_past_its_join_timeout_and_takes_the_rank_of_a_leaver(
+    start: Start,
+) -> None:
+    url = start().url
+    a, b, s = clients(url, ["a", "b", "s"])
+    job = spec(1, 2).model_copy(update={"standbys": 1})
+    first = {x.node_id: x for x in join_all([a, b], job)}
+    parked: list[Assignment] = []
+    errors: list[BaseException] = []
+
+    def stand_by() -> None:
+        try:  # a timeout far shorter than the wait: a standby's wait has none
+            parked.append(s.join(timeout=timedelta(seconds=0.5)))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=stand_by)
+    thread.start()
+    # Parked: shown as a standby, and the members run on.
+    end = time.monotonic() + 10
+    while not any(w.standby for w in a.membership().waiting) and time.monotonic() < end:
+        time.sleep(0.02)
+    assert [w.node_id for w in a.membership().waiting if w.standby] == ["s"]
+    thread.join(2)  # four times the join's timeout
+    assert thread.is_alive() and not errors
+    assert a.heartbeat().action == "continue"
+    # b leaves: s takes its rank in a world of the same size.
+    b.leave("preempted")
+    assert a.heartbeat().action == "restart"
+    again = join_all([a])
+    thread.join(10)
+    assert not errors and len(parked) == 1
+    assert (parked[0].generation, parked[0].world_size) == (2, 2)
+    assert parked[0].rank == first["b"].rank and again[0].rank == first["a"].rank
+
+
 def test_leaving_restarts_the_others_and_zombies_are_fenced(start: Start) -> None:
     url = start().url
     nodes = clients(url, ["a", "b"])
