@@ -8,15 +8,7 @@ from typing import Any
 
 import yaml
 
-from rallypoint.client import (
-    ENDPOINT_KEY_ENV,
-    GENERATION_ENV,
-    JOB_ENV,
-    NODE_ENV,
-    TOKEN_ENV,
-    TRANSPORT_ENV,
-    URL_ENV,
-)
+from rallypoint import client
 from rallypoint.service.settings import Settings
 from rallypoint.trainer.agent import RUN_ENV
 
@@ -24,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 KNOWN_ENV = (
     {f"RALLYPOINT_{name.upper()}" for name in Settings.model_fields}
-    | {URL_ENV, JOB_ENV, TOKEN_ENV, NODE_ENV, GENERATION_ENV, TRANSPORT_ENV, ENDPOINT_KEY_ENV}
+    # The client's: each of its public *_ENV names, so that a new one is known here at once.
+    | {getattr(client, name) for name in client.__all__ if name.endswith("_ENV")}
     | set(RUN_ENV)
     | {"AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT"}
 )
