@@ -37,7 +37,7 @@ Hierarchy::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from rallypoint.client import codes
 
@@ -196,6 +196,15 @@ class StorageError(RallypointServiceError):
 
     code = "storage_error"
     status = 503
+
+    #: Each storage error below by its code, filled as each is defined: what an adapter
+    #: raises for the code a failure was read as (``storage/_azure_errors.py``), with no
+    #: list of them to keep beside the classes.
+    by_code: ClassVar[dict[str, type[StorageError]]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        StorageError.by_code.setdefault(cls.code, cls)
 
     def __init__(self, message: str, *, op_index: int | None = None) -> None:
         super().__init__(message)

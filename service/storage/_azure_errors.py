@@ -12,42 +12,20 @@ from azure.data.tables import TableTransactionError
 
 from rallypoint.azure_errors import Failure, translated
 
-from ..errors import (
-    AccessDenied,
-    AlreadyExists,
-    BadRequest,
-    LimitExceeded,
-    Modified,
-    NotFound,
-    StorageError,
-    StorageUnavailable,
-)
+from ..errors import StorageError
 
 __all__ = ["storage_errors"]
 
-#: The storage error for each code of :data:`rallypoint.azure_errors.CODES`.
-_ERRORS: dict[str, type[StorageError]] = {
-    error.code: error
-    for error in (
-        AccessDenied,
-        AlreadyExists,
-        BadRequest,
-        LimitExceeded,
-        Modified,
-        NotFound,
-        StorageUnavailable,
-    )
-}
-
 
 def _storage_error(what: str, failure: Failure) -> StorageError:
-    return _ERRORS[failure.code](f"{what}: {failure.detail}")
+    # Each code of rallypoint.azure_errors.CODES is one of StorageError.by_code.
+    return StorageError.by_code[failure.code](f"{what}: {failure.detail}")
 
 
 def _batch_error(what: str, failure: Failure) -> StorageError:
     failed = failure.error
     index = failed.index if isinstance(failed, TableTransactionError) else None
-    return _ERRORS[failure.code](f"{what}: {failure.detail}", op_index=index)
+    return StorageError.by_code[failure.code](f"{what}: {failure.detail}", op_index=index)
 
 
 def storage_errors(what: str, *, batch: bool = False) -> AbstractContextManager[None]:

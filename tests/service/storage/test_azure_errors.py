@@ -92,9 +92,7 @@ def test_a_failed_transaction_names_its_operation_in_a_batch_only() -> None:
 
 
 def test_every_code_has_an_error_on_the_service_side() -> None:
-    from rallypoint.service.storage import _azure_errors
-
-    assert set(_azure_errors._ERRORS) >= CODES
+    assert set(StorageError.by_code) >= CODES
 
 
 def test_other_exceptions_pass_unchanged() -> None:
