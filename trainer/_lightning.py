@@ -453,7 +453,25 @@ def _report(restored: Restored) -> dict[str, Any]:
     }
 
 
-class RallypointCheckpointIO(CheckpointIO):
+class _CoordinatorKeeps:
+    """What the checkpoint I/O and the model-parallel strategy (which saves without one)
+    do alike: leave removing versions to the coordinator, and wait at teardown for the
+    save in flight. Listed first among a class's bases, so that its teardown runs the
+    Lightning base's after its own."""
+
+    session: Session
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        # Versions are the coordinator's to collect (its retention), not ModelCheckpoint's
+        # top-k: one still named for a restart must not go.
+        log.debug("not removing %s: the coordinator keeps versions", path)
+
+    def teardown(self) -> None:
+        self.session.wait()
+        super().teardown()  # type: ignore[misc]  # the Lightning base's, next in the MRO
+
+
+class RallypointCheckpointIO(_CoordinatorKeeps, CheckpointIO):
     """Lightning's checkpoint file I/O, replaced by the coordinator's versions.
 
     :class:`RallypointDDPStrategy` carries one and calls it on every rank (Lightning's own
@@ -501,16 +519,6 @@ class RallypointCheckpointIO(CheckpointIO):
         if not is_resume_path(path):
             return self._files.load_checkpoint(path, map_location, weights_only)
         return self.session.load(path, weights_only=weights_only)
-
-    @override
-    def remove_checkpoint(self, path: _PATH) -> None:
-        # Versions are the coordinator's to collect (its retention), not ModelCheckpoint's
-        # top-k: one still named for a restart must not go.
-        log.debug("not removing %s: the coordinator keeps versions", path)
-
-    @override
-    def teardown(self) -> None:
-        self.session.wait()
 
 
 def _options(storage_options: Any) -> tuple[bool, dict[str, float] | None]:
@@ -965,7 +973,7 @@ class RallypointDDPStrategy(_Rallypoint, DDPStrategy):
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=options)
 
 
-class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
+class RallypointModelParallelStrategy(_CoordinatorKeeps, _Rallypoint, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2, tensor parallel), whose sharded saves
     and loads go through Rallypoint's DCP writer and reader: one file per rank, each rank
     loading its own shards (resharded to today's mesh).
@@ -1051,13 +1059,3 @@ class RallypointModelParallelStrategy(_Rallypoint, ModelParallelStrategy):
         for optimizer, saved in zip(optimizers, checkpoint["optimizer_states"], strict=True):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=saved, options=options)
         return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        # Versions are the coordinator's to collect, not ModelCheckpoint's top-k.
-        log.debug("not removing %s: the coordinator keeps versions", filepath)
-
-    @override
-    def teardown(self) -> None:
-        self.session.wait()
-        super().teardown()
