@@ -41,6 +41,7 @@ __all__ = [
     "NOT_FOUND",
     "NOT_READY",
     "STALE_GENERATION",
+    "STANDBY_RELEASED",
     "STORAGE_ERROR",
     "STORAGE_UNAVAILABLE",
     "UNAUTHORIZED",
@@ -69,6 +70,7 @@ UNKNOWN_TOKEN: Final = "unknown_token"
 UNKNOWN_CHECKPOINT: Final = "unknown_checkpoint"
 JOB_CONFLICT: Final = "job_conflict"
 JOB_FULL: Final = "job_full"
+STANDBY_RELEASED: Final = "standby_released"
 NODE_QUARANTINED: Final = "node_quarantined"
 STALE_GENERATION: Final = "stale_generation"
 JOIN_TIMEOUT: Final = "join_timeout"
@@ -104,6 +106,7 @@ CODES: Final[Mapping[str, str]] = MappingProxyType(
         UNKNOWN_CHECKPOINT: "404: no such checkpoint version (or none committed yet)",
         JOB_CONFLICT: "409: the job exists with other parameters",
         JOB_FULL: "409: max_nodes are members already",
+        STANDBY_RELEASED: "410: the generation a standby parked beside finished training",
         NODE_QUARANTINED: "403: the job does not admit the node until an operator clears it",
         STALE_GENERATION: "409: the request acts for a generation that is not running",
         JOIN_TIMEOUT: "408: no generation sealed within the job's join timeout",

@@ -14,6 +14,7 @@ Hierarchy::
     │   ├── UnknownToken      404: no scoped token has this id
     │   ├── JobConflict       409: the job exists with other parameters
     │   ├── JobFull           409: the job runs with max_nodes members already
+    │   ├── StandbyReleased   410: the generation this standby parked beside finished
     │   ├── NodeQuarantined   403: the job does not admit this node (an operator's mark)
     │   ├── StaleGeneration   409: this node's generation is over (it was fenced out)
     │   ├── JoinTimeout       408: no generation sealed in time
@@ -44,6 +45,7 @@ __all__ = [
     "ServerError",
     "SignedUrlError",
     "StaleGeneration",
+    "StandbyReleased",
     "TransportError",
     "Unauthorized",
     "UnknownCheckpoint",
@@ -116,6 +118,13 @@ class JobFull(ServerError):
     code = "job_full"
 
 
+class StandbyReleased(ServerError):
+    """The generation this node parked beside as a standby ended because its training
+    finished (a member's workers exited 0): there is nothing left to stand by for."""
+
+    code = "standby_released"
+
+
 class NodeQuarantined(ServerError):
     code = "node_quarantined"
 
@@ -162,6 +171,7 @@ _BY_CODE: dict[str, type[ServerError]] = {
         UnknownToken,
         JobConflict,
         JobFull,
+        StandbyReleased,
         NodeQuarantined,
         StaleGeneration,
         JoinTimeout,

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchem
 __all__ = [
     "CREDENTIAL_HEADER",
     "ENVELOPE_PATH",
+    "FINISHED",
     "ID_JSON_SCHEMA",
     "ID_PATTERN",
     "ID_SCHEMA_PATTERN",
@@ -602,7 +603,15 @@ class HeartbeatReply(_Model):
 
 class LeaveRequest(_Model):
     generation: int | None = Field(None, ge=1)
+    #: Why: free text, but :data:`FINISHED` says the node's workers finished training
+    #: (the job's standbys are released), and ``preempted ...`` a preemption.
     reason: str = Field("left", max_length=200)
+
+
+#: The leave reason of a node whose workers finished training: the generation it ends
+#: releases the standbys parked beside it (``standby_released``) rather than sealing
+#: them into a run of their own.
+FINISHED = "finished"
 
 
 #: The one route that carries every other ``/v1`` operation (see :class:`Envelope`).

@@ -1001,6 +1001,8 @@ class Rendezvous:
             job.job_id, (Cond("round", "eq", job.round), Cond("state", "eq", "waiting"))
         )
         registered = seal.admitted(registered, job.quarantined)
+        # Standbys of a generation that finished training go home (their waits say so).
+        registered = [n for n in registered if not seal.released(job, n.round, n.joined_at)]
         if len(registered) < spec.min_nodes:
             # Too few even if all are alive: spares reading every beat at each tick while
             # thousands of nodes register.

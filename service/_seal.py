@@ -19,6 +19,8 @@ ETag compare-and-swap. What makes it ask:
   while the job has room for one: it ends nothing, waits with no join timeout
   (:func:`parked`), and the next round's seal gives it the rank of the member that was
   lost (:func:`slotted`);
+- a member that leaves because its workers finished ends its generation, and the
+  standbys parked beside it are released (:func:`released`), not sealed alone;
 - a heartbeat: :func:`verdict` tells a member whether its generation still runs;
 - a rank that cannot load the checkpoint its generation named (``_checkpoints.py``,
   ``load_failed``) ends the generation; the job counts such ends in a row
@@ -38,7 +40,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
-from rallypoint.client.models import CheckpointPointer, LoadFailure, QuarantinedNode
+from rallypoint.client.models import FINISHED, CheckpointPointer, LoadFailure, QuarantinedNode
 
 from ._records import Generation, Job, Node
 from .errors import JobFull, StaleGeneration
@@ -58,6 +60,7 @@ __all__ = [
     "parked",
     "parks",
     "ranked",
+    "released",
     "seal_waits",
     "silent",
     "slotted",
@@ -133,6 +136,25 @@ def parked(job: Job, round: int) -> bool:
     timeout does not run against it (a standby that timed out would leave the job with
     none at the moment it needs one)."""
     return job.status == "sealed" and round > job.generation
+
+
+def released(job: Job, round: int, joined_at: float) -> bool:
+    """Whether a node registered for ``round`` is a standby to let go: it parked beside
+    the generation that ended last (it registered for this open round before that end),
+    and a member ended that generation by leaving because its workers finished training
+    (reason :data:`~rallypoint.client.models.FINISHED`). The job is done: sealing the
+    standby would start a run of its own, and leaving it waiting would end its agent in
+    a join timeout (a failed pod). A node that registers after the end (a new run under
+    the same job id) waits and seals as usual."""
+    end = job.last_end
+    return (
+        job.status == "open"
+        and round == job.round
+        and joined_at < job.changed_at
+        and end is not None
+        and end[0] == job.generation
+        and end[1].endswith(f" left: {FINISHED}")
+    )
 
 
 def alive(

@@ -18,6 +18,7 @@ Hierarchy::
     │   ├── UnknownToken        404: no scoped token has this id
     │   ├── JobConflict         409: the job exists with other parameters
     │   ├── JobFull             409: max_nodes are members already
+    │   ├── StandbyReleased     410: the generation a standby parked beside finished
     │   ├── NodeQuarantined     403: the job does not admit the node (quarantined)
     │   ├── StaleGeneration     409: the request acts for a generation that ended (fencing)
     │   ├── JoinTimeout         408: no generation sealed within join_timeout
@@ -62,6 +63,7 @@ __all__ = [
     "RallypointServiceError",
     "RequestError",
     "StaleGeneration",
+    "StandbyReleased",
     "StorageError",
     "StorageUnavailable",
     "Unauthorized",
@@ -148,6 +150,15 @@ class JobConflict(RequestError):
 class JobFull(RequestError):
     code = "job_full"
     status = 409
+
+
+class StandbyReleased(RequestError):
+    """The generation the node parked beside as a standby ended because its training
+    finished: the standby goes home (its agent exits 0) instead of starting a run of
+    its own."""
+
+    code = "standby_released"
+    status = 410
 
 
 class NodeQuarantined(RequestError):

@@ -60,6 +60,7 @@ from ..errors import (
     NodeQuarantined,
     RallypointServiceError,
     StaleGeneration,
+    StandbyReleased,
     UnknownJob,
     UnknownNode,
 )
@@ -138,7 +139,7 @@ def _awaits_seal(
         response_model=JoinReply,
         responses={
             202: {"model": JoinReply, "description": f"still waiting: {poll}"},
-            **errors(UnknownJob, *refusals, JobFull, NodeQuarantined, JoinTimeout),
+            **errors(UnknownJob, *refusals, JobFull, NodeQuarantined, JoinTimeout, StandbyReleased),
         },
     )
 
@@ -284,6 +285,11 @@ async def _wait_for_seal(
             continue
         if outcome is not None:
             return _sealed_reply(job_id, node, outcome)
+        if seal.released(job, round, node.joined_at):
+            raise StandbyReleased(
+                f"generation {job.generation} of job {job_id!r}, which node {node_id} "
+                "parked beside as a standby, finished training"
+            )
         # A standby waits as long as the generation it parks beside runs; once its
         # round opens, its join timeout counts from then (``changed_at``), like a
         # newcomer's from its join.

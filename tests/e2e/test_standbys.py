@@ -96,3 +96,23 @@ def test_a_standby_takes_a_killed_nodes_ranks_and_the_world_keeps_its_size(
     assert {n: c for n, c in codes.items() if n not in {victim, second}} == dict.fromkeys(
         [n for n in ("a", "b", "c", "d", "s") if n not in {victim, second}], 0
     ), codes
+
+
+def test_a_standby_never_needed_exits_0_when_the_job_finishes(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    cluster = Cluster(coordinator.url, "done", tmp_path, nnodes="1:2", standbys=1, steps=60)
+    try:
+        for node in ("a", "b"):
+            cluster.add(node)
+        step_at(cluster, 5, world_size=2)
+        cluster.add("s")
+        status_until(coordinator, "done", lambda body: any(w["standby"] for w in body["waiting"]))
+        # min_nodes 1: sealing the standby alone would start a run of its own.
+        codes = cluster.wait(timeout=120)
+    finally:
+        cluster.stop()
+    assert codes == {"a": 0, "b": 0, "s": 0}
+    history = status(coordinator, "done")["history"]
+    assert len(history) == 1 and history[0]["ended_reason"].endswith("left: finished")
+    assert "this standby exits" in cluster.agents["s"].log.read_text()

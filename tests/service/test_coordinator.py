@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import httpx
@@ -19,10 +20,11 @@ from rallypoint.client import (
     JobFull,
     RetryPolicy,
     StaleGeneration,
+    StandbyReleased,
     Unauthorized,
     UnknownJob,
 )
-from rallypoint.client.models import ShardFile
+from rallypoint.client.models import FINISHED, ShardFile
 from rallypoint.trainer import download, upload
 
 from .._support import clients, join_all, spec
@@ -122,6 +124,36 @@ def test_a_standby_waits_past_its_join_timeout_and_takes_the_rank_of_a_leaver(
     assert not errors and len(parked) == 1
     assert (parked[0].generation, parked[0].world_size) == (2, 2)
     assert parked[0].rank == first["b"].rank and again[0].rank == first["a"].rank
+
+
+def test_a_standby_is_released_once_the_members_finish(start: Start) -> None:
+    url = start().url
+    a, b, s = clients(url, ["a", "b", "s"])
+    join_all([a, b], spec(1, 2).model_copy(update={"standbys": 1}))
+    outcome: list[BaseException | Assignment] = []
+    thread = threading.Thread(target=lambda: outcome.append(catch(s.join)))
+    thread.start()
+    end = time.monotonic() + 10
+    while not any(w.standby for w in a.membership().waiting) and time.monotonic() < end:
+        time.sleep(0.02)
+    # The members' workers finished: each agent leaves as finished (the second finds
+    # its generation over already, and leaves unfenced, as the agent does).
+    a.leave(FINISHED)
+    b.leave(FINISHED, fenced=False)
+    thread.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], StandbyReleased), outcome
+    assert outcome[0].status == 410
+    # Not sealed into a run of its own (min_nodes 1 would let it), and a new run's
+    # node (joining after the end) is not released.
+    assert a.membership().generation == 1
+    assert join_all([ElasticClient(url, "job", "next")])[0].generation == 2
+
+
+def catch(call: Callable[[], Assignment]) -> BaseException | Assignment:
+    try:
+        return call()
+    except BaseException as exc:  # the test reads it
+        return exc
 
 
 def test_leaving_restarts_the_others_and_zombies_are_fenced(start: Start) -> None:

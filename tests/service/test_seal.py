@@ -62,6 +62,18 @@ def test_a_standby_waits_as_long_as_the_generation_beside_it_runs() -> None:
     assert not seal.parked(job(2, "sealed"), 2)
 
 
+def test_standbys_of_a_generation_that_finished_training_are_released() -> None:
+    # Generation 1 ended at 100 (changed_at) because a member's workers finished.
+    done = replace(job(1, "open"), last_end=(1, "node a left: finished"))
+    assert seal.released(done, 2, joined_at=50.0)  # parked while 1 ran
+    assert not seal.released(done, 2, joined_at=150.0)  # joined after: a new run
+    # Any other end (a loss, a preemption, another leave) promotes the standby.
+    for reason in ("node a missed heartbeats for 3.0 s", "node a left: preempted (SIGTERM)"):
+        assert not seal.released(replace(done, last_end=(1, reason)), 2, joined_at=50.0)
+    assert not seal.released(replace(done, status="sealed"), 2, joined_at=50.0)
+    assert not seal.released(replace(done, last_end=(0, "node a left: finished")), 2, 50.0)
+
+
 def test_a_standby_takes_the_lost_members_rank_and_the_rest_stays_parked() -> None:
     previous = {"a": 0, "b": 1, "c": 2}
     # b was lost; standbys s1 (parked first) and s2 wait: s1 takes rank 1, s2 stays out.

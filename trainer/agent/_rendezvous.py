@@ -52,9 +52,11 @@ from rallypoint.client import (
     RetryPolicy,
     ServerError,
     StaleGeneration,
+    StandbyReleased,
     TransportError,
     UnknownNode,
 )
+from rallypoint.client.models import FINISHED
 
 from ..memory import MEMORY_ENV, OFF, NodeMemory, ReplicaServer, default_root
 from ._board import REGROUP_ENV, Board, Posted
@@ -366,6 +368,12 @@ class RallypointRendezvousHandler(RendezvousHandler):
                         f"job {self.settings.job_id} stayed full for {spec.join_timeout}"
                     ) from None
                 time.sleep(min(5.0, spec.heartbeat_timeout.total_seconds() / 2))
+            except StandbyReleased as exc:
+                # The job finished while this node stood by: nothing failed, so the
+                # agent exits 0 (torch's own graceful-exit error would end it in an
+                # AttributeError in launch_agent, which reads the run's result).
+                log.warning("rallypoint: %s; this standby exits", exc)
+                raise SystemExit(0) from None
             except JoinTimeout as exc:
                 raise RendezvousTimeoutError(str(exc)) from exc
             except TransportError as exc:
@@ -548,8 +556,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         return self.settings.job_id
 
     def shutdown(self) -> bool:
-        """See base class: this node leaves the job (the others go on without it)."""
-        self._leave("agent shut down")
+        """See base class: this node leaves the job (the others go on without it), as
+        finished if its workers succeeded (the job's standbys are then released)."""
+        finished = self._store is not None and self._store.finished
+        self._leave(FINISHED if finished else "agent shut down")
         return True
 
     def _leave(self, reason: str) -> None:

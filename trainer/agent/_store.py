@@ -72,6 +72,9 @@ class CoordinatorStore(Store):
         self._timeout = timeout
         self._abort = abort
         self._release = release
+        #: Whether the agent entered its exit barrier: torchrun's agent does only once
+        #: its workers succeeded, so this node leaves as finished.
+        self.finished = False
 
     @property
     def timeout(self) -> timedelta:
@@ -163,6 +166,8 @@ class CoordinatorStore(Store):
         self._barrier_offset = barrier_offset
 
     def add(self, key: str, value: int) -> int:
+        if key.startswith(_EXIT_BARRIER):
+            self.finished = True
         count = int(self._op(StoreRequest(op="add", keys=[key], amount=value)).count or 0)
         if key.startswith(_EXIT_BARRIER) and count:
             count += self._barrier_offset
