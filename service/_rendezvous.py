@@ -778,12 +778,21 @@ class Rendezvous:
         )
 
     def _standbys(self, job: Job, but: str) -> int:
-        """How many nodes other than ``but`` park as standbys beside the running
-        generation (:func:`._seal.parked`)."""
+        """How many live nodes other than ``but`` park as standbys beside the running
+        generation (:func:`._seal.parked`): one that died while it waited (silent past
+        the heartbeat timeout, or its held wait cut) holds no place, or a crashed
+        standby would keep its replacement out for as long as the generation runs."""
         rows = self._nodes(
             job.job_id, (Cond("round", "eq", job.round), Cond("state", "eq", "waiting"))
         )
-        return sum(1 for n in rows if n.node_id != but)
+        rows = [n for n in rows if n.node_id != but]
+        if not rows:
+            return 0
+        cut: set[str] = set()
+        beats = self._beats(job.job_id, cut)
+        timeout = _seconds(job.spec.heartbeat_timeout)
+        live = seal.alive(rows, beats, self.clock(), self.resumed_at, timeout)
+        return sum(1 for n in live if n.node_id not in cut)
 
     def record_beats(
         self,

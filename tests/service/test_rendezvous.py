@@ -202,6 +202,20 @@ def test_a_standby_parks_beside_a_full_generation_and_takes_a_lost_members_rank(
     assert rdzv.get_job("job").status == "sealed"
 
 
+def test_a_standby_that_went_silent_holds_no_place(rdzv: Rendezvous, clock: Clock) -> None:
+    s = spec(2, 2, last_call=0, timeout=3).model_copy(update={"standbys": 1})
+    join_all(rdzv, ["a", "b"], s)
+    rdzv.tick("job")
+    join(rdzv, "job", "d", "h", 1)
+    with pytest.raises(JobFull):
+        join(rdzv, "job", "e", "h", 1)
+    # d's process died while it parked: no beat for the heartbeat timeout.
+    clock.advance(3)
+    rdzv.record_beats("job", ["a", "b"], generation=1)
+    assert join(rdzv, "job", "e", "h", 1) == 2  # e parks in its place
+    assert rdzv.get_job("job").status == "sealed"
+
+
 def test_a_member_that_restarts_ends_its_generation(rdzv: Rendezvous) -> None:
     join_all(rdzv, ["a", "b"], spec(2, 2))
     rdzv.tick("job")
