@@ -90,6 +90,13 @@ def test_a_silent_member_makes_the_others_restart(start: Start) -> None:
             assert a.rank == by_node[a.node_id], (by_node, a)
 
 
+def until_parked(member: ElasticClient, within: float = 10) -> None:
+    """Waits until the job shows a standby (or ``within`` s pass: the caller asserts)."""
+    end = time.monotonic() + within
+    while not any(w.standby for w in member.membership().waiting) and time.monotonic() < end:
+        time.sleep(0.02)
+
+
 def test_a_standby_waits_past_its_join_timeout_and_takes_the_rank_of_a_leaver(
     start: Start,
 ) -> None:
@@ -109,9 +116,7 @@ def test_a_standby_waits_past_its_join_timeout_and_takes_the_rank_of_a_leaver(
     thread = threading.Thread(target=stand_by)
     thread.start()
     # Parked: shown as a standby, and the members run on.
-    end = time.monotonic() + 10
-    while not any(w.standby for w in a.membership().waiting) and time.monotonic() < end:
-        time.sleep(0.02)
+    until_parked(a)
     assert [w.node_id for w in a.membership().waiting if w.standby] == ["s"]
     thread.join(2)  # four times the join's timeout
     assert thread.is_alive() and not errors
@@ -133,9 +138,7 @@ def test_a_standby_is_released_once_the_members_finish(start: Start) -> None:
     outcome: list[BaseException | Assignment] = []
     thread = threading.Thread(target=lambda: outcome.append(catch(s.join)))
     thread.start()
-    end = time.monotonic() + 10
-    while not any(w.standby for w in a.membership().waiting) and time.monotonic() < end:
-        time.sleep(0.02)
+    until_parked(a)
     # The members' workers finished: each agent leaves as finished (the second finds
     # its generation over already, and leaves unfenced, as the agent does).
     a.leave(FINISHED)
