@@ -37,6 +37,7 @@ __all__ = [
     "save_by_hand",
     "spec",
     "status",
+    "tiny_llama_config",
 ]
 
 #: The token of coordinators started with ``--token`` for an operator's calls.
@@ -177,3 +178,20 @@ def run_to_the_end(cluster: Cluster, nodes: Sequence[str] = ("u", "v", "w")) -> 
     finally:
         cluster.stop()
     assert codes == dict.fromkeys(nodes, 0), codes
+
+
+def tiny_llama_config(
+    vocab: int, hidden: int, layers: int, heads: int, positions: int
+) -> dict[str, int]:
+    """The keyword arguments of a ``LlamaConfig`` small enough to train on a CPU in a
+    test: an MLP twice the hidden size and two key/value heads, built from a config since
+    nothing is downloaded here."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+    )

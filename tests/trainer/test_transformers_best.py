@@ -30,7 +30,7 @@ from rallypoint.trainer._pack import unpack
 from rallypoint.trainer._transformers import monitored_metric, trainer_policy
 from rallypoint.trainer.transformers import RallypointTrainer
 
-from .._support import clients, join_all, spec
+from .._support import clients, join_all, spec, tiny_llama_config
 from ..conftest import Start
 
 #: The evaluation's loss at each step: better until step 2, then worse (1.0 past 6).
@@ -39,15 +39,7 @@ LOSSES = {1: 0.9, 2: 0.5, 3: 0.7, 4: 0.8, 5: 0.85, 6: 0.9}
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
+    config = LlamaConfig(**tiny_llama_config(vocab=64, hidden=16, layers=1, heads=2, positions=32))
     return LlamaForCausalLM(config)
 
 

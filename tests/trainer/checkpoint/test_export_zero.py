@@ -17,19 +17,12 @@ from rallypoint.client import ElasticClient
 from rallypoint.trainer import export
 
 from ..._ranks import run_ranks
+from ..._support import tiny_llama_config
 from ...conftest import Start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-CONFIG = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+CONFIG = tiny_llama_config(vocab=97, hidden=32, layers=2, heads=4, positions=64)
 
 BODY = r"""
 import json, os, tempfile
