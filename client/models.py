@@ -326,6 +326,10 @@ class CheckpointBegun(_Model):
     #: The node this rank copies its files to (the next member of the generation), if
     #: it asked for one and the generation has another node with a replica server.
     replica: PeerGrant | None = None
+    #: The standby this rank also copies its files to (``JobSpec.standbys``): the one
+    #: that would take its node's slot, so the node that replaces this one restores
+    #: from its own memory.
+    standby: PeerGrant | None = None
 
 
 class ShardFile(_Model):

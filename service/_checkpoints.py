@@ -75,7 +75,9 @@ from rallypoint.client.models import (
 )
 
 from . import _retention as retention
+from . import _seal as seal
 from ._packed import MAX_PACKED, pack, unpack
+from ._records import Node
 from ._rendezvous import Generation, Job, Member, Rendezvous
 from ._timeline import as_entry
 from .errors import (
@@ -416,7 +418,7 @@ class Checkpoints:
                 f"{version.world_size} ranks, not {world_size}"
             )
         urls: dict[str, str] = {}
-        replica = None
+        replica = standby = None
         upload_ttl = None
         expires_at = version.created_at + self.timeout
         if version.state == "pending":
@@ -443,6 +445,7 @@ class Checkpoints:
                 upload_ttl = None
             if request.memory and version.state == "pending":
                 replica = self._replica(gen, request.node_id, version, rank, expires_at)
+                standby = self._standby(job, gen, request.node_id, version, rank, expires_at)
         return CheckpointBegun(
             version=version.version,
             step=version.step,
@@ -455,6 +458,7 @@ class Checkpoints:
             upload_ttl=upload_ttl,
             persist=version.persist,
             replica=replica,
+            standby=standby,
         )
 
     def _replica(
@@ -471,9 +475,23 @@ class Checkpoints:
                 return self._grant(holder, gen.generation, version, "write", expires_at, [rank])
         return None
 
+    def _standby(
+        self, job: Job, gen: Generation, node_id: str, version: Version, rank: int, at: float
+    ) -> PeerGrant | None:
+        """A grant to copy ``rank``'s files to the standby that would take its node's
+        slot (:func:`._seal.keeper`), if the job has one parked with a replica server:
+        the node that replaces this one then restores from its own memory. Only beside
+        the generation that runs (a standby parks beside that one alone)."""
+        if job.generation != gen.generation:
+            return None
+        holder = seal.keeper(gen.ranks[node_id], self.rdzv.standbys(job))
+        if holder is None or not holder.peer:
+            return None
+        return self._grant(holder, gen.generation, version, "write", at, [rank])
+
     def _grant(
         self,
-        holder: Member,
+        holder: Member | Node,
         generation: int,
         version: Version,
         op: Literal["read", "write"],
@@ -643,11 +661,16 @@ class Checkpoints:
             raise CheckpointConflict(f"version {number} expired before every rank reported")
         if rank >= version.world_size:
             raise InvalidRequest(f"rank {rank} is not a rank of version {number}")
-        strangers = [n for n in request.memory if n not in gen.ranks]
+        # Each holder with its replica server as it is now: a later agent of the node
+        # starts with empty memory, and must not count as a holder.
+        peers = {m.node_id: m.peer for m in gen.members}
+        if any(n not in peers for n in request.memory):
+            peers.update({n.node_id: n.peer for n in self.rdzv.standbys(job)})
+        strangers = [n for n in request.memory if n not in peers]
         if strangers:
             raise InvalidRequest(
-                f"{', '.join(strangers)} not a member of generation {gen.generation}: only "
-                "members hold replicas"
+                f"{', '.join(strangers)} not a member of generation {gen.generation} nor "
+                "a standby beside it: only they hold replicas"
             )
         needed = min(2, len(gen.members))
         if not request.storage and len(request.memory) < needed:
@@ -695,11 +718,7 @@ class Checkpoints:
                     "node_id": request.node_id,
                     "reported": True,
                     "storage": request.storage,
-                    # With each node's replica server as it is now: a later agent of the
-                    # node starts with empty memory, and must not count as a holder.
-                    "memory": json.dumps(
-                        [[n, gen.members[gen.ranks[n]].peer] for n in request.memory]
-                    ),
+                    "memory": json.dumps([[n, peers[n]] for n in request.memory]),
                     **packed,
                 },
             )

@@ -779,20 +779,27 @@ class Rendezvous:
 
     def _standbys(self, job: Job, but: str) -> int:
         """How many live nodes other than ``but`` park as standbys beside the running
-        generation (:func:`._seal.parked`): one that died while it waited (silent past
-        the heartbeat timeout, or its held wait cut) holds no place, or a crashed
-        standby would keep its replacement out for as long as the generation runs."""
+        generation (see :meth:`standbys`)."""
+        return sum(1 for n in self.standbys(job) if n.node_id != but)
+
+    def standbys(self, job: Job) -> list[Node]:
+        """The live nodes that park as standbys beside the running generation
+        (:func:`._seal.parked`), in the order they parked (:func:`._seal.ranked`): one
+        that died while it waited (silent past the heartbeat timeout, or its held wait
+        cut) holds no place, or a crashed standby would keep its replacement out for as
+        long as the generation runs. None while the job runs no generation."""
+        if job.status != "sealed" or not job.spec.standbys:
+            return []
         rows = self._nodes(
             job.job_id, (Cond("round", "eq", job.round), Cond("state", "eq", "waiting"))
         )
-        rows = [n for n in rows if n.node_id != but]
         if not rows:
-            return 0
+            return []
         cut: set[str] = set()
         beats = self._beats(job.job_id, cut)
         timeout = _seconds(job.spec.heartbeat_timeout)
         live = seal.alive(rows, beats, self.clock(), self.resumed_at, timeout)
-        return sum(1 for n in live if n.node_id not in cut)
+        return seal.ranked([n for n in live if n.node_id not in cut], {})
 
     def record_beats(
         self,
@@ -1042,7 +1049,9 @@ class Rendezvous:
             waits = seal.seal_waits(job, waiting, previous, beats, gone, now)
             if waits:
                 return False, min(waits) - now
-        chosen = seal.slotted(ordered[: spec.max_nodes], previous)
+        # A lost member's slot goes to the standby holding copies of its files.
+        parked = seal.standing_by(ordered, previous, job.changed_at) if spec.standbys else []
+        chosen = seal.slotted(ordered, previous, spec.max_nodes, parked)
         members = tuple(
             Member(n.node_id, i, n.addr, n.port, n.peer, n.cred) for i, n in enumerate(chosen)
         )

@@ -17,8 +17,9 @@ ETag compare-and-swap. What makes it ask:
   does too (``_checkpoints.py``);
 - a join to a full generation parks the newcomer as a standby instead (:func:`parks`)
   while the job has room for one: it ends nothing, waits with no join timeout
-  (:func:`parked`), and the next round's seal gives it the rank of the member that was
-  lost (:func:`slotted`);
+  (:func:`parked`), holds copies of the files of the slots it would take
+  (:func:`keeper`), and the next round's seal gives it the rank of the member that was
+  lost (:func:`standing_by`, :func:`slotted`);
 - a member that leaves because its workers finished ends its generation, and the
   standbys parked beside it are released (:func:`released`), not sealed alone;
 - a heartbeat: :func:`verdict` tells a member whether its generation still runs;
@@ -53,6 +54,7 @@ __all__ = [
     "end_reason",
     "held_back",
     "join_ends",
+    "keeper",
     "load_blocked",
     "load_streak",
     "losses",
@@ -64,6 +66,7 @@ __all__ = [
     "seal_waits",
     "silent",
     "slotted",
+    "standing_by",
     "verdict",
 ]
 
@@ -174,23 +177,55 @@ def ranked(waiting: Iterable[Node], previous: Mapping[str, int]) -> list[Node]:
     )
 
 
-def slotted(chosen: Sequence[Node], previous: Mapping[str, int]) -> list[Node]:
-    """The chosen nodes (in :func:`ranked` order) in rank order: a survivor keeps its old
-    rank wherever the new world has it, and the others fill the free ranks in
-    :func:`ranked` order. So a replacement takes a lost member's rank, and every other
-    member keeps its own: its files of the version are in its own memory tier, and a
-    ZeRO or tensor-parallel layout is the same rank for rank. (Compacting the survivors
-    instead moved every member above the lost one down a rank.)"""
-    slots: list[Node | None] = [None] * len(chosen)
-    rest: list[Node] = []
+def standing_by(ordered: Sequence[Node], previous: Mapping[str, int], since: float) -> list[Node]:
+    """The standbys among a round's nodes (in :func:`ranked` order): the newcomers that
+    registered for it before ``since``, when the generation they parked beside ended.
+    They parked in this order, the order :func:`keeper` deals the slots out in."""
+    return [n for n in ordered if n.node_id not in previous and n.joined_at < since]
+
+
+def keeper(slot: int, parked: Sequence[Node]) -> Node | None:
+    """The standby that holds a copy of node rank ``slot``'s checkpoint files, and so
+    takes that slot if its member is lost (:func:`slotted`): the standbys, in the order
+    they parked, deal the slots out round-robin, each holding every K-th. One standby
+    holds them all; K spread a save's copies over K nodes rather than one."""
+    return parked[slot % len(parked)] if parked else None
+
+
+def slotted(
+    chosen: Sequence[Node],
+    previous: Mapping[str, int],
+    size: int | None = None,
+    parked: Sequence[Node] = (),
+) -> list[Node]:
+    """The first ``size`` (default: all) of the chosen nodes (in :func:`ranked` order)
+    in rank order: a survivor keeps its old rank wherever the new world has it, those
+    whose rank is gone fill the free ranks first, then the newcomers, each free rank
+    going to its :func:`keeper` among the ``parked`` standbys if it is here, else to the
+    newcomers in :func:`ranked` order. So a replacement takes a lost member's rank (a
+    standby the one whose files it holds), and every other member keeps its own: its
+    files of the version are in its own memory tier, and a ZeRO or tensor-parallel
+    layout is the same rank for rank. (Compacting the survivors instead moved every
+    member above the lost one down a rank.)"""
+    world = len(chosen) if size is None else min(size, len(chosen))
+    slots: list[Node | None] = [None] * world
+    movers: list[Node] = []
+    newcomers: list[Node] = []
     for node in chosen:
         old = previous.get(node.node_id)
-        if old is not None and old < len(slots) and slots[old] is None:
+        if old is not None and old < world and slots[old] is None:
             slots[old] = node
         else:
-            rest.append(node)
-    free = iter(rest)
-    return [node if node is not None else next(free) for node in slots]
+            (newcomers if old is None else movers).append(node)
+    free = [r for r, node in enumerate(slots) if node is None]
+    for r, node in zip(free, movers, strict=False):
+        slots[r] = node
+    for r in free[len(movers) :]:
+        held = keeper(r, parked)
+        pick = held if held is not None and held in newcomers else newcomers[0]
+        newcomers.remove(pick)
+        slots[r] = pick
+    return [node for node in slots if node is not None]
 
 
 def seal_waits(

@@ -191,8 +191,9 @@ def save_tiered(
     every: int = 1,
     force: bool = False,
 ) -> tuple[int, bool]:
-    """Every node's one rank saves as the trainer does: memory on its own node and its
-    replica's, storage if the version is persisted. Returns (version, persisted)."""
+    """Every node's one rank saves as the trainer does: memory on its own node, its
+    replica's and its standby's, storage if the version is persisted. Returns (version,
+    persisted)."""
     version, persisted = 0, False
     for node in nodes:
         begun = ckpts.begin(
@@ -212,7 +213,7 @@ def save_tiered(
         data = f"{node}@{step}".encode()
         if persisted:
             blobs.put(f"job/v{version:010d}/rank-{begun.rank:05d}/{FILE}", data)
-        holders = [node] + ([begun.replica.node_id] if begun.replica else [])
+        holders = [node] + [g.node_id for g in (begun.replica, begun.standby) if g is not None]
         info = ckpts.report(
             "job",
             version,

@@ -1,9 +1,11 @@
 """Standbys end to end: real torchrun agents with ``--rdzv-conf standbys=1``, the DDP
 example with two worker processes a node, a real coordinator, and node SIGKILLs.
 
-A fifth node parks beside a full 4-node generation without ending it; when an active
-node is killed, the standby takes its node rank (so its global ranks), the world keeps
-its size and every other node its rank; a second kill, with no standby left, falls back
+A fifth node parks beside a full 4-node generation without ending it, and takes copies
+of the members' checkpoint files into its memory tier; when an active node is killed,
+the standby takes its node rank (so its global ranks) and restores from its own memory
+(0 bytes from storage or peers), the world keeps its size and every other node its
+rank; a second kill, with no standby left, falls back
 to the elastic rules (the world shrinks). ``judge`` checks that every rank of every
 generation loaded the checkpoint the coordinator named for it.
 """
@@ -17,7 +19,7 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator, judge
 
-from .._support import status, status_until
+from .._support import committed, status, status_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -66,6 +68,8 @@ def test_a_standby_takes_a_killed_nodes_ranks_and_the_world_keeps_its_size(
         assert [(w["node_id"], w["round"]) for w in parked["waiting"]] == [("s", 2)]
         at = max(e["step"] for e in cluster.events() if e["event"] == "step")
         step_at(cluster, at + 10, generation=1)
+        # A version begun since it parked (every 10th step) is one it holds copies of.
+        committed(coordinator, "spare", (at // 10 + 1) * 10)
         assert len(status(coordinator, "spare")["history"]) == 1
 
         victim = next(n for n, r in before.items() if r == 2)
@@ -76,6 +80,17 @@ def test_a_standby_takes_a_killed_nodes_ranks_and_the_world_keeps_its_size(
         # every other node kept its own.
         assert after == {**{n: r for n, r in before.items() if n != victim}, "s": 2}
         assert status(coordinator, "spare")["world_size"] == 4
+        # It held copies of the victim's files (and rank 0's, whose DCP metadata every
+        # rank reads): its ranks restored from its own memory alone.
+        taken = [
+            e
+            for e in cluster.events()
+            if e["event"] == "resumed" and e["generation"] == 2 and e["rank"] // NPROC == 2
+        ]
+        assert len(taken) == NPROC, taken
+        for e in taken:
+            read = e["bytes_from"]
+            assert read["storage"] == read["peer"] == 0 and read["memory"] > 0, e
 
         # No standby left: a second kill shrinks the world, as without standbys.
         second = next(n for n, r in after.items() if r == 1)

@@ -82,6 +82,27 @@ def test_a_standby_takes_the_lost_members_rank_and_the_rest_stays_parked() -> No
     assert [n.node_id for n in seal.slotted(chosen, previous)] == ["a", "s1", "c"]
 
 
+def test_standbys_deal_out_the_slots_and_a_lost_slot_goes_to_the_one_holding_its_files() -> None:
+    s1, s2 = node("s1", 3), node("s2", 7)  # parked in this order
+    assert [seal.keeper(slot, [s1, s2]) for slot in range(4)] == [s1, s2, s1, s2]
+    assert seal.keeper(2, [s1]) == s1 and seal.keeper(0, []) is None
+    previous = {"a": 0, "b": 1, "c": 2}
+    waiting = [s2, node("c", 9), s1, node("a", 9)]
+    ordered = seal.ranked(waiting, previous)
+    # Both registered before generation 1 ended (at 8); a node that came after is none.
+    late = node("n", 9)
+    assert seal.standing_by([*ordered, late], previous, since=8.0) == [s1, s2]
+    # b (rank 1) was lost: s2 holds rank 1's files, so s2 takes it and s1 stays parked.
+    assert [n.node_id for n in seal.slotted(ordered, previous, 3, [s1, s2])] == ["a", "s2", "c"]
+    # c (rank 2) was lost instead: s1's slot.
+    previous = {"a": 0, "c": 1, "b": 2}
+    assert [n.node_id for n in seal.slotted(ordered, previous, 3, [s1, s2])] == ["a", "c", "s1"]
+    # The keeper gone too: the next standby in parking order takes the slot.
+    ordered = seal.ranked([node("c", 9), s1, node("a", 9)], {"a": 0, "b": 1, "c": 2})
+    chosen = seal.slotted(ordered, {"a": 0, "b": 1, "c": 2}, 3, [s1, s2])
+    assert [n.node_id for n in chosen] == ["a", "s1", "c"]
+
+
 def test_a_node_counts_while_heard_from_within_the_timeout() -> None:
     nodes = [node("a", 0), node("b", 0), node("c", 0)]
     beats = {"a": 95.0, "b": 89.0}  # c never beat

@@ -16,7 +16,7 @@ from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import InvalidRequest
 from rallypoint.service.storage import BlobStore
 
-from .._rules import end, peer, save_tiered, seal_and_save, seal_with_peers
+from .._rules import end, peer, save_tiered, seal_and_save, seal_with_peers, spec
 from .._support import FILE
 from ..conftest import Clock
 
@@ -170,6 +170,68 @@ def test_grants_name_the_ring_successor_and_fail_when_altered(
     # Another coordinator replica on the same storage signs with the same key.
     other = Checkpoints(rdzv, ckpts.blobs)
     assert other.peer_key("job") == key
+
+
+def test_a_standby_holds_a_copy_of_every_slot_and_resumes_the_lost_one_from_memory(
+    ckpts: Checkpoints, rdzv: Rendezvous, blobs: BlobStore, clock: Clock
+) -> None:
+    s = spec(2, 2, last_call=0).model_copy(update={"standbys": 1})
+    creds = {}
+    for i, n in enumerate(["a", "b", "s"]):
+        registered = rdzv.register("job", n, f"host-{n}", 29500 + i, s, None, peer(n))
+        assert registered.credential
+        creds[n] = registered.credential
+        if n == "b":
+            job, _ = rdzv.tick("job")
+            assert job.status == "sealed"
+    gen = rdzv.get_job("job").generation
+    assert [w.node_id for w in rdzv.standbys(rdzv.get_job("job"))] == ["s"]  # s parks
+    key = ckpts.peer_key("job")
+    for node, rank in (("a", 0), ("b", 1)):
+        begun = ckpts.begin(
+            "job",
+            BeginCheckpoint(node_id=node, generation=gen, step=1, files=[FILE], memory=True),
+            creds[node],
+        )
+        assert begun.standby is not None and begun.standby.node_id == "s"
+        claims = verify_grant(key, begun.standby.token, now=rdzv.clock())
+        assert (claims.op, claims.gen, claims.peer, claims.ranks) == (
+            "write",
+            gen,
+            peer("s"),
+            [rank],
+        )
+    durable, _ = save_tiered(ckpts, blobs, ["a", "b"], gen, 10, creds, every=100)
+    in_memory, persisted = save_tiered(ckpts, blobs, ["a", "b"], gen, 20, creds, every=100)
+    assert not persisted
+    # A node that is neither a member nor parked beside the generation holds nothing.
+    pending = ckpts.begin(
+        "job", BeginCheckpoint(node_id="a", generation=gen, step=30, files=[FILE]), creds["a"]
+    )
+    with pytest.raises(InvalidRequest, match="nor a standby"):
+        ckpts.report(
+            "job",
+            pending.version,
+            ReportShard(
+                node_id="a",
+                generation=gen,
+                files=[ShardFile(name=FILE, size=3, checksum="x:1")],
+                storage=False,
+                memory=["a", "x"],
+            ),
+            creds["a"],
+        )
+    # b is lost: s takes its rank, and the version in memory is still whole (s holds
+    # b's files), so the seal names it rather than the durable one.
+    clock.advance(1)
+    end(rdzv, gen, ["b"], creds)
+    rdzv.register("job", "a", "host-a", 29500, s, None, peer("a"))  # a survivor re-joins
+    job, _ = rdzv.tick("job")
+    assert job.status == "sealed" and durable < in_memory
+    sealed = rdzv.sealed("job", job.generation)
+    assert sealed.ranks == {"a": 0, "s": 1}
+    assert sealed.checkpoint is not None and sealed.checkpoint.version == in_memory
+    assert ckpts.get("job", in_memory).holders == {"0": ["a", "s"], "1": ["a", "s"]}
 
 
 def test_retention_keeps_the_durable_version_behind_memory_ones(

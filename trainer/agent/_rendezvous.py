@@ -267,6 +267,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
             None if chosen is None else NodeMemory(chosen, settings.job_id, settings.node_id)
         )
         self._replicas: ReplicaServer | None = None
+        self._joining = False  # a standby takes copies of the members' files meanwhile
         if self._memory is not None:
             try:
                 self._memory.claim()
@@ -280,6 +281,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
                 self._client,
                 settings.addr,
                 lambda: self._assignment.generation if self._assignment else 0,
+                lambda: self._joining,
             ).start()
         # torchrun does not call shutdown() when a signal kills the agent; leaving is
         # still right (it is this node's departure, not the job's end).
@@ -350,6 +352,13 @@ class RallypointRendezvousHandler(RendezvousHandler):
         )
 
     def _join(self) -> Assignment:
+        self._joining = True
+        try:
+            return self._await_assignment()
+        finally:
+            self._joining = False
+
+    def _await_assignment(self) -> Assignment:
         spec = self.settings.spec
         deadline = time.monotonic() + spec.join_timeout.total_seconds()
         while True:

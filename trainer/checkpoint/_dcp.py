@@ -24,6 +24,7 @@ local files without a copy. Every item carries its own xxh3-128, checked on read
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import io
@@ -62,6 +63,7 @@ from rallypoint.client import (
     ElasticClient,
     KeepBest,
     Manifest,
+    PeerGrant,
     ShardFile,
     UnknownCheckpoint,
 )
@@ -75,7 +77,7 @@ from ..errors import (
     TransferError,
     TransferNotFound,
 )
-from ..memory import NodeMemory, map_file, push, read_peer
+from ..memory import INDEX, NodeMemory, map_file, push, read_peer
 from ._faults import reached as fault_point
 from ._staging import ALIGN, StagedFile, StagedPlanner
 from ._transfer import download, read_object, read_range, upload_parts
@@ -481,24 +483,25 @@ class RallypointWriter(StorageWriter):
                 fault_point("indexed", self.step, self.rank)
         elif self.client.node_id in self.holders:
             self.holders.remove(self.client.node_id)
-        replica = begun.replica
-        if replica is not None and (first or replica.node_id in self.holders):
-            try:
-                # One try: storage is the fallback, and waiting to retry a peer that
-                # refused the connection would only delay the save.
-                push(replica, self._version, path, parts, items)
-            except TransferError as exc:
-                log.warning(
-                    "checkpoint v%d: no copy on node %s (%s); uploading to storage instead",
+        # The ring's next node, then the standby that would take this node's slot: a
+        # copy on the standby lets the node that replaces this one restore from its own
+        # memory.
+        for peer in (begun.replica, begun.standby):
+            if peer is not None and (first or peer.node_id in self.holders):
+                self._push(peer, path, parts, items)
+        if name == METADATA and begun.standby is not None:
+            # With DCP's metadata, what the version is (the index a node writes of its
+            # own versions): the standby then reads the whole version from its memory.
+            raw = json.dumps(dataclasses.asdict(self._summary())).encode()
+            index = f"rank-{self.rank:05d}/{INDEX}"
+            with contextlib.suppress(TransferError):  # it reads the manifest instead
+                push(
+                    begun.standby,
                     self._version,
-                    replica.node_id,
-                    exc,
+                    index,
+                    [memoryview(raw)],
+                    [(0, len(raw), checksum([raw]))],
                 )
-                if replica.node_id in self.holders:
-                    self.holders.remove(replica.node_id)
-            else:
-                self.holders = sorted({*self.holders, replica.node_id})
-                fault_point("peer", self.step, self.rank)
         nodes = self.client.assignment.world_size if self.client.assignment else 1
         wanted = begun.persist or len(self.holders) < min(2, nodes)
         if wanted and not self.storage and not first:
@@ -511,13 +514,38 @@ class RallypointWriter(StorageWriter):
             self.storage = True
             fault_point("uploaded", self.step, self.rank)
 
+    def _push(
+        self, peer: PeerGrant, path: str, parts: list[memoryview], items: list[tuple[int, int, str]]
+    ) -> None:
+        """Copies one file to ``peer``'s memory; it counts as a holder once it took it."""
+        try:
+            # One try: storage is the fallback, and waiting to retry a peer that
+            # refused the connection would only delay the save.
+            push(peer, self._version, path, parts, items)
+        except TransferError as exc:
+            log.warning(
+                "checkpoint v%d: no copy on node %s (%s); storage takes one if the "
+                "copies are too few",
+                self._version,
+                peer.node_id,
+                exc,
+            )
+            if peer.node_id in self.holders:
+                self.holders.remove(peer.node_id)
+        else:
+            self.holders = sorted({*self.holders, peer.node_id})
+            fault_point("peer", self.step, self.rank)
+
     def _index(self) -> bool:
         """Writes the version's index into this node's memory (see ``NodeMemory``)."""
-        assert self.memory is not None and self._begun is not None
-        summary = Summary(
+        assert self.memory is not None
+        return self.memory.index(self._version, dataclasses.asdict(self._summary()))
+
+    def _summary(self) -> Summary:
+        assert self._begun is not None
+        return Summary(
             self._version, self.step, self._begun.generation, self.world_size, self.metadata
         )
-        return self.memory.index(self._version, dataclasses.asdict(summary))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """See base class. Rank 0 uploads DCP's metadata and reports last."""
@@ -691,7 +719,10 @@ class RallypointReader(StorageReader):
         if self.memory is None or self.version is None:
             return None
         summary = self.memory.summary(self.version)
-        path = self.memory.find(self.version, METADATA)
+        # Its own copy, or a standby's replica of rank 0's files.
+        path = self.memory.find(self.version, METADATA) or self.memory.find(
+            self.version, f"rank-00000/{METADATA}"
+        )
         if summary is None or path is None:
             return None
         raw = path.read_bytes()

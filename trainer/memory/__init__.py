@@ -8,9 +8,10 @@ and restores).
 """
 
 from ._peers import ITEMS_HEADER, ReplicaServer, push, read_peer
-from ._tier import KEEP, KEEP_ENV, MEMORY_ENV, OFF, NodeMemory, default_root, map_file
+from ._tier import INDEX, KEEP, KEEP_ENV, MEMORY_ENV, OFF, NodeMemory, default_root, map_file
 
 __all__ = [
+    "INDEX",
     "ITEMS_HEADER",
     "KEEP",
     "KEEP_ENV",

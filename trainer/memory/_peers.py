@@ -104,6 +104,9 @@ class ReplicaServer:
         client: The agent's client (for the job's public key).
         addr: The address other nodes reach this one at.
         generation: The generation the agent runs now (0 before its first).
+        joining: Whether the agent waits to join a generation now (a standby parked
+            beside a running one among them): it then takes copies granted in a newer
+            generation than its own, but never again in an older one than it took.
     """
 
     def __init__(
@@ -112,10 +115,13 @@ class ReplicaServer:
         client: ElasticClient,
         addr: str,
         generation: Callable[[], int],
+        joining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.memory = memory
         self.client = client
         self.generation = generation
+        self.joining = joining
+        self._newest = 0
         self._id = secrets.token_hex(8)
         self._key: str | None = None
         self._server = ThreadingHTTPServer(("0.0.0.0", 0), _handler(self))
@@ -157,10 +163,15 @@ class ReplicaServer:
         if claims.version != version or claims.op != op:
             raise SignedUrlError(f"the grant does not allow {op} of version {version}")
         running = self.generation()
-        if op == "write" and claims.gen != running:
+        # Only the coordinator grants a copy to a standby, and only beside the
+        # generation that runs: the newest this node was granted one in.
+        standby = claims.gen > running and claims.gen >= self._newest and self.joining()
+        if op == "write" and claims.gen != running and not standby:
             raise SignedUrlError(
                 f"the grant is from generation {claims.gen}; this node runs {running}"
             )
+        if standby and op == "write":
+            self._newest = claims.gen
         if claims.gen < running:
             raise SignedUrlError(f"the grant is from ended generation {claims.gen}")
         return claims

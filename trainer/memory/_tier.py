@@ -53,7 +53,16 @@ from rallypoint.client import check_id
 from .._bytes import map_private
 from .._pids import alive
 
-__all__ = ["KEEP", "KEEP_ENV", "MEMORY_ENV", "OFF", "NodeMemory", "default_root", "map_file"]
+__all__ = [
+    "INDEX",
+    "KEEP",
+    "KEEP_ENV",
+    "MEMORY_ENV",
+    "OFF",
+    "NodeMemory",
+    "default_root",
+    "map_file",
+]
 
 log = logging.getLogger("rallypoint.trainer")
 
@@ -67,7 +76,11 @@ KEEP = 2
 KEEP_ENV = "RALLYPOINT_MEMORY_KEEP"
 _OWNER = "owner"
 _DONE = "version.json"
+#: The name of a version's index (what it is: step, generation, world size): beside a
+#: node's own versions, and beside rank 0's files in a standby's replica of them.
+INDEX = _DONE
 _REPLICAS = "replicas"
+_RANK0 = "rank-00000"
 _STAGING = "staging"
 _RECYCLE = "recycle"
 #: Recycled files kept per rank: one version's worth (the next save takes it).
@@ -302,12 +315,16 @@ class NodeMemory:
         return replica if replica.is_file() else None
 
     def summary(self, version: int) -> dict[str, Any] | None:
-        """What :meth:`index` recorded of ``version``, if it is held here."""
-        try:
-            found: dict[str, Any] = json.loads((self._version(version) / _DONE).read_text())
-        except (OSError, ValueError):
-            return None
-        return found
+        """What :meth:`index` recorded of ``version``, if it is held here: of this
+        node's own, or of a replica of rank 0's files (a standby's, whose rank 0 copies
+        its index with them)."""
+        for path in (self._version(version) / _DONE, self._replica(version) / _RANK0 / _DONE):
+            try:
+                found: dict[str, Any] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            return found
+        return None
 
     def index(self, version: int, summary: dict[str, Any]) -> bool:
         """Writes ``version``'s index (after the files it makes readable: see the module's

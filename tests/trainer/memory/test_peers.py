@@ -6,6 +6,7 @@ its grants do not cover."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -300,6 +301,51 @@ def test_a_zombie_of_an_ended_generation_cannot_write_or_read_replicas(pair: Pai
         read_peer(read, begun.version, name, 0, 16)
     fresh = pair.a.checkpoint(begun.version).peers["b"]
     assert bytes(as_memoryview(read_peer(fresh, begun.version, name, 0, 16))) == bytes(raw[:16])
+
+
+def test_a_standby_takes_copies_granted_beside_the_generation_it_parks_by(
+    tmp_path: Path,
+) -> None:
+    coordinator = InProcessCoordinator(["--storage", f"local:{tmp_path / 'storage'}"]).start()
+    spec = JobSpec(min_nodes=2, max_nodes=2, standbys=1)
+    a, b, s = (ElasticClient(coordinator.url, "spare", n) for n in "abs")
+    joining = [True]
+    server = ReplicaServer(
+        NodeMemory(tmp_path / "shm", "spare", "s"),
+        s,
+        "127.0.0.1",
+        lambda: s.assignment.generation if s.assignment else 0,
+        lambda: joining[0],
+    ).start()
+    pool = ThreadPoolExecutor(2)
+    try:
+        done = pool.submit(a.join, "127.0.0.1", spec=spec)
+        b.join("127.0.0.1", spec=spec)
+        done.result()
+        parked = pool.submit(s.join, "127.0.0.1", spec=spec, peer=server.url)
+        begun = a.begin_checkpoint(7, ["data.distcp"], rank=0, world_size=2, memory=True)
+        for _ in range(100):  # until s has parked (its join registered)
+            if begun.standby is not None:
+                break
+            time.sleep(0.05)
+            begun = a.begin_checkpoint(7, ["data.distcp"], rank=0, world_size=2, memory=True)
+        assert begun.standby is not None and begun.standby.node_id == "s"
+        raw, items = one_file(4096)
+        name = "rank-00000/data.distcp"
+        # s runs no generation (0) and takes the copy granted in generation 1.
+        push(begun.standby, begun.version, name, [raw], items)
+        assert server.memory.find(begun.version, name) is not None
+        # A node that waits to join nothing takes no copy of a newer generation.
+        joining[0] = False
+        with pytest.raises(TransferDenied, match="this node runs 0"):
+            push(begun.standby, begun.version, name, [raw], items)
+        assert not parked.done()  # still parked: the copies ended nothing
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        server.stop()
+        for c in (a, b, s):
+            c.close()
+        coordinator.stop()
 
 
 def test_a_tampered_transfer_url_is_refused(pair: Pair) -> None:
