@@ -14,7 +14,8 @@ goes, and the clock runs until rank 0 completes a training step at world size 3:
 - ``join``: three agents train to step 30, then a fourth is started; the clock runs from
   its start to rank 0's first step at world size 4.
 - ``standby``: four agents train and a fifth parks beside them
-  (``--rdzv-conf standbys=1``); then rank 2's node is SIGKILLed, and the clock runs until
+  (``--rdzv-conf standbys=1``); once a version saved since it parked has committed (one
+  it holds copies of), rank 2's node is SIGKILLed, and the clock runs until
   rank 0's first step at world size 4 again, the standby in the lost node's rank. Stock
   c10d has no standby: its fifth agent (``--nnodes=3:4``) waits as a spare, and the clock
   runs the same way.
@@ -159,6 +160,9 @@ def rallypoint(
             if kind == "standby":
                 cluster.add(STANDBY)
                 _parked(coordinator.url, cluster.job, limit)
+                # Killed once a version begun since it parked committed: one the standby
+                # holds copies of.
+                _saved_since(coordinator.url, cluster.job, time.time(), limit)
             world = 3 if kind in ("kill", "preempt") else 4
             generation = max(e["generation"] for e in cluster.events())
             if kind == "join":
@@ -193,6 +197,8 @@ def rallypoint(
     spawned = [
         e["started"] - started for e in resumed if e.get("started") and not e.get("in_place")
     ]
+    # The lost node's rank (2; one worker a node): for a standby, what it read, by source.
+    taken = [e.get("bytes_from") or {} for e in resumed if e["rank"] == 2]
     storage = [(e.get("bytes_from") or {}).get("storage", 0) for e in resumed]
     peer = [(e.get("bytes_from") or {}).get("peer", 0) for e in resumed]
     return {
@@ -200,6 +206,11 @@ def rallypoint(
         "workers_started": min(spawned) if spawned else None,
         "steps_lost": lost,
         "consistent": verdict.consistent,
+        "replacement_bytes": (
+            {k: sum(b.get(k, 0) for b in taken) for k in ("memory", "peer", "storage")}
+            if taken
+            else None
+        ),
         "storage_bytes": sum(storage) if resumed else None,
         "peer_bytes": sum(peer) if resumed else None,
         "pause": _pause(events, first),
@@ -305,6 +316,19 @@ def _member_of_rank(url: str, job: str, rank: int) -> str:
 
     members = httpx.get(f"{url}/v1/jobs/{job}", timeout=10).json()["members"]
     return str(next(m["node_id"] for m in members if m["rank"] == rank))
+
+
+def _saved_since(url: str, job: str, since: float, limit: float) -> None:
+    """Waits until the job has a version begun after ``since`` committed."""
+    import httpx
+
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        versions = httpx.get(f"{url}/v1/jobs/{job}/checkpoints", timeout=10).json()
+        if any(v["state"] == "committed" and v["created_at"] > since for v in versions):
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"no version committed within {limit} s")
 
 
 def _parked(url: str, job: str, limit: float) -> None:
@@ -488,6 +512,13 @@ def main() -> int:
                 f"  rallypoint: new workers read {max(read)} bytes from storage, "
                 f"{max(peers) if peers else 0} from peers"
             )
+        for r in ours + inplace if kind == "standby" else []:
+            if r.get("replacement_bytes"):
+                b = r["replacement_bytes"]
+                print(
+                    f"  rallypoint: the standby's rank read {b['memory']} bytes from its "
+                    f"memory, {b['peer']} from peers, {b['storage']} from storage"
+                )
         if blob:
             blob_read = [r["storage_bytes"] for r in blob if r.get("storage_bytes") is not None]
             blob_lost = [r["steps_lost"] for r in blob if r["steps_lost"] is not None]

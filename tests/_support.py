@@ -35,6 +35,7 @@ __all__ = [
     "managers",
     "run_to_the_end",
     "save_by_hand",
+    "saved_since",
     "spec",
     "status",
     "tiny_llama_config",
@@ -154,6 +155,25 @@ def committed(coordinator: Coordinator, job: str, step: int, timeout: float = 15
                 return
         time.sleep(0.05)
     raise TimeoutError(f"no committed version of step {step} within {timeout} s")
+
+
+def saved_since(coordinator: Coordinator, job: str, since: float, timeout: float = 150) -> int:
+    """Waits until the job has a committed version begun after ``since`` (epoch
+    seconds; for one a standby that parked then holds copies of): its step.
+
+    Raises:
+        TimeoutError: After ``timeout`` s without one.
+    """
+    end = time.monotonic() + timeout
+    url = f"{coordinator.url}/v1/jobs/{job}/checkpoints"
+    while time.monotonic() < end:
+        with contextlib.suppress(httpx.HTTPError):  # asked again, as in committed()
+            answer = httpx.get(url, timeout=5)
+            for v in answer.json() if answer.status_code == 200 else []:
+                if v["state"] == "committed" and v["created_at"] > since:
+                    return int(v["step"])
+        time.sleep(0.05)
+    raise TimeoutError(f"no version begun after {since} committed within {timeout} s")
 
 
 def kept_and_rolled_back(log: Sequence[Event], kind: str) -> tuple[list[Event], list[Event]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 from rallypoint.trainer import ElasticSampler
 
 from .._state_checks import STATE_CHECKS
-from .._support import status
+from .._support import saved_since, status, status_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -225,6 +226,68 @@ def test_zero3_resumes_every_rank_from_the_named_version_after_a_node_is_killed(
     # The replacement's rank resumed the named version while its folder's `latest`
     # named the stale tag (DeepSpeed's rank 0 rewrites the file at its saves later).
     assert "global_step999" in {e["latest"] for e in resumed if e["generation"] == 2}
+
+
+def test_zero3_with_a_standby_survives_a_node_kill_at_its_world_size_from_memory(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """Nodes a and b train ZeRO-3 (``--nnodes 2:2``) and node s parks as their standby
+    (``standbys=1``), taking copies of their files. b is SIGKILLed: s takes b's rank, so
+    the world stays 2 and ZeRO's partitioning is the one saved. No generation fails: the
+    second runs to the end, every rank restores its partition at the step the
+    coordinator named, equal to what was saved, and s reads its own memory alone."""
+    script = tmp_path / "ds_worker.py"
+    script.write_text(WORKER)
+    events = tmp_path / "ds.events.jsonl"
+    args = ["--stage", "3", "--steps", "200", "--every", "10", "--step-time", "0.05"]
+    cluster = Cluster(
+        coordinator.url,
+        "zero3spare",
+        tmp_path,
+        nnodes="2:2",
+        standbys=1,
+        memory=tmp_path / "memory",
+        script=[str(script), *args, "--events", str(events)],
+    )
+    cluster.events_file = events
+
+    def add(node: str) -> None:
+        (tmp_path / node).mkdir()
+        cluster.add(node, env={**DS_ENV, "SAVE_DIR": str(tmp_path / node / "checkpoints")})
+
+    try:
+        for node in ("a", "b"):
+            add(node)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10, timeout=240)
+        add("s")
+        status_until(coordinator, "zero3spare", lambda b: any(w["standby"] for w in b["waiting"]))
+        saved_since(coordinator, "zero3spare", time.time())
+        before = {m["node_id"]: m["rank"] for m in status(coordinator, "zero3spare")["members"]}
+        cluster.kill("b")
+        cluster.wait_for(lambda e: e["event"] == "step" and e["generation"] == 2, timeout=240)
+        after = {m["node_id"]: m["rank"] for m in status(coordinator, "zero3spare")["members"]}
+        codes = cluster.wait(timeout=240)
+    finally:
+        cluster.stop()
+    assert codes["a"] == 0 and codes["s"] == 0, codes
+    log = cluster.events()
+    history = status(coordinator, "zero3spare")["history"]
+    verdict = judge(log, history)
+    assert verdict.consistent, verdict.problems
+    assert verdict.final_step == 200
+    # One generation ended, by the kill; the standby's ran to the end.
+    assert [g["world_size"] for g in history] == [2, 2], history
+    assert not any(g["load_failure"] for g in history), history
+    assert after == {"a": before["a"], "s": before["b"]}
+    saved = {e["step"]: e["digests"] for e in log if e["event"] == "saving"}
+    resumed = [e for e in log if e["event"] == "resumed" and e["generation"] == 2]
+    assert {e["rank"] for e in resumed} == {0, 1}
+    for e in resumed:
+        assert e["digests"] == saved[e["step"] - 1]
+        assert e["saves_back"]
+    taken = next(e for e in resumed if e["rank"] == before["b"])
+    assert taken["bytes_from"]["storage"] == taken["bytes_from"]["peer"] == 0, taken
+    assert taken["bytes_from"]["memory"] > 0
 
 
 @pytest.mark.parametrize("stage", [3, 2])
