@@ -160,9 +160,11 @@ def rallypoint(
             if kind == "standby":
                 cluster.add(STANDBY)
                 _parked(coordinator.url, cluster.job, limit)
-                # Killed once a version begun since it parked committed: one the standby
-                # holds copies of.
-                _saved_since(coordinator.url, cluster.job, time.time(), limit)
+                # Killed once a version begun STANDBY_SOAK s after it parked committed:
+                # one the standby holds copies of, and its warm worker server has
+                # imported torch (a standby waits for minutes in a real job; here four
+                # training nodes take both CPUs, and the import takes seconds).
+                _saved_since(coordinator.url, cluster.job, time.time() + STANDBY_SOAK, limit)
             world = 3 if kind in ("kill", "preempt") else 4
             generation = max(e["generation"] for e in cluster.events())
             if kind == "join":
@@ -316,6 +318,10 @@ def _member_of_rank(url: str, job: str, rank: int) -> str:
 
     members = httpx.get(f"{url}/v1/jobs/{job}", timeout=10).json()["members"]
     return str(next(m["node_id"] for m in members if m["rank"] == rank))
+
+
+#: Seconds a standby stands by before the kill (see ``run``).
+STANDBY_SOAK = 10.0
 
 
 def _saved_since(url: str, job: str, since: float, limit: float) -> None:
