@@ -343,8 +343,11 @@ class NodeMemory:
         for path in self.folder.glob("v[0-9]*"):
             number = int(path.name[1:])
             if number not in kept and number < kept[0]:
-                for data in path.glob("rank-*/data.distcp"):
-                    self._recycle(data, data.parent.name)
+                # Every process of the node prunes: another may remove the folder while
+                # this one lists it (a save failed on that, FileNotFoundError).
+                with contextlib.suppress(OSError):
+                    for data in path.glob("rank-*/data.distcp"):
+                        self._recycle(data, data.parent.name)
                 shutil.rmtree(path, ignore_errors=True)
         return True
 
