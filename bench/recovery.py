@@ -30,7 +30,9 @@ separate machines):
   (``train_ddp.py --in-place``): survivors keep their processes, build the new process
   group and restore from their node's memory (``worker``, ``kill`` and ``join``; for
   ``join`` also with ``last_call=0``, as ``rallypoint-in-place-lc0``: the 2 s last call is a
-  deliberate wait for more newcomers);
+  deliberate wait for more newcomers; for ``standby`` also with ``hot_standby=1``, as
+  ``rallypoint-in-place-hot``: the standby's worker starts when it parks and waits, its
+  model built, in ``join()``);
 - ``rallypoint-blob``: ``RALLYPOINT_MEMORY_DIR=none``, a checkpoint every 100 steps to
   blob storage, the most its bandwidth allows for a large model (``worker``, ``kill``).
 
@@ -130,6 +132,7 @@ def rallypoint(
     memory: bool = True,
     in_place: bool = False,
     last_call: int = 2,
+    hot: bool = False,
 ) -> dict[str, Any]:
     storage = ["--storage", f"local:{workdir / 'storage'}"]
     coordinator = Coordinator(storage, log=workdir / "coordinator.log")
@@ -150,6 +153,7 @@ def rallypoint(
             memory=workdir / "shm" if memory else None,
             in_place=in_place,
             standbys=1 if kind == "standby" else 0,
+            hot_standby=hot,
         )
         first: dict[str, Any] | None = None
         try:
@@ -371,7 +375,11 @@ def _runs(results: list[dict[str, Any]], limit: float) -> str:
 # Which setups each family of ``--only`` runs, and the events each setup takes part in.
 FAMILIES = {
     "rallypoint": ("rallypoint", "rallypoint-blob"),
-    "rallypoint-in-place": ("rallypoint-in-place", "rallypoint-in-place-lc0"),
+    "rallypoint-in-place": (
+        "rallypoint-in-place",
+        "rallypoint-in-place-lc0",
+        "rallypoint-in-place-hot",
+    ),
     "c10d": ("c10d",),
 }
 KINDS = {
@@ -383,6 +391,9 @@ KINDS = {
     # last_call=0 seals the newcomer's generation at once: what the 2 s wait for more
     # newcomers costs a join.
     "rallypoint-in-place-lc0": ("join",),
+    # hot_standby=1: the standby's worker starts at the park, and waits with its model
+    # built in join() until the node is promoted.
+    "rallypoint-in-place-hot": ("standby",),
     "c10d": ("worker", "kill", "preempt", "join", "standby"),
 }
 LABELS = {
@@ -450,6 +461,9 @@ def main() -> int:
         "rallypoint-in-place-lc0": lambda k, w, limit: rallypoint(
             k, w, limit, in_place=True, last_call=0
         ),
+        "rallypoint-in-place-hot": lambda k, w, limit: rallypoint(
+            k, w, limit, in_place=True, hot=True
+        ),
         "rallypoint": rallypoint,
         "rallypoint-blob": lambda k, w, limit: rallypoint(k, w, limit, memory=False),
         "c10d": c10d,
@@ -494,6 +508,13 @@ def main() -> int:
             print(f"  in place, steps lost {r['steps_lost']}:")
             for line in lines:
                 print(f"    {line}")
+        if kind == "standby":
+            hot = results.get((kind, "rallypoint-in-place-hot"), [])
+            if hot:
+                print(f"  in place, a hot standby (hot_standby=1): {_runs(hot, args.limit)}")
+                for r in hot:
+                    if r.get("regroup"):
+                        print(f"    {format_regroup(r['regroup'])[0]}")
         if kind == "join":
             fast = results.get((kind, "rallypoint-in-place-lc0"), [])
             if fast:
@@ -518,7 +539,8 @@ def main() -> int:
                 f"  rallypoint: new workers read {max(read)} bytes from storage, "
                 f"{max(peers) if peers else 0} from peers"
             )
-        for r in ours + inplace if kind == "standby" else []:
+        hot_runs = results.get((kind, "rallypoint-in-place-hot"), [])
+        for r in ours + inplace + hot_runs if kind == "standby" else []:
             if r.get("replacement_bytes"):
                 b = r["replacement_bytes"]
                 print(

@@ -175,6 +175,8 @@ class Cluster:
             (``/dev/shm``, shared by the agents of this machine).
         in_place: The example's workers regroup in place (``--in-place``).
         standbys: Nodes that park beyond ``MAX`` (``--rdzv-conf standbys``).
+        hot_standby: A node that parks starts its workers at once
+            (``--rdzv-conf hot_standby=1``).
     """
 
     def __init__(
@@ -198,6 +200,7 @@ class Cluster:
         memory: Path | None = None,
         in_place: bool = False,
         standbys: int = 0,
+        hot_standby: bool = False,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
         self.nproc = nproc
@@ -209,6 +212,8 @@ class Cluster:
             self.conf += f",join_timeout={join_timeout}"
         if standbys:
             self.conf += f",standbys={standbys}"
+        if hot_standby:
+            self.conf += ",hot_standby=1"
         self.imds_url = imds_url
         self.script = (
             list(script)

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from rallypoint.closing import Closing
 
-from .errors import JoinTimeout, RallypointError, TransportError, error_for
+from .errors import JoinTimeout, RallypointError, StandbyReleased, TransportError, error_for
 from .models import (
     CREDENTIAL_HEADER,
     ENVELOPE_PATH,
@@ -66,6 +66,7 @@ __all__ = [
     "GENERATION_ENV",
     "JOB_ENV",
     "NODE_ENV",
+    "STANDBY_ROUND_ENV",
     "TOKEN_ENV",
     "TRANSPORT_ENV",
     "URL_ENV",
@@ -90,6 +91,10 @@ GENERATION_ENV = "RALLYPOINT_GENERATION"
 #: The node credential a torchrun agent's join got, set for its workers (they act for
 #: the agent's node: checkpoint reports, the assignment).
 CREDENTIAL_ENV = "RALLYPOINT_CREDENTIAL"
+#: The round a hot standby's agent parks for (``--rdzv-conf hot_standby=1``), set for the
+#: workers it starts before it is promoted: their ``join()`` waits for the node's seal,
+#: then sets torchrun's rank variables from the assignment.
+STANDBY_ROUND_ENV = "RALLYPOINT_STANDBY_ROUND"
 #: ``rest`` (the default) or ``envelope`` (every call through one route; see ElasticClient).
 TRANSPORT_ENV = "RALLYPOINT_TRANSPORT"
 #: A gateway's key (an AzureML endpoint's), when the gateway takes ``Authorization``.
@@ -176,6 +181,8 @@ class ElasticClient(Closing):
         generation: A generation this node already joined (its torchrun agent did):
             :meth:`join` returns that assignment rather than joining again.
         credential: The node credential of that join (see :attr:`credential`).
+        standby_round: The round this node's agent parks for as a hot standby:
+            :meth:`join` waits for it to seal with the node (see :data:`STANDBY_ROUND_ENV`).
 
     Raises:
         ValueError: ``job_id`` or ``node_id`` is not a valid id, or ``transport`` is
@@ -196,6 +203,7 @@ class ElasticClient(Closing):
         http_transport: httpx.BaseTransport | None = None,
         generation: int | None = None,
         credential: str | None = None,
+        standby_round: int | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.job_id = check_id(job_id)
@@ -221,6 +229,10 @@ class ElasticClient(Closing):
         )
         self.assignment: Assignment | None = None
         self._joined = generation
+        self._standby_round = standby_round
+        #: The round this node parks for while :meth:`join` waits as a standby (None
+        #: otherwise): an agent reads it to start its workers hot.
+        self.parked_round: int | None = None
         self.credential: str | None = None
         if credential:
             self._credential(credential)
@@ -244,6 +256,9 @@ class ElasticClient(Closing):
         generation = os.environ.get(GENERATION_ENV)
         if generation:
             kwargs.setdefault("generation", int(generation))
+        parked = os.environ.get(STANDBY_ROUND_ENV)
+        if parked and not generation:
+            kwargs.setdefault("standby_round", int(parked))
         kwargs.setdefault("credential", os.environ.get(CREDENTIAL_ENV) or None)
         return cls(url, job_id, **kwargs)
 
@@ -486,19 +501,15 @@ class ElasticClient(Closing):
         if self._joined is not None and self.assignment is None:
             self.assignment = self.assignment_in(self._joined)
             return self.assignment
-        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-
-        def wait_for() -> float:
-            if deadline is None:
-                return _POLL
-            return max(0.0, min(_POLL, deadline - time.monotonic()))
-
+        if self._standby_round is not None and self.assignment is None:
+            return self._promoted(timeout)
+        wait = _POLL if timeout is None else min(_POLL, timeout.total_seconds())
         request = JoinRequest(
             node_id=self.node_id,
             addr=addr or socket.gethostname(),
             port=port or _free_port(),
             spec=spec,
-            wait=wait_for(),
+            wait=wait,
             join_id=uuid.uuid4().hex,  # retries of this request are the same join
             peer=peer,
         )
@@ -507,6 +518,58 @@ class ElasticClient(Closing):
         )
         if reply.credential:
             self._credential(reply.credential)
+        return self._sealed(reply, timeout)
+
+    def _promoted(self, timeout: timedelta | None) -> Assignment:
+        """A hot standby's worker: waits, as its agent does, for the round the agent
+        parks for to seal with the node, then gives the process torchrun's rank
+        variables of that assignment (the ones it started with were placeholders), so
+        ``init_process_group`` and :func:`~rallypoint.trainer.generations` find the
+        generation. Every node runs as many workers, as torchrun numbers them.
+
+        Raises:
+            SystemExit: 0, if the job finished while the node stood by (its agent
+                exits 0 as well).
+        """
+        assert self._standby_round is not None
+        parked = JoinReply(status="standby", round=self._standby_round)
+        try:
+            assignment = self._sealed(parked, timeout)
+        except StandbyReleased as exc:
+            log.warning("rallypoint: %s; this standby's worker exits", exc)
+            raise SystemExit(0) from None
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        rank, world = (
+            assignment.rank * local_world + local_rank,
+            assignment.world_size * local_world,
+        )
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "ROLE_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "ROLE_WORLD_SIZE": str(world),
+                "GROUP_RANK": str(assignment.rank),
+                "GROUP_WORLD_SIZE": str(assignment.world_size),
+                "MASTER_ADDR": assignment.master_addr,
+                "MASTER_PORT": str(assignment.master_port),
+                GENERATION_ENV: str(assignment.generation),
+            }
+        )
+        os.environ.pop(STANDBY_ROUND_ENV, None)
+        self._standby_round = None
+        return assignment
+
+    def _sealed(self, reply: JoinReply, timeout: timedelta | None) -> Assignment:
+        """Polls from a join's first reply until its round seals with this node."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+
+        def wait_for() -> float:
+            if deadline is None:
+                return _POLL
+            return max(0.0, min(_POLL, deadline - time.monotonic()))
+
         parked = False
         while reply.assignment is None:
             if reply.status == "standby" or parked:
@@ -522,6 +585,7 @@ class ElasticClient(Closing):
                         reply.round,
                     )
                 parked = reply.status == "standby"
+                self.parked_round = reply.round if parked else None
                 if timeout is not None:
                     deadline = time.monotonic() + timeout.total_seconds()
             if deadline is not None and time.monotonic() >= deadline:
@@ -533,6 +597,7 @@ class ElasticClient(Closing):
             reply = JoinReply.model_validate_json(
                 self._request("POST", f"{self._node}/wait", poll, read_timeout=poll.wait).content
             )
+        self.parked_round = None
         self.assignment = reply.assignment
         return reply.assignment
 

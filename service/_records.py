@@ -175,3 +175,6 @@ class Node:
     credential: str | None = field(default=None, compare=False, repr=False)
     #: The stored row's ETag (None for a node that was never read or written here).
     etag: str | None = field(default=None, compare=False, repr=False)
+    #: Whether the registration parks as a standby: only in what
+    #: :meth:`Rendezvous.register` returns, never stored.
+    parked: bool = field(default=False, compare=False, repr=False)

@@ -722,7 +722,8 @@ class Rendezvous:
                 and self._registered(job, row)
             ):
                 # a retry of a join that already registered
-                return replace(row, credential=credential)
+                parked = job.status == "sealed" and row.round > job.generation
+                return replace(row, credential=credential, parked=parked)
             if job.status == "sealed":
                 running = self.sealed(job_id, job.generation)
                 if not (
@@ -765,7 +766,8 @@ class Rendezvous:
                 continue
             node = replace(node, etag=stored.etag if stored is not None else None)
             self._seen(job_id, node)
-            return replace(node, credential=credential)
+            # Registered beside a generation that runs: one it did not end, so it parks.
+            return replace(node, credential=credential, parked=job.status == "sealed")
 
     def _registered(self, job: Job, node: Node) -> bool:
         """Whether a registration still stands: its round is open, or it parks for the

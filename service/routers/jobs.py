@@ -180,7 +180,7 @@ async def join(
         )
     )
     driver.poke(job_id)
-    return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response)
+    return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response, node.parked)
 
 
 @_awaits_seal("/{job_id}/nodes/{node_id}/wait", "poll again", UnknownNode)
@@ -219,6 +219,7 @@ async def _await_seal(
     driver: DriverDep,
     request: Request,
     response: Response,
+    parked: bool = False,
 ) -> JoinReply | Response:
     node_id, round, credential = node.node_id, node.round, node.credential
     # A round follows the generation before it: a snapshot that has not seen that one
@@ -232,7 +233,7 @@ async def _await_seal(
     try:
         with driver.waiting(job_id, node_id):
             reply = await _wait_for_seal(
-                job_id, node, join_timeout, deadline, rdzv, driver, response, gone
+                job_id, node, join_timeout, deadline, rdzv, driver, response, gone, parked
             )
     finally:
         gone.cancel()
@@ -253,8 +254,11 @@ async def _wait_for_seal(
     driver: Driver,
     response: Response,
     gone: asyncio.Future[None],
+    parked: bool = False,
 ) -> JoinReply | Response | None:
-    """The wait of :func:`_await_seal`; None once the caller hung up."""
+    """The wait of :func:`_await_seal`; None once the caller hung up. A join that parked
+    its node (``parked``) is answered ``standby`` at once: the node knows it stands by
+    (a hot standby starts its workers), and its next wait is held."""
     node_id, round, credential = node.node_id, node.round, node.credential
     while True:
         job, changed = await driver.snapshot(job_id)
@@ -307,7 +311,7 @@ async def _wait_for_seal(
         left = deadline - time.monotonic()
         if gone.done():
             return None
-        if left <= 0 or driver.closing:
+        if left <= 0 or driver.closing or (standby and parked):
             response.status_code = 202
             return JoinReply(
                 status="standby" if standby else "waiting", round=round, credential=credential

@@ -12,6 +12,7 @@ generation loaded the checkpoint the coordinator named for it.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator, judge
 
-from .._support import committed, status, status_until
+from .._support import committed, saved_since, status, status_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -113,10 +114,71 @@ def test_a_standby_takes_a_killed_nodes_ranks_and_the_world_keeps_its_size(
     ), codes
 
 
-def test_a_standby_never_needed_exits_0_when_the_job_finishes(
+def test_a_hot_standbys_worker_waits_built_and_takes_the_lost_rank_in_place(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    cluster = Cluster(coordinator.url, "done", tmp_path, nnodes="1:2", standbys=1, steps=60)
+    """``hot_standby=1`` and workers that regroup in place: the standby's worker starts
+    as soon as it parks and waits in ``join()``, its model built; the kill promotes it,
+    and that same process trains in the lost rank from its own memory."""
+    cluster = Cluster(
+        coordinator.url,
+        "hot",
+        tmp_path,
+        nnodes="1:2",
+        standbys=1,
+        hot_standby=True,
+        in_place=True,
+        steps=400,
+        memory=tmp_path / "memory",
+    )
+    try:
+        for node in ("a", "b"):
+            cluster.add(node)
+        step_at(cluster, 10, world_size=2)
+        cluster.add("s")
+        status_until(coordinator, "hot", lambda body: any(w["standby"] for w in body["waiting"]))
+        # Its worker, started at the park, has built its model and waits in join().
+        waiting = cluster.wait_for(lambda e: e["event"] == "standing_by", timeout=120)
+        assert waiting["node"] == "s"
+        saved_since(coordinator, "hot", time.time())
+        before = node_ranks(coordinator, "hot")
+        victim = next(n for n, r in before.items() if r == 1)
+        cluster.kill(victim)
+        step_at(cluster, 0, generation=2)
+        assert node_ranks(coordinator, "hot") == {
+            **{n: r for n, r in before.items() if n != victim},
+            "s": 1,
+        }
+        codes = cluster.wait(timeout=240)
+        history = status(coordinator, "hot")["history"]
+        verdict = judge(cluster.events(), history)
+    finally:
+        cluster.stop()
+    assert verdict.consistent, verdict.problems
+    assert verdict.final_step == 400
+    assert [g["world_size"] for g in history] == [2, 2]
+    (taken,) = [
+        e
+        for e in cluster.events()
+        if e["event"] == "resumed" and e["generation"] == 2 and e["rank"] == 1
+    ]
+    # The process that stood by trains in the lost rank.
+    assert taken["pid"] == waiting["pid"], (taken, waiting)
+    read = taken["bytes_from"]
+    assert read["storage"] == read["peer"] == 0 and read["memory"] > 0, taken
+    assert {n: c for n, c in codes.items() if n != victim} == {
+        "a" if victim == "b" else "b": 0,
+        "s": 0,
+    }
+
+
+@pytest.mark.parametrize("hot", [False, True], ids=["cold", "hot"])
+def test_a_standby_never_needed_exits_0_when_the_job_finishes(
+    coordinator: Coordinator, tmp_path: Path, hot: bool
+) -> None:
+    cluster = Cluster(
+        coordinator.url, "done", tmp_path, nnodes="1:2", standbys=1, hot_standby=hot, steps=60
+    )
     try:
         for node in ("a", "b"):
             cluster.add(node)

@@ -168,8 +168,11 @@ def test_a_standby_parks_beside_a_full_generation_and_takes_a_lost_members_rank(
     join_all(rdzv, ["a", "b", "c"], s)
     job, _ = rdzv.tick("job")
     assert (job.generation, job.world_size) == (1, 3)
-    # d parks: it ends nothing, and the members are told to continue.
-    assert join(rdzv, "job", "d", "h", 1, join_id="k1") == 2
+    # d parks: it ends nothing, and the members are told to continue. Its registration
+    # says so (its join is answered "standby" at once, so a hot standby starts its
+    # workers); a member's is no standby's.
+    parked = rdzv.register("job", "d", "h", 1, None, "k1")
+    assert (parked.round, parked.parked) == (2, True)
     job = rdzv.get_job("job")
     assert (job.generation, job.status) == (1, "sealed")
     assert rdzv.judge_beat(job, "a", 1) == "continue"
@@ -181,7 +184,7 @@ def test_a_standby_parks_beside_a_full_generation_and_takes_a_lost_members_rank(
         join(rdzv, "job", "e", "h", 1)
     # A retried join of d is the same registration, still parked.
     first = rdzv.node("job", "d")
-    assert join(rdzv, "job", "d", "h", 1, join_id="k1") == 2
+    assert rdzv.register("job", "d", "h", 1, None, "k1").parked
     assert rdzv.node("job", "d").registration == first.registration
     assert rdzv.get_job("job").status == "sealed"
     # b goes silent: d takes its rank, the world keeps its size, a and c theirs.
@@ -192,7 +195,7 @@ def test_a_standby_parks_beside_a_full_generation_and_takes_a_lost_members_rank(
         job, _ = rdzv.tick("job")
     assert (job.generation, job.status) == (1, "open")
     assert [w.standby for w in rdzv.status("job").waiting] == [False]  # its round is open
-    join_all(rdzv, ["c", "a"])
+    assert not any(rdzv.register("job", n, "h", 1).parked for n in ("c", "a"))  # they join
     job, _ = rdzv.tick("job")
     assert (job.generation, job.world_size) == (2, 3)
     assert ranks(rdzv, job, ["a", "c", "d"], 2) == {"a": 0, "d": 1, "c": 2}

@@ -41,6 +41,7 @@ from rallypoint.client import (
     GENERATION_ENV,
     JOB_ENV,
     NODE_ENV,
+    STANDBY_ROUND_ENV,
     TOKEN_ENV,
     URL_ENV,
     Assignment,
@@ -96,6 +97,9 @@ class RendezvousSettings:
     ``store_timeout``      s; how long store reads wait for a key (default 300)
     ``standbys``           nodes that park beyond ``MAX`` and take a lost member's
                            rank, so the world keeps its size (default 0)
+    ``hot_standby``        1: this node, if it parks, starts its workers at once; they
+                           wait in ``ElasticClient.join()`` until it is promoted
+                           (default 0: they start at its promotion)
     =====================  =========================================================
 
     The job is created by the first node with ``--nnodes MIN:MAX`` and these timeouts;
@@ -110,6 +114,7 @@ class RendezvousSettings:
     spec: JobSpec
     heartbeat_interval: timedelta
     store_timeout: timedelta
+    hot_standby: bool = False
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> RendezvousSettings:
@@ -151,6 +156,7 @@ class RendezvousSettings:
             if interval is None
             else timedelta(seconds=interval),
             store_timeout=seconds("store_timeout", 300),
+            hot_standby=bool(params.get_as_int("hot_standby") or 0),
         )
 
 
@@ -255,6 +261,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._regroup_failed: str | None = None
         #: Whether the node said that its generation ended (once a generation).
         self._said_ended = False
+        # A hot standby's join, which goes on after torchrun started its workers.
+        self._hot = threading.Lock()
+        self._hot_started = False
+        self._hot_result: Assignment | BaseException | None = None
         #: Generations this agent's workers went into in place, and the times its
         #: workers were restarted after regrouping in place had begun (a worker failed).
         self.regroups = 0
@@ -328,7 +338,13 @@ class RallypointRendezvousHandler(RendezvousHandler):
             raise RendezvousClosedError(
                 f"node {self.settings.node_id} left job {self.settings.job_id}"
             )
-        assignment = self._join()
+        if self.settings.hot_standby and self._assignment is None and self.settings.spec.standbys:
+            parked = self._park_hot()
+            if isinstance(parked, RendezvousInfo):
+                return parked
+            assignment = parked
+        else:
+            assignment = self._join()
         self._assignment = assignment
         self._said_ended = False
         self._export(assignment)
@@ -349,6 +365,95 @@ class RallypointRendezvousHandler(RendezvousHandler):
             assignment.rank,
             assignment.world_size,
             RendezvousStoreInfo(assignment.master_addr, assignment.master_port),
+        )
+
+    def _park_hot(self) -> RendezvousInfo | Assignment:
+        """A hot standby's first rendezvous: joins from a thread, and if the node parks,
+        hands torchrun a one-node world to start its workers in at once. They wait in
+        ``ElasticClient.join()`` for the round the node parks for (``STANDBY_ROUND_ENV``);
+        the thread goes on waiting too, and posts the node's assignment when the node is
+        promoted (:meth:`_promoted`). A node that does not park gets its assignment."""
+        joining = threading.Thread(target=self._join_hot, name="rallypoint-standby", daemon=True)
+        joining.start()
+        while joining.is_alive() and self._client.parked_round is None:
+            time.sleep(0.01)
+        with self._hot:
+            parked = self._client.parked_round
+            if self._hot_result is None and parked is not None:
+                self._hot_started = True
+        if not self._hot_started:
+            joining.join()
+            result = self._hot_result
+            if isinstance(result, BaseException):
+                raise result
+            assert result is not None
+            return result
+        assert parked is not None
+        self._regroup = joining  # torchrun's monitor hears of no waiting node meanwhile
+        self._export(None, parked)
+        self._store = self._store_of(0)  # its keys stay here until the promotion
+        self._agent_world = 1
+        log.info(
+            "rallypoint: node %s stands by for round %d; its workers start now and wait",
+            self.settings.node_id,
+            parked,
+        )
+        # A placeholder master (port 0): the workers' join() sets the real one, and
+        # nothing may meet at this one.
+        return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(self.settings.addr, 0))
+
+    def _join_hot(self) -> None:
+        """The hot standby's join (see :meth:`_park_hot`)."""
+        try:
+            result: Assignment | BaseException = self._join()
+        except BaseException as exc:
+            result = exc
+        with self._hot:
+            started = self._hot_started
+            if not started:
+                self._hot_result = result
+        if started:
+            if isinstance(result, Assignment):
+                self._promoted(result)
+            elif not isinstance(result, SystemExit):
+                # Its workers' own waits end the same way: they exit, and torchrun with
+                # them. (Released, SystemExit: they exit 0.)
+                log.warning("rallypoint: the standby's join failed: %s", result)
+
+    def _promoted(self, assignment: Assignment) -> None:
+        """A hot standby taken into ``assignment``'s generation: its workers, already
+        running, got the same assignment from their own waits."""
+        self._assignment = assignment
+        self._export(assignment)
+        self._beats = _Beats(self._client, self.settings.heartbeat_interval)
+        assert self._store is not None
+        # torchrun assigned its workers' ranks in this process: their number is there.
+        local_world = 1
+        with contextlib.suppress(Exception):
+            raw = self._store.get(f"{_ROLE_INFO}0")
+            local_world = int(json.loads(raw)["local_world_size"])
+        # torchrun runs its exit barrier in this store, as the one agent it knows.
+        self._store.follow(assignment.generation, 1 - assignment.world_size)
+        self._board.post(
+            Posted(
+                assignment.generation,
+                ended=False,
+                assignment=assignment,
+                credential=self._client.credential,
+            )
+        )
+        threading.Thread(
+            target=self._publish_ranks,
+            args=(assignment, local_world),
+            name="rallypoint-ranks",
+            daemon=True,
+        ).start()
+        log.info(
+            "rallypoint: generation %d: standby promoted to node rank %d of %d, checkpoint %s",
+            assignment.generation,
+            assignment.rank,
+            assignment.world_size,
+            assignment.checkpoint.version if assignment.checkpoint else None,
         )
 
     def _join(self) -> Assignment:
@@ -390,14 +495,21 @@ class RallypointRendezvousHandler(RendezvousHandler):
             except ServerError as exc:
                 raise RendezvousStateError(f"{exc.code}: {exc}") from exc
 
-    def _export(self, assignment: Assignment) -> None:
-        """The environment workers inherit (the agent starts them after this returns)."""
+    def _export(self, assignment: Assignment | None, standby_round: int | None = None) -> None:
+        """The environment workers inherit (the agent starts them after this returns):
+        the generation the node joined, or, for a hot standby's workers, the round it
+        parks for (they wait for its seal)."""
         values = {
             URL_ENV: self.settings.url,
             JOB_ENV: self.settings.job_id,
             NODE_ENV: self.settings.node_id,
-            GENERATION_ENV: str(assignment.generation),
         }
+        if assignment is not None:
+            values[GENERATION_ENV] = str(assignment.generation)
+            os.environ.pop(STANDBY_ROUND_ENV, None)
+        else:
+            values[STANDBY_ROUND_ENV] = str(standby_round)
+            os.environ.pop(GENERATION_ENV, None)
         if self.settings.token:
             values[TOKEN_ENV] = self.settings.token
         if self._client.credential:

@@ -55,6 +55,11 @@ class CoordinatorStore(Store):
         release: Called between waits of :meth:`wait`; True ends the wait without an
             error (the plugin's: "this node left the job", so its exit barrier has
             nobody to wait for; torch logs a failed barrier at length).
+
+    A hot standby's agent (generation 0) hands torchrun a store that keeps its keys in
+    this process until :meth:`follow` moves it to the generation the node is promoted
+    into: torchrun assigns the ranks of the workers it starts ahead of that as the one
+    agent of a one-node world, then runs its exit barrier with the generation's agents.
     """
 
     def __init__(
@@ -75,6 +80,8 @@ class CoordinatorStore(Store):
         #: Whether the agent entered its exit barrier: torchrun's agent does only once
         #: its workers succeeded, so this node leaves as finished.
         self.finished = False
+        # Generation 0's keys (a hot standby's, see above), base64 values as sent.
+        self._local: dict[str, str | None] | None = {} if generation == 0 else None
 
     @property
     def timeout(self) -> timedelta:
@@ -84,6 +91,8 @@ class CoordinatorStore(Store):
         self._timeout = timeout
 
     def _op(self, request: StoreRequest) -> StoreReply:
+        if self._local is not None:
+            return _local_op(self._local, request)
         try:
             return self._client.store(self.generation, request)
         except StaleGeneration as exc:
@@ -164,6 +173,7 @@ class CoordinatorStore(Store):
         its check-in counts, so the last agent of the new generation releases it."""
         self.generation = generation
         self._barrier_offset = barrier_offset
+        self._local = None
 
     def add(self, key: str, value: int) -> int:
         if key.startswith(_EXIT_BARRIER):
@@ -189,3 +199,27 @@ class CoordinatorStore(Store):
 
     def num_keys(self) -> int:
         return int(self._op(StoreRequest(op="num_keys")).count or 0)
+
+
+def _local_op(keys: dict[str, str | None], request: StoreRequest) -> StoreReply:
+    """``request`` against keys held in this process, as the coordinator answers it
+    (values base64; ``add`` counts in decimal text, as torch's stores do)."""
+    if request.op == "set":
+        keys.update(zip(request.keys, request.values or [], strict=True))
+        return StoreReply()
+    if request.op == "get":
+        return StoreReply(values=[keys.get(k) for k in request.keys])
+    if request.op == "check":
+        return StoreReply(found=all(k in keys for k in request.keys))
+    key = request.keys[0] if request.keys else ""
+    if request.op == "add":
+        count = int(_raw(keys.get(key)) or b"0") + (request.amount or 0)
+        keys[key] = _b64(str(count))
+        return StoreReply(count=count)
+    if request.op == "compare_set":
+        if keys.get(key, _b64(b"")) == request.expected:
+            keys[key] = request.desired
+        return StoreReply(value=keys.get(key, request.expected))
+    if request.op == "delete":
+        return StoreReply(found=keys.pop(key, None) is not None)
+    return StoreReply(count=len(keys))

@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from rallypoint.client import Assignment, ElasticClient
+from rallypoint.client import STANDBY_ROUND_ENV, Assignment, ElasticClient
 from rallypoint.trainer import (
     BatchPlan,
     CheckpointManager,
@@ -171,7 +171,6 @@ def main_in_place(args: argparse.Namespace) -> None:
     outlive each generation; the process group, DDP and the sampler are the
     generation's."""
     client = ElasticClient.from_env()
-    client.join()  # under torchrun: the agent's assignment
     cuda = torch.cuda.is_available()
     if not cuda:
         torch.set_num_threads(1)
@@ -180,6 +179,12 @@ def main_in_place(args: argparse.Namespace) -> None:
     dataset = indexed(*synthetic_cifar(args.samples, args.seed))
     model = SmallCNN(args.dropout).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    # Under torchrun: the agent's assignment. A hot standby's worker (hot_standby=1)
+    # waits here, its model built, until its node is promoted.
+    if os.environ.get(STANDBY_ROUND_ENV):
+        standing_by = events(args.events, generation=0, rank=-1, world_size=0)
+        standing_by("standing_by", pid=os.getpid(), node=client.node_id)
+    client.join()
     checkpoints = CheckpointManager(
         client,
         progress=False,

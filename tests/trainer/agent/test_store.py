@@ -226,3 +226,25 @@ def test_counters_stay_within_int64(start: Start) -> None:
     with pytest.raises(dist.DistStoreError, match="leaves int64"):
         store.add("down", -1)
     assert store.add("down", 0) == bottom
+
+
+def test_a_hot_standbys_store_keeps_its_keys_here_until_it_follows_its_generation(
+    start: Start,
+) -> None:
+    """A hot standby's agent hands torchrun a store of generation 0 before the node is
+    promoted: torchrun assigns its workers' ranks there as the one agent of a one-node
+    world, with torch's semantics and nothing stored in the coordinator. Promoted into a
+    generation of two agents, the store follows it, and torchrun's exit barrier (world 1)
+    passes with the other agent's (world 2)."""
+    a, b = members([start().url], ["a", "b"])
+    standby = CoordinatorStore(b, generation=0)
+    assert play(standby) == play(dist.HashStore())
+    assert CoordinatorStore(a, 1).num_keys() == 0
+    standby.follow(1, 1 - 2)
+    exit_barrier = "torchelastic/agent/terminal_state"  # torchrun's own key
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(barrier, CoordinatorStore(a, 1), 2, exit_barrier, 60)
+        barrier(standby, world_size=1, key_prefix=exit_barrier, barrier_timeout=60)
+        other.result(timeout=60)
+    assert standby.finished
+    assert CoordinatorStore(a, 1).get(f"{exit_barrier}/num_members") == b"2"
