@@ -405,6 +405,15 @@ LABELS = {
 }
 
 
+def _variant(label: str, runs: list[dict[str, Any]], limit: float) -> None:
+    """Prints a variant of the in-place setup: its runs, and each one's phases."""
+    if runs:
+        print(f"  {label}: {_runs(runs, limit)}")
+        for r in runs:
+            if r.get("regroup"):
+                print(f"    {format_regroup(r['regroup'])[0]}")
+
+
 def _keep(tmp: Path, label: str) -> Path:
     """Copies a run's logs and events (not its checkpoints) to /tmp/bench-evidence: the
     temporary directory goes when the run ends."""
@@ -510,18 +519,10 @@ def main() -> int:
                 print(f"    {line}")
         if kind == "standby":
             hot = results.get((kind, "rallypoint-in-place-hot"), [])
-            if hot:
-                print(f"  in place, a hot standby (hot_standby=1): {_runs(hot, args.limit)}")
-                for r in hot:
-                    if r.get("regroup"):
-                        print(f"    {format_regroup(r['regroup'])[0]}")
+            _variant("in place, a hot standby (hot_standby=1)", hot, args.limit)
         if kind == "join":
             fast = results.get((kind, "rallypoint-in-place-lc0"), [])
-            if fast:
-                print(f"  in place with last_call=0: {_runs(fast, args.limit)}")
-                for r in fast:
-                    if r.get("regroup"):
-                        print(f"    {format_regroup(r['regroup'])[0]}")
+            _variant("in place with last_call=0", fast, args.limit)
             for name, rs in (("in place", inplace), ("in place, last_call=0", fast)):
                 pauses = [f"{r['pause']:.2f}" for r in rs if r.get("pause") is not None]
                 if pauses:

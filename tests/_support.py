@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from rallypoint.cli.processes import Cluster, Coordinator, Event
+from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, JobSpec, ShardFile
 from rallypoint.trainer import CheckpointManager, upload
 
@@ -31,6 +31,7 @@ __all__ = [
     "clients",
     "committed",
     "join_all",
+    "judged",
     "kept_and_rolled_back",
     "managers",
     "run_to_the_end",
@@ -174,6 +175,17 @@ def saved_since(coordinator: Coordinator, job: str, since: float, timeout: float
                     return int(v["step"])
         time.sleep(0.05)
     raise TimeoutError(f"no version begun after {since} committed within {timeout} s")
+
+
+def judged(coordinator: Coordinator, cluster: Cluster, final_step: int) -> list[dict[str, Any]]:
+    """The job's generation history, once :func:`judge` found the run consistent (every
+    rank of each generation loaded the version the coordinator named for it) and trained
+    to ``final_step``."""
+    history: list[dict[str, Any]] = status(coordinator, cluster.job)["history"]
+    verdict = judge(cluster.events(), history)
+    assert verdict.consistent, verdict.problems
+    assert verdict.final_step == final_step, verdict
+    return history
 
 
 def kept_and_rolled_back(log: Sequence[Event], kind: str) -> tuple[list[Event], list[Event]]:

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from rallypoint.cli.processes import Cluster, Coordinator, judge
+from rallypoint.cli.processes import Cluster, Coordinator
 
-from .._support import committed, saved_since, status, status_until
+from .._support import committed, judged, saved_since, status, status_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -34,6 +34,15 @@ def step_at(cluster: Cluster, step: int, **where: Any) -> dict[str, Any]:
         ),
         timeout=180,
     )
+
+
+def two_and_a_standby(cluster: Cluster, coordinator: Coordinator, step: int) -> None:
+    """Nodes a and b train to ``step``, then s parks beside them."""
+    for node in ("a", "b"):
+        cluster.add(node)
+    step_at(cluster, step, world_size=2)
+    cluster.add("s")
+    status_until(coordinator, cluster.job, lambda body: any(w["standby"] for w in body["waiting"]))
 
 
 def node_ranks(coordinator: Coordinator, job: str) -> dict[str, int]:
@@ -98,12 +107,9 @@ def test_a_standby_takes_a_killed_nodes_ranks_and_the_world_keeps_its_size(
         cluster.kill(second)
         step_at(cluster, 0, generation=3, world_size=3 * NPROC)
         codes = cluster.wait(timeout=240)
-        history = status(coordinator, "spare")["history"]
-        verdict = judge(cluster.events(), history)
     finally:
         cluster.stop()
-    assert verdict.consistent, verdict.problems
-    assert verdict.final_step == 120, codes
+    history = judged(coordinator, cluster, 120)
     assert [g["world_size"] for g in history] == [4, 4, 3]
     assert (
         "missed heartbeats" in history[0]["ended_reason"]
@@ -132,11 +138,7 @@ def test_a_hot_standbys_worker_waits_built_and_takes_the_lost_rank_in_place(
         memory=tmp_path / "memory",
     )
     try:
-        for node in ("a", "b"):
-            cluster.add(node)
-        step_at(cluster, 10, world_size=2)
-        cluster.add("s")
-        status_until(coordinator, "hot", lambda body: any(w["standby"] for w in body["waiting"]))
+        two_and_a_standby(cluster, coordinator, 10)
         # Its worker, started at the park, has built its model and waits in join().
         waiting = cluster.wait_for(lambda e: e["event"] == "standing_by", timeout=120)
         assert waiting["node"] == "s"
@@ -150,12 +152,9 @@ def test_a_hot_standbys_worker_waits_built_and_takes_the_lost_rank_in_place(
             "s": 1,
         }
         codes = cluster.wait(timeout=240)
-        history = status(coordinator, "hot")["history"]
-        verdict = judge(cluster.events(), history)
     finally:
         cluster.stop()
-    assert verdict.consistent, verdict.problems
-    assert verdict.final_step == 400
+    history = judged(coordinator, cluster, 400)
     assert [g["world_size"] for g in history] == [2, 2]
     (taken,) = [
         e
@@ -180,11 +179,7 @@ def test_a_standby_never_needed_exits_0_when_the_job_finishes(
         coordinator.url, "done", tmp_path, nnodes="1:2", standbys=1, hot_standby=hot, steps=60
     )
     try:
-        for node in ("a", "b"):
-            cluster.add(node)
-        step_at(cluster, 5, world_size=2)
-        cluster.add("s")
-        status_until(coordinator, "done", lambda body: any(w["standby"] for w in body["waiting"]))
+        two_and_a_standby(cluster, coordinator, 5)
         # min_nodes 1: sealing the standby alone would start a run of its own.
         codes = cluster.wait(timeout=120)
     finally:

@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 from rallypoint.trainer import ElasticSampler
 
 from .._state_checks import STATE_CHECKS
-from .._support import saved_since, status, status_until
+from .._support import judged, saved_since, status, status_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -174,6 +175,27 @@ def stale_folder(folder: Path) -> Path:
     return folder
 
 
+def zero_cluster(
+    coordinator: Coordinator, tmp_path: Path, job: str, nnodes: str, args: list[str], **kw: Any
+) -> Cluster:
+    """Agents that run :data:`WORKER` with ``args``, each node with a memory tier of its
+    own, their events in ``tmp_path``."""
+    script = tmp_path / "ds_worker.py"
+    script.write_text(WORKER)
+    events = tmp_path / "ds.events.jsonl"
+    cluster = Cluster(
+        coordinator.url,
+        job,
+        tmp_path,
+        nnodes=nnodes,
+        memory=tmp_path / "memory",
+        script=[str(script), *args, "--events", str(events)],
+        **kw,
+    )
+    cluster.events_file = events
+    return cluster
+
+
 def test_zero3_resumes_every_rank_from_the_named_version_after_a_node_is_killed(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
@@ -181,19 +203,8 @@ def test_zero3_resumes_every_rank_from_the_named_version_after_a_node_is_killed(
     new node with a stale folder takes its place (ZeRO keeps its partitioning, so the
     world size comes back to 3). Every rank restores its own partition at the step the
     coordinator named, equal to what was saved, and the stale ``latest`` is never read."""
-    script = tmp_path / "ds_worker.py"
-    script.write_text(WORKER)
-    events = tmp_path / "ds.events.jsonl"
     args = ["--stage", "3", "--steps", "30", "--every", "5", "--step-time", "0.05"]
-    cluster = Cluster(
-        coordinator.url,
-        "zero3",
-        tmp_path,
-        nnodes="2:2",
-        memory=tmp_path / "memory",
-        script=[str(script), *args, "--events", str(events)],
-    )
-    cluster.events_file = events
+    cluster = zero_cluster(coordinator, tmp_path, "zero3", "2:2", args)
     stale = stale_folder(tmp_path / "c" / "checkpoints")
     try:
         for node in ("a", "b"):
@@ -210,11 +221,8 @@ def test_zero3_resumes_every_rank_from_the_named_version_after_a_node_is_killed(
     finally:
         cluster.stop()
     assert codes["a"] == 0 and codes["c"] == 0, codes
+    judged(coordinator, cluster, 30)
     log = cluster.events()
-    history = status(coordinator, "zero3")["history"]
-    verdict = judge(log, history)
-    assert verdict.consistent, verdict.problems
-    assert verdict.final_step == 30
     saved = {e["step"]: e["digests"] for e in log if e["event"] == "saving"}
     resumed = [e for e in log if e["event"] == "resumed" and e["version"] is not None]
     assert {e["rank"] for e in resumed} == {0, 1, 2}
@@ -236,20 +244,8 @@ def test_zero3_with_a_standby_survives_a_node_kill_at_its_world_size_from_memory
     the world stays 2 and ZeRO's partitioning is the one saved. No generation fails: the
     second runs to the end, every rank restores its partition at the step the
     coordinator named, equal to what was saved, and s reads its own memory alone."""
-    script = tmp_path / "ds_worker.py"
-    script.write_text(WORKER)
-    events = tmp_path / "ds.events.jsonl"
     args = ["--stage", "3", "--steps", "200", "--every", "10", "--step-time", "0.05"]
-    cluster = Cluster(
-        coordinator.url,
-        "zero3spare",
-        tmp_path,
-        nnodes="2:2",
-        standbys=1,
-        memory=tmp_path / "memory",
-        script=[str(script), *args, "--events", str(events)],
-    )
-    cluster.events_file = events
+    cluster = zero_cluster(coordinator, tmp_path, "zero3spare", "2:2", args, standbys=1)
 
     def add(node: str) -> None:
         (tmp_path / node).mkdir()
@@ -270,11 +266,8 @@ def test_zero3_with_a_standby_survives_a_node_kill_at_its_world_size_from_memory
     finally:
         cluster.stop()
     assert codes["a"] == 0 and codes["s"] == 0, codes
+    history = judged(coordinator, cluster, 200)
     log = cluster.events()
-    history = status(coordinator, "zero3spare")["history"]
-    verdict = judge(log, history)
-    assert verdict.consistent, verdict.problems
-    assert verdict.final_step == 200
     # One generation ended, by the kill; the standby's ran to the end.
     assert [g["world_size"] for g in history] == [2, 2], history
     assert not any(g["load_failure"] for g in history), history
@@ -305,22 +298,11 @@ def test_zero_resumes_at_another_world_size_shrunk_and_grown(
     device x 2 accumulation steps at world 3, x 3 at world 2). Every step trains the
     next 12 items of its epoch's order at every world size, and each item of each epoch
     is trained once in the kept history: more only as a lost step's, re-done."""
-    script = tmp_path / "ds_worker.py"
-    script.write_text(WORKER)
-    events = tmp_path / "ds.events.jsonl"
     # ZeRO-3's two must still be training when d has started and joined (seconds).
     steps = 60 if stage == 3 else 40
     args = ["--stage", str(stage), "--steps", str(steps), "--every", "5", "--step-time", "0.2"]
     job = f"reshard{stage}"
-    cluster = Cluster(
-        coordinator.url,
-        job,
-        tmp_path,
-        nnodes="2:3",
-        memory=tmp_path / "memory",
-        script=[str(script), *args, "--events", str(events)],
-    )
-    cluster.events_file = events
+    cluster = zero_cluster(coordinator, tmp_path, job, "2:3", args)
 
     def add(node: str) -> None:
         (tmp_path / node).mkdir()

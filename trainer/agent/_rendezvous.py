@@ -423,31 +423,13 @@ class RallypointRendezvousHandler(RendezvousHandler):
     def _promoted(self, assignment: Assignment) -> None:
         """A hot standby taken into ``assignment``'s generation: its workers, already
         running, got the same assignment from their own waits."""
-        self._assignment = assignment
-        self._export(assignment)
-        self._beats = _Beats(self._client, self.settings.heartbeat_interval)
         assert self._store is not None
         # torchrun assigned its workers' ranks in this process: their number is there.
         local_world = 1
         with contextlib.suppress(Exception):
             raw = self._store.get(f"{_ROLE_INFO}0")
             local_world = int(json.loads(raw)["local_world_size"])
-        # torchrun runs its exit barrier in this store, as the one agent it knows.
-        self._store.follow(assignment.generation, 1 - assignment.world_size)
-        self._board.post(
-            Posted(
-                assignment.generation,
-                ended=False,
-                assignment=assignment,
-                credential=self._client.credential,
-            )
-        )
-        threading.Thread(
-            target=self._publish_ranks,
-            args=(assignment, local_world),
-            name="rallypoint-ranks",
-            daemon=True,
-        ).start()
+        self._went_in(assignment, local_world)
         log.info(
             "rallypoint: generation %d: standby promoted to node rank %d of %d, checkpoint %s",
             assignment.generation,
@@ -639,6 +621,24 @@ class RallypointRendezvousHandler(RendezvousHandler):
                 Posted(old.generation, ended=True, reason=reason, failed=self._regroup_failed)
             )
             return
+        self._went_in(assignment, self._board.local_world_size() or 1)
+        self.regroups += 1
+        log.info(
+            "rallypoint: generation %d in place (%s): node rank %d of %d, checkpoint %s, "
+            "joined in %.3f s",
+            assignment.generation,
+            reason,
+            assignment.rank,
+            assignment.world_size,
+            assignment.checkpoint.version if assignment.checkpoint else None,
+            time.monotonic() - started,
+        )
+
+    def _went_in(self, assignment: Assignment, local_world: int) -> None:
+        """This node is in ``assignment``'s generation while torchrun's agent, unaware,
+        keeps the workers it runs (regrouped in place, or a hot standby's): the workers
+        hear of it on the board, torchrun's exit barrier follows it, and this agent does
+        its part of torchrun's rank assignment for the agents that start workers in it."""
         self._assignment = assignment
         self._export(assignment)
         self._beats = _Beats(self._client, self.settings.heartbeat_interval)
@@ -656,21 +656,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         )
         threading.Thread(
             target=self._publish_ranks,
-            args=(assignment, self._board.local_world_size() or 1),
+            args=(assignment, local_world),
             name="rallypoint-ranks",
             daemon=True,
         ).start()
-        self.regroups += 1
-        log.info(
-            "rallypoint: generation %d in place (%s): node rank %d of %d, checkpoint %s, "
-            "joined in %.3f s",
-            assignment.generation,
-            reason,
-            assignment.rank,
-            assignment.world_size,
-            assignment.checkpoint.version if assignment.checkpoint else None,
-            time.monotonic() - started,
-        )
 
     def get_run_id(self) -> str:
         """See base class."""
