@@ -20,7 +20,7 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator
 
-from .._support import committed, judged, saved_since, status, status_until
+from .._support import cli, committed, judged, saved_since, status, status_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -188,3 +188,29 @@ def test_a_standby_never_needed_exits_0_when_the_job_finishes(
     history = status(coordinator, "done")["history"]
     assert len(history) == 1 and history[0]["ended_reason"].endswith("left: finished")
     assert "this standby exits" in cluster.agents["s"].log.read_text()
+
+
+def test_a_quarantined_node_is_refused_and_never_stands_by(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """The operator quarantines node s before it starts: its agent is refused (it neither
+    parks nor joins) and exits non-zero, its log naming the command that clears it; a and
+    b train to the end in their one generation."""
+    cluster = Cluster(coordinator.url, "bad", tmp_path, nnodes="1:2", standbys=1, steps=60)
+    try:
+        for node in ("a", "b"):
+            cluster.add(node)
+        step_at(cluster, 5, world_size=2)
+        done = cli(
+            "nodes", "quarantine", "bad", "s", "--reason", "ECC errors", "--url", coordinator.url
+        )
+        assert done.returncode == 0, done.stderr
+        refused = cluster.add("s")
+        assert refused.proc.wait(timeout=120) != 0
+        codes = cluster.wait(timeout=120)
+    finally:
+        cluster.stop()
+    assert (codes["a"], codes["b"]) == (0, 0), codes
+    assert "rallypoint nodes unquarantine bad s" in refused.log.read_text()
+    body = status(coordinator, "bad")
+    assert not body["waiting"] and len(body["history"]) == 1, body
