@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -66,6 +67,8 @@ __all__ = [
     "GENERATION_ENV",
     "JOB_ENV",
     "NODE_ENV",
+    "READY_DIR_ENV",
+    "READY_MARK",
     "STANDBY_ROUND_ENV",
     "TOKEN_ENV",
     "TRANSPORT_ENV",
@@ -95,6 +98,11 @@ CREDENTIAL_ENV = "RALLYPOINT_CREDENTIAL"
 #: workers it starts before it is promoted: their ``join()`` waits for the node's seal,
 #: then sets torchrun's rank variables from the assignment.
 STANDBY_ROUND_ENV = "RALLYPOINT_STANDBY_ROUND"
+#: Where a hot standby's or a hot join's workers mark that they wait in :meth:`join`
+#: (one file each, :data:`READY_MARK` and the local rank), set by the agent with
+#: :data:`STANDBY_ROUND_ENV`: the agent tells the coordinator once all of them are.
+READY_DIR_ENV = "RALLYPOINT_READY_DIR"
+READY_MARK = "ready-"
 #: ``rest`` (the default) or ``envelope`` (every call through one route; see ElasticClient).
 TRANSPORT_ENV = "RALLYPOINT_TRANSPORT"
 #: A gateway's key (an AzureML endpoint's), when the gateway takes ``Authorization``.
@@ -468,6 +476,7 @@ class ElasticClient(Closing):
         timeout: timedelta | None = None,
         spec: JobSpec | None = None,
         peer: str | None = None,
+        warm: bool = False,
     ) -> Assignment:
         """Joins the job's next generation and blocks until it seals.
 
@@ -488,6 +497,12 @@ class ElasticClient(Closing):
             spec: Creates the job with these parameters if it does not exist yet.
             peer: The base URL of this node's replica server (the agent's memory tier
                 runs one), where other nodes copy their checkpoint files.
+            warm: A hot join (torchrun's ``hot_join=1``): joining a running generation
+                with room, the node parks instead of ending it (``parked_round`` says
+                for which round) while its workers start; the caller then says when
+                they wait to train with :meth:`ready`, and only that ends the
+                generation. Without ``ready`` the node parks until the generation ends
+                for another reason.
 
         Returns:
             The assignment: generation, rank, world size, master address and port,
@@ -512,6 +527,7 @@ class ElasticClient(Closing):
             wait=wait,
             join_id=uuid.uuid4().hex,  # retries of this request are the same join
             peer=peer,
+            warm=warm,
         )
         reply = JoinReply.model_validate_json(
             self._request("POST", f"{self._job}/join", request, read_timeout=request.wait).content
@@ -533,13 +549,21 @@ class ElasticClient(Closing):
         """
         assert self._standby_round is not None
         parked = JoinReply(status="standby", round=self._standby_round)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        ready = os.environ.get(READY_DIR_ENV)
+        if ready:
+            # This worker waits to train: its agent counts the marks (each says how
+            # many to expect), and once every worker of the node has one, a hot join
+            # ends the generation for it. Renamed into place: never read half-written.
+            partial = Path(ready, f".{READY_MARK}{local_rank}")
+            partial.write_text(str(local_world))
+            os.replace(partial, Path(ready, f"{READY_MARK}{local_rank}"))
         try:
             assignment = self._sealed(parked, timeout)
         except StandbyReleased as exc:
             log.warning("rallypoint: %s; this standby's worker exits", exc)
             raise SystemExit(0) from None
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         rank, world = (
             assignment.rank * local_world + local_rank,
             assignment.world_size * local_world,
@@ -670,6 +694,18 @@ class ElasticClient(Closing):
         if interval is None:
             interval = self.membership().spec.heartbeat_timeout / 4
         return Heartbeats(self, interval, on_restart)
+
+    def ready(self, round: int) -> bool:
+        """Tells the coordinator that this node, parked for ``round`` by a hot join
+        (:meth:`join` with ``warm``), has its workers waiting to train: the running
+        generation ends for it, and the next round seals with it. Returns at once.
+
+        Returns:
+            Whether the node still waits for ``round`` (False once it sealed).
+        """
+        body = WaitRequest(round=round, wait=0, ready=True)
+        response = self._request("POST", f"{self._node}/wait", body, read_timeout=5.0)
+        return JoinReply.model_validate_json(response.content).assignment is None
 
     def leave(self, reason: str = "left", *, fenced: bool = True) -> None:
         """Leaves the job; if this node was a member, the others restart without it.

@@ -221,12 +221,21 @@ class JoinRequest(_Model):
     #: other nodes' ranks copy their checkpoint files to. A new URL per agent start:
     #: the coordinator counts copies only on the agent that received them.
     peer: str | None = Field(None, max_length=512, pattern=r"^https?://[^\s?#]+$")
+    #: A hot join: a newcomer to a running generation that has room parks (status
+    #: ``standby``) instead of ending it, starts its workers, and ends it only once they
+    #: wait to train (a wait with ``ready``), so the members never wait for its process
+    #: start. A node that sends it must send ``ready`` (torchrun's ``hot_join=1``).
+    warm: bool = False
 
 
 class WaitRequest(_Model):
     #: The round the node registered for (from the join's reply).
     round: int = Field(ge=1)
     wait: float = Field(30.0, ge=0, le=60)
+    #: The node parked for ``round`` by a hot join (``JoinRequest.warm``), and its
+    #: workers now wait to train: the running generation ends for it. Changes nothing
+    #: for a standby beside a full generation, nor for a node whose round is open.
+    ready: bool = False
 
 
 class CheckpointPointer(_Model):

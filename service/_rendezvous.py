@@ -649,11 +649,14 @@ class Rendezvous:
         peer: str | None = None,
         registration: str | None = None,
         known: Job | None = None,
+        warm: bool = False,
     ) -> Node:
         """Registers a node for the job's next generation.
 
         A node that joins while a generation runs ends it (a newcomer, or a member that
-        restarted), so every member is told to restart and the next one includes it.
+        restarted), so every member is told to restart and the next one includes it;
+        unless it parks: as a standby beside a full generation, or by a hot join
+        (``warm``) until its workers are ready (:meth:`ready`).
 
         Args:
             spec: Creates the job if missing; must match the job's if it exists.
@@ -666,6 +669,8 @@ class Rendezvous:
             known: A recent snapshot of the job (the driver's), instead of reading it.
                 A stale one costs nothing but a wasted round: the node registers for a
                 round that sealed without it, and its wait sees it missed that round.
+            warm: A hot join (:attr:`JoinRequest.warm`): a newcomer to a generation
+                with room parks until its workers are ready rather than end it.
 
         Returns:
             The node's registration, with its ``credential``; its ``round`` is the
@@ -727,13 +732,17 @@ class Rendezvous:
             if job.status == "sealed":
                 running = self.sealed(job_id, job.generation)
                 if not (
-                    job.spec.standbys
-                    and seal.parks(job, running, node_id, self._standbys(job, node_id))
+                    seal.warms(job, running, node_id, warm)
+                    or (
+                        job.spec.standbys > 0
+                        and seal.parks(job, running, node_id, self._standbys(job, node_id))
+                    )
                 ):
                     self.end_generation(job, seal.join_ends(job, running, node_id))
                     job = self.get_job(job_id)
                     continue
-                # A standby: it registers for the next round and ends nothing. (Two that
+                # A standby or a hot join warming up: it registers for the next round
+                # and ends nothing. (Two standbys that
                 # park at once may both count one free place: the one the next seal
                 # leaves out joins again and is refused as job_full, as without standbys.)
             now = self.clock()
@@ -768,6 +777,27 @@ class Rendezvous:
             self._seen(job_id, node)
             # Registered beside a generation that runs: one it did not end, so it parks.
             return replace(node, credential=credential, parked=job.status == "sealed")
+
+    def ready(self, job_id: str, node_id: str, round: int) -> bool:
+        """A node parked for ``round`` by a hot join says its workers wait to train:
+        ends the running generation for it (:func:`._seal.ready_ends`). True if this
+        call ended it; False if there was nothing to end (a standby beside a full
+        generation, a round already open or sealed) or another request ended it first.
+
+        Raises:
+            UnknownJob, UnknownNode: As named (the node must be registered for ``round``).
+        """
+        while True:
+            job = self.get_job(job_id)
+            node = self.node(job_id, node_id)
+            if node.round != round or job.status != "sealed":
+                return False
+            running = self.sealed(job_id, job.generation)
+            reason = seal.ready_ends(job, running, node_id, round)
+            if reason is None:
+                return False
+            if self.end_generation(job, reason):
+                return True
 
     def _registered(self, job: Job, node: Node) -> bool:
         """Whether a registration still stands: its round is open, or it parks for the

@@ -20,6 +20,10 @@ ETag compare-and-swap. What makes it ask:
   (:func:`parked`), holds copies of the files of the slots it would take
   (:func:`keeper`), and the next round's seal gives it the rank of the member that was
   lost (:func:`standing_by`, :func:`slotted`);
+- a hot join to a generation with room (:func:`warms`) parks the newcomer too, its
+  workers starting meanwhile; the wait that says they are ready to train ends the
+  generation (:func:`ready_ends`), so the members never wait for a process start, and
+  its round, already gathered, seals without a last call (:func:`seal_waits`);
 - a member that leaves because its workers finished ends its generation, and the
   standbys parked beside it are released (:func:`released`), not sealed alone;
 - a heartbeat: :func:`verdict` tells a member whether its generation still runs;
@@ -133,6 +137,28 @@ def parks(job: Job, running: Generation, node_id: str, standbys: int) -> bool:
     )
 
 
+def warms(job: Job, running: Generation, node_id: str, warm: bool) -> bool:
+    """Whether a node that joins a running generation parks to warm up rather than end
+    it: a hot join (``warm``: its workers start while it parks, and say when they wait
+    to train), a newcomer, and room for it (fewer than ``max_nodes`` members). The
+    members never wait for its process start: :func:`ready_ends` ends the generation
+    once the newcomer is ready."""
+    return warm and node_id not in running.ranks and len(running.members) < job.spec.max_nodes
+
+
+def ready_ends(job: Job, running: Generation, node_id: str, round: int) -> str | None:
+    """Why a node whose workers say they wait to train (a wait with ``ready``) ends the
+    running generation: it parked for the next round by a hot join (:func:`warms`), is
+    no member, and the generation has room for it. None otherwise: a standby beside a
+    full generation waits for a lost slot, and a node whose round is open or sealed has
+    nothing to end."""
+    if not parked(job, round) or round != job.round or node_id in running.ranks:
+        return None
+    if len(running.members) >= job.spec.max_nodes:
+        return None
+    return f"node {node_id} joined"
+
+
 def parked(job: Job, round: int) -> bool:
     """Whether a node registered for ``round`` waits as a standby: its round is the one
     after a generation that runs. It waits as long as that generation does, so the join
@@ -239,17 +265,22 @@ def seal_waits(
     """When a round short of ``max_nodes`` (with at least ``min_nodes`` alive) may seal:
     the times it waits for; none: now.
 
-    ``last_call`` gathers newcomers, so a round with one (or the first round) waits for
-    it. A round after a restart also waits for every member of the last generation that
-    is neither back, nor ``gone`` (left), nor silent past the heartbeat timeout: it is
-    restarting, and sealing without it would only end the next generation when it comes
-    back (a process that restarts slower than ``last_call`` would otherwise cost a
-    restart each time). A round of survivors only seals at once.
+    ``last_call`` gathers newcomers, so a round with one that registered since the last
+    generation ended (or the first round) waits for it; newcomers that parked beside
+    that generation (standbys, hot joins) were gathered while it ran. A round after
+    a restart also waits for every member of the last generation that is neither
+    back, nor ``gone`` (left), nor silent past the heartbeat timeout: it is restarting,
+    and sealing without it would only end the next generation when it comes back (a
+    process that restarts slower than ``last_call`` would otherwise cost a restart
+    each time). A round of survivors only seals at once.
     """
     spec = job.spec
     back = {n.node_id for n in waiting}
     waits: list[float] = []
-    if not previous or not back <= previous.keys():
+    # Newcomers that parked beside the generation (standbys, hot joins: registered
+    # before it ended) are gathered already; only one that came since calls for more.
+    called = any(n.node_id not in previous and n.joined_at >= job.changed_at for n in waiting)
+    if not previous or called:
         quorum_at = sorted(n.joined_at for n in waiting)[spec.min_nodes - 1]
         deadline = quorum_at + spec.last_call.total_seconds()
         if now < deadline:

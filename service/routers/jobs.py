@@ -177,6 +177,7 @@ async def join(
             body.join_id,
             body.peer,
             known=known,
+            warm=body.warm,
         )
     )
     driver.poke(job_id)
@@ -194,9 +195,15 @@ async def wait(
     response: Response,
     credential: Credential,
 ) -> JoinReply | Response:
-    """Waits up to ``wait`` s more for the round a join registered for to seal."""
+    """Waits up to ``wait`` s more for the round a join registered for to seal.
+
+    With ``ready``, a node parked by a hot join says its workers wait to train: the
+    running generation ends for it first (its members regroup with the node at once).
+    """
     node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
     credentials.check(node.cred, credential, node_id)
+    if body.ready and await anyio.to_thread.run_sync(rdzv.ready, job_id, node_id, body.round):
+        driver.poke(job_id)
     node = replace(node, round=body.round, credential=None)
     return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response)
 

@@ -131,6 +131,48 @@ def test_a_standby_waits_past_its_join_timeout_and_takes_the_rank_of_a_leaver(
     assert parked[0].rank == first["b"].rank and again[0].rank == first["a"].rank
 
 
+def test_a_hot_join_parks_until_it_says_ready_then_the_generation_ends_for_it(
+    start: Start,
+) -> None:
+    url = start().url
+    a, b, c = clients(url, ["a", "b", "c"])
+    join_all([a, b], spec(1, 3))
+    joined: list[BaseException | Assignment] = []
+    thread = threading.Thread(target=lambda: joined.append(catch(lambda: c.join(warm=True))))
+    thread.start()
+    # Room for it, yet it parks: the members run on while its workers start.
+    until_parked(a)
+    assert [w.node_id for w in a.membership().waiting if w.standby] == ["c"]
+    assert a.heartbeat().action == "continue" and b.heartbeat().action == "continue"
+    assert c.parked_round == 2
+    # Its workers wait to train: the generation ends for it, and the next seals with it.
+    assert c.ready(2)
+    assert eventually_restart(a)
+    assert a.membership().history[0].ended_reason == "node c joined"
+    again = join_all([a, b])
+    thread.join(10)
+    assert len(joined) == 1 and isinstance(joined[0], Assignment), joined
+    assert (joined[0].generation, joined[0].world_size, joined[0].rank) == (2, 3, 2)
+    check_one_generation([*again, joined[0]])
+    # Ready again, for a round that sealed: nothing left to end.
+    assert not c.ready(2)
+    assert a.heartbeat().action == "continue"
+
+
+def test_a_standby_beside_a_full_generation_ends_nothing_by_saying_ready(start: Start) -> None:
+    url = start().url
+    a, b, s = clients(url, ["a", "b", "s"])
+    join_all([a, b], spec(1, 2).model_copy(update={"standbys": 1}))
+    thread = threading.Thread(target=lambda: catch(lambda: s.join(warm=True)), daemon=True)
+    thread.start()
+    until_parked(a)
+    assert s.ready(2)  # it still waits: no room, so it waits for a lost slot
+    assert a.heartbeat().action == "continue" and a.membership().generation == 1
+    a.leave(FINISHED)
+    b.leave(FINISHED, fenced=False)
+    thread.join(30)
+
+
 def test_a_standby_is_released_once_the_members_finish(start: Start) -> None:
     url = start().url
     a, b, s = clients(url, ["a", "b", "s"])

@@ -53,6 +53,20 @@ def test_a_newcomer_to_a_full_generation_parks_while_the_job_has_room_for_a_stan
         seal.join_ends(spare, full, "e")
 
 
+def test_a_hot_join_parks_until_its_workers_are_ready_then_ends_the_generation() -> None:
+    short, full = running("a", "b"), running("a", "b", "c")
+    assert seal.warms(job(), short, "c", warm=True)
+    assert not seal.warms(job(), short, "c", warm=False)  # a cold join ends it at once
+    assert not seal.warms(job(), short, "a", warm=True)  # a member back: it restarted
+    assert not seal.warms(job(), full, "d", warm=True)  # no room: join_ends refuses it
+    # Round 2 follows the running generation 1: the parked newcomer's ready ends it.
+    assert seal.ready_ends(job(1, "sealed"), short, "c", 2) == "node c joined"
+    assert seal.ready_ends(job(1, "sealed"), full, "d", 2) is None  # a standby waits
+    assert seal.ready_ends(job(1, "sealed"), short, "a", 2) is None  # a member
+    assert seal.ready_ends(job(1, "open"), short, "c", 2) is None  # ended already
+    assert seal.ready_ends(job(1, "sealed"), short, "c", 1) is None  # a stale round
+
+
 def test_a_standby_waits_as_long_as_the_generation_beside_it_runs() -> None:
     # Round 2 follows the running generation 1: a node registered for it is parked.
     assert seal.parked(job(1, "sealed"), 2)
@@ -143,6 +157,18 @@ def test_a_round_waits_for_last_call_and_for_restarting_members() -> None:
     # ...unless it left, or went silent past the timeout.
     assert seal.seal_waits(job(), back, previous, {"c": 95.0}, {"c"}, 100.0) == []
     assert seal.seal_waits(job(), back, previous, {"c": 89.0}, set(), 100.0) == []
+
+
+def test_only_a_newcomer_since_the_end_calls_for_the_last_call() -> None:
+    # Generation 1 (a, b) ended at 100 (changed_at); a and b are back at 101.
+    previous = {"a": 0, "b": 1}
+    ended = job(1, "open")
+    # c parked beside it (a hot join or a standby, registered at 90): gathered already.
+    parked = [node("a", 101), node("b", 101), node("c", 90)]
+    assert seal.seal_waits(ended, parked, previous, {}, set(), 102.0) == []
+    # c came after the end: the round waits out the last call from the quorum (101).
+    late = [node("a", 101), node("b", 101), node("c", 101.5)]
+    assert seal.seal_waits(ended, late, previous, {}, set(), 102.0) == [106.0]
 
 
 def test_a_generation_ends_for_a_cut_connection_first_then_the_longest_silence() -> None:
