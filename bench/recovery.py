@@ -30,9 +30,10 @@ separate machines):
   (``train_ddp.py --in-place``): survivors keep their processes, build the new process
   group and restore from their node's memory (``worker``, ``kill`` and ``join``; for
   ``join`` also with ``last_call=0``, as ``rallypoint-in-place-lc0``: the 2 s last call is a
-  deliberate wait for more newcomers; for ``standby`` also with ``hot_standby=1``, as
-  ``rallypoint-in-place-hot``: the standby's worker starts when it parks and waits, its
-  model built, in ``join()``);
+  deliberate wait for more newcomers; for ``standby`` and ``join`` also with
+  ``hot_standby=1,hot_join=1``, as ``rallypoint-in-place-hot``: the standby's or the
+  newcomer's worker starts when it parks and waits, its model built, in ``join()``, and
+  for a join the generation ends only then);
 - ``rallypoint-blob``: ``RALLYPOINT_MEMORY_DIR=none``, a checkpoint every 100 steps to
   blob storage, the most its bandwidth allows for a large model (``worker``, ``kill``).
 
@@ -154,6 +155,7 @@ def rallypoint(
             in_place=in_place,
             standbys=1 if kind == "standby" else 0,
             hot_standby=hot,
+            hot_join=hot,
         )
         first: dict[str, Any] | None = None
         try:
@@ -392,8 +394,9 @@ KINDS = {
     # newcomers costs a join.
     "rallypoint-in-place-lc0": ("join",),
     # hot_standby=1: the standby's worker starts at the park, and waits with its model
-    # built in join() until the node is promoted.
-    "rallypoint-in-place-hot": ("standby",),
+    # built in join() until the node is promoted; hot_join=1: the newcomer's likewise,
+    # and the generation ends for it only then.
+    "rallypoint-in-place-hot": ("standby", "join"),
     "c10d": ("worker", "kill", "preempt", "join", "standby"),
 }
 LABELS = {
@@ -523,7 +526,13 @@ def main() -> int:
         if kind == "join":
             fast = results.get((kind, "rallypoint-in-place-lc0"), [])
             _variant("in place with last_call=0", fast, args.limit)
-            for name, rs in (("in place", inplace), ("in place, last_call=0", fast)):
+            hot = results.get((kind, "rallypoint-in-place-hot"), [])
+            _variant("in place, a hot join (hot_join=1)", hot, args.limit)
+            for name, rs in (
+                ("in place", inplace),
+                ("in place, last_call=0", fast),
+                ("in place, hot_join=1", hot),
+            ):
                 pauses = [f"{r['pause']:.2f}" for r in rs if r.get("pause") is not None]
                 if pauses:
                     print(f"  {name}: rank 0's pause in steps {', '.join(pauses)} s")

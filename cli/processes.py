@@ -177,6 +177,9 @@ class Cluster:
         standbys: Nodes that park beyond ``MAX`` (``--rdzv-conf standbys``).
         hot_standby: A node that parks starts its workers at once
             (``--rdzv-conf hot_standby=1``).
+        hot_join: A node joining a running generation parks and starts its workers,
+            and the generation ends for it once they are ready
+            (``--rdzv-conf hot_join=1``).
     """
 
     def __init__(
@@ -201,6 +204,7 @@ class Cluster:
         in_place: bool = False,
         standbys: int = 0,
         hot_standby: bool = False,
+        hot_join: bool = False,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
         self.nproc = nproc
@@ -214,6 +218,8 @@ class Cluster:
             self.conf += f",standbys={standbys}"
         if hot_standby:
             self.conf += ",hot_standby=1"
+        if hot_join:
+            self.conf += ",hot_join=1"
         self.imds_url = imds_url
         self.script = (
             list(script)

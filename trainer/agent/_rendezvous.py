@@ -41,6 +41,8 @@ from rallypoint.client import (
     GENERATION_ENV,
     JOB_ENV,
     NODE_ENV,
+    READY_DIR_ENV,
+    READY_MARK,
     STANDBY_ROUND_ENV,
     TOKEN_ENV,
     URL_ENV,
@@ -100,6 +102,10 @@ class RendezvousSettings:
     ``hot_standby``        1: this node, if it parks, starts its workers at once; they
                            wait in ``ElasticClient.join()`` until it is promoted
                            (default 0: they start at its promotion)
+    ``hot_join``           1: this node, joining a running generation with room,
+                           parks and starts its workers; the generation ends for it
+                           only once they wait in ``ElasticClient.join()``, so the
+                           members never wait for its process start (default 0)
     =====================  =========================================================
 
     The job is created by the first node with ``--nnodes MIN:MAX`` and these timeouts;
@@ -115,6 +121,7 @@ class RendezvousSettings:
     heartbeat_interval: timedelta
     store_timeout: timedelta
     hot_standby: bool = False
+    hot_join: bool = False
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> RendezvousSettings:
@@ -157,6 +164,7 @@ class RendezvousSettings:
             else timedelta(seconds=interval),
             store_timeout=seconds("store_timeout", 300),
             hot_standby=bool(params.get_as_int("hot_standby") or 0),
+            hot_join=bool(params.get_as_int("hot_join") or 0),
         )
 
 
@@ -338,7 +346,8 @@ class RallypointRendezvousHandler(RendezvousHandler):
             raise RendezvousClosedError(
                 f"node {self.settings.node_id} left job {self.settings.job_id}"
             )
-        if self.settings.hot_standby and self._assignment is None and self.settings.spec.standbys:
+        hot = self.settings.hot_join or (self.settings.hot_standby and self.settings.spec.standbys)
+        if hot and self._assignment is None:
             parked = self._park_hot()
             if isinstance(parked, RendezvousInfo):
                 return parked
@@ -390,7 +399,17 @@ class RallypointRendezvousHandler(RendezvousHandler):
             return result
         assert parked is not None
         self._regroup = joining  # torchrun's monitor hears of no waiting node meanwhile
-        self._export(None, parked)
+        ready = self._board.folder / f"ready-{parked}"
+        shutil.rmtree(ready, ignore_errors=True)
+        ready.mkdir(parents=True)
+        self._export(None, parked, ready)
+        if self.settings.hot_join:
+            threading.Thread(
+                target=self._say_ready,
+                args=(parked, ready, joining),
+                name="rallypoint-ready",
+                daemon=True,
+            ).start()
         self._store = self._store_of(0)  # its keys stay here until the promotion
         self._agent_world = 1
         log.info(
@@ -419,6 +438,24 @@ class RallypointRendezvousHandler(RendezvousHandler):
                 # Its workers' own waits end the same way: they exit, and torchrun with
                 # them. (Released, SystemExit: they exit 0.)
                 log.warning("rallypoint: the standby's join failed: %s", result)
+
+    def _say_ready(self, round: int, folder: Path, joining: threading.Thread) -> None:
+        """A hot join's wait for its workers: once each has marked that it waits in
+        ``ElasticClient.join()`` (a file in ``folder`` holding the node's number of
+        workers), tells the coordinator, which ends the running generation for the node.
+        Ends with the join (promoted, released or failed) if that comes first."""
+        while joining.is_alive():
+            marks = list(folder.glob(f"{READY_MARK}*"))
+            with contextlib.suppress(OSError, ValueError):
+                if marks and len(marks) >= int(marks[0].read_text() or "1"):
+                    try:
+                        self._client.ready(round)
+                    except RallypointError as exc:
+                        # Its workers wait either way: the node goes in at the next end.
+                        log.warning("rallypoint: could not say node is ready: %s", exc)
+                    log.info("rallypoint: node %s ready for round %d", self.settings.node_id, round)
+                    return
+            time.sleep(0.01)
 
     def _promoted(self, assignment: Assignment) -> None:
         """A hot standby taken into ``assignment``'s generation: its workers, already
@@ -456,6 +493,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
                     timeout=left,
                     spec=spec,
                     peer=None if self._replicas is None else self._replicas.url,
+                    warm=self.settings.hot_join,
                 )
             except JobFull:
                 # A running generation has max_nodes members: wait as a spare.
@@ -477,7 +515,12 @@ class RallypointRendezvousHandler(RendezvousHandler):
             except ServerError as exc:
                 raise RendezvousStateError(f"{exc.code}: {exc}") from exc
 
-    def _export(self, assignment: Assignment | None, standby_round: int | None = None) -> None:
+    def _export(
+        self,
+        assignment: Assignment | None,
+        standby_round: int | None = None,
+        ready: Path | None = None,
+    ) -> None:
         """The environment workers inherit (the agent starts them after this returns):
         the generation the node joined, or, for a hot standby's workers, the round it
         parks for (they wait for its seal)."""
@@ -489,8 +532,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         if assignment is not None:
             values[GENERATION_ENV] = str(assignment.generation)
             os.environ.pop(STANDBY_ROUND_ENV, None)
+            os.environ.pop(READY_DIR_ENV, None)
         else:
             values[STANDBY_ROUND_ENV] = str(standby_round)
+            values[READY_DIR_ENV] = str(ready)
             os.environ.pop(GENERATION_ENV, None)
         if self.settings.token:
             values[TOKEN_ENV] = self.settings.token

@@ -1,0 +1,79 @@
+"""Hot joins end to end: real torchrun agents with ``--rdzv-conf hot_join=1``, the DDP
+example regrouping in place with two worker processes a node, a real coordinator.
+
+A newcomer to a running generation with room parks instead of ending it, starts its
+workers at once, and only when every one of them waits in ``ElasticClient.join()``, its
+model built, does the generation end for it: the members train on meanwhile and never
+wait for its process start. ``judge`` checks that every rank of every generation loaded
+the checkpoint the coordinator named for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rallypoint.cli.processes import Cluster, Coordinator
+
+from .._support import judged, status, status_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+NPROC = 2
+
+
+def test_a_hot_join_ends_the_generation_only_once_its_workers_wait(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    cluster = Cluster(
+        coordinator.url,
+        "warm",
+        tmp_path,
+        nnodes="1:3",
+        nproc=NPROC,
+        hot_join=True,
+        in_place=True,
+        steps=300,
+        memory=tmp_path / "memory",
+    )
+    try:
+        for node in ("a", "b"):
+            cluster.add(node)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] == 2 * NPROC, 180)
+        cluster.add("c")
+        # It parks: generation 1 runs on while its workers start.
+        status_until(coordinator, "warm", lambda body: any(w["standby"] for w in body["waiting"]))
+        assert status(coordinator, "warm")["generation"] == 1
+        first = cluster.wait_for(
+            lambda e: e["event"] == "step" and e["world_size"] == 3 * NPROC, 180
+        )
+        codes = cluster.wait(timeout=240)
+    finally:
+        cluster.stop()
+    history = judged(coordinator, cluster, 300)
+    assert [(g["world_size"], g["ended_reason"]) for g in history[:1]] == [(2, "node c joined")]
+    assert [g["world_size"] for g in history] == [2, 3]
+    events = cluster.events()
+    waiting = [e for e in events if e["event"] == "standing_by"]
+    assert sorted(e["node"] for e in waiting) == ["c"] * NPROC
+    # The generation ended only once both of c's workers waited, their models built.
+    assert history[0]["ended_at"] > max(e["t"] for e in waiting), (history[0], waiting)
+    # Members trained on while c's workers started: steps between c's join and the end.
+    trained = [e for e in events if e["event"] == "step" and e["generation"] == 1]
+    assert any(e["t"] > min(w["t"] for w in waiting) for e in trained)
+
+    # The processes that waited are the ones that train at rank 4 and 5; the members'
+    # processes regrouped in place.
+    def pids(generation: int) -> dict[int, int]:
+        return {
+            e["rank"]: e["pid"]
+            for e in events
+            if e["event"] == "resumed" and e["generation"] == generation
+        }
+
+    resumed = pids(2)
+    assert {resumed[4], resumed[5]} == {e["pid"] for e in waiting}
+    assert {resumed[r] for r in range(2 * NPROC)} == set(pids(1).values())
+    assert first["generation"] == 2
+    assert codes == {"a": 0, "b": 0, "c": 0}
