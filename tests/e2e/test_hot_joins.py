@@ -77,3 +77,55 @@ def test_a_hot_join_ends_the_generation_only_once_its_workers_wait(
     assert {resumed[r] for r in range(2 * NPROC)} == set(pids(1).values())
     assert first["generation"] == 2
     assert codes == {"a": 0, "b": 0, "c": 0}
+
+
+#: Exits with 3 the first time a worker starts parked (a crash before ``join()``), then
+#: runs the example.
+CRASHES_ONCE = """
+import os, runpy, sys
+from pathlib import Path
+
+mark = Path(os.environ["CRASH_MARK"])
+if os.environ.get("RALLYPOINT_STANDBY_ROUND") and not mark.exists():
+    mark.touch()
+    sys.exit(3)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_hot_join_whose_worker_exits_before_join_goes_in_and_restarts_it(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """Its join would otherwise wait, parked, for an end nothing else brings: the agent
+    says it is ready, and starts its workers again for the generation it goes into."""
+    cluster = Cluster(
+        coordinator.url,
+        "crash",
+        tmp_path,
+        nnodes="1:3",
+        hot_join=True,
+        in_place=True,
+        steps=200,
+        memory=tmp_path / "memory",
+    )
+    wrapper = tmp_path / "crashes_once.py"
+    wrapper.write_text(CRASHES_ONCE)
+    cluster.script = [str(wrapper), *cluster.script]
+    mark = tmp_path / "crashed"
+    try:
+        for node in ("a", "b"):
+            cluster.add(node, env={"CRASH_MARK": str(mark)})
+        cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] == 2, 180)
+        joiner = cluster.add("c", env={"CRASH_MARK": str(mark)})
+        cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] == 3, 180)
+        codes = cluster.wait(timeout=240)
+    finally:
+        cluster.stop()
+    assert mark.exists()
+    assert "exited while it parked for round 2" in joiner.log.read_text(errors="replace")
+    history = judged(coordinator, cluster, 200)
+    # One end: the node went in with its workers started cold, as a cold join does.
+    assert [g["world_size"] for g in history] == [2, 3]
+    assert history[0]["ended_reason"] == "node c joined"
+    assert codes == {"a": 0, "b": 0, "c": 0}

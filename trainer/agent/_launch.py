@@ -250,7 +250,11 @@ def _worker(module: bool, target: str, *args: str) -> None:
         with open(source) as f:
             exported = f.read()
         if exported:  # empty under another rendezvous backend: nothing to take
-            os.environ.update(json.loads(exported))
+            for name, value in json.loads(exported).items():
+                if value is None:  # the agent unset it since the server started
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     sys.argv = [target, *args]
     # torch counts a function worker done only when it returns a value: a worker that
     # ends with exit status 0 any other way leaves the agent waiting forever. So

@@ -273,6 +273,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._hot = threading.Lock()
         self._hot_started = False
         self._hot_result: Assignment | BaseException | None = None
+        #: The round a hot standby or hot join parks for, while its workers wait.
+        self._hot_round: int | None = None
+        #: Its workers exited before it went in: it goes in cold (next_rendezvous).
+        self._hot_abandoned = False
         #: Generations this agent's workers went into in place, and the times its
         #: workers were restarted after regrouping in place had begun (a worker failed).
         self.regroups = 0
@@ -323,9 +327,32 @@ class RallypointRendezvousHandler(RendezvousHandler):
         """See base class."""
         if self._closed:
             raise RendezvousClosedError(f"the rendezvous of job {self.settings.job_id} is closed")
+        cold: Assignment | None = None
         if self._regroup is not None:
+            with self._hot:
+                hot = self._hot_round
+                self._hot_abandoned = hot is not None
+            if hot is not None:
+                # A worker exited while the node stood by hot: the node goes in as a
+                # cold one, its workers started for the generation it gets. A hot join
+                # says it is ready now: its join would wait for an end that nothing
+                # else may bring (a standby's waits for a lost slot, as a cold one's).
+                log.warning(
+                    "rallypoint: a worker of node %s exited while it parked for round %d; "
+                    "its workers start again when the node goes in",
+                    self.settings.node_id,
+                    hot,
+                )
+                if self.settings.hot_join:
+                    with contextlib.suppress(RallypointError):
+                        self._client.ready(hot)
             self._regroup.join()  # a worker failed while the node regrouped in place
             self._regroup = None
+            if hot is not None:
+                result, self._hot_result = self._hot_result, None
+                if isinstance(result, BaseException):
+                    raise result
+                cold = result
         if self._board.registered():
             # The agent restarts workers that were regrouping in place: one failed (its
             # own log says why), or the node could not regroup.
@@ -347,7 +374,9 @@ class RallypointRendezvousHandler(RendezvousHandler):
                 f"node {self.settings.node_id} left job {self.settings.job_id}"
             )
         hot = self.settings.hot_join or (self.settings.hot_standby and self.settings.spec.standbys)
-        if hot and self._assignment is None:
+        if cold is not None:
+            assignment = cold
+        elif hot and self._assignment is None:
             parked = self._park_hot()
             if isinstance(parked, RendezvousInfo):
                 return parked
@@ -398,6 +427,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
             assert result is not None
             return result
         assert parked is not None
+        self._hot_round = parked
         self._regroup = joining  # torchrun's monitor hears of no waiting node meanwhile
         ready = self._board.folder / f"ready-{parked}"
         shutil.rmtree(ready, ignore_errors=True)
@@ -428,9 +458,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         except BaseException as exc:
             result = exc
         with self._hot:
-            started = self._hot_started
+            started = self._hot_started and not self._hot_abandoned
             if not started:
                 self._hot_result = result
+            self._hot_round = None
         if started:
             if isinstance(result, Assignment):
                 self._promoted(result)
@@ -531,12 +562,13 @@ class RallypointRendezvousHandler(RendezvousHandler):
         }
         if assignment is not None:
             values[GENERATION_ENV] = str(assignment.generation)
-            os.environ.pop(STANDBY_ROUND_ENV, None)
-            os.environ.pop(READY_DIR_ENV, None)
+            unset = [STANDBY_ROUND_ENV, READY_DIR_ENV]
         else:
             values[STANDBY_ROUND_ENV] = str(standby_round)
             values[READY_DIR_ENV] = str(ready)
-            os.environ.pop(GENERATION_ENV, None)
+            unset = [GENERATION_ENV]
+        for name in unset:
+            os.environ.pop(name, None)
         if self.settings.token:
             values[TOKEN_ENV] = self.settings.token
         if self._client.credential:
@@ -554,7 +586,9 @@ class RallypointRendezvousHandler(RendezvousHandler):
                 os.unlink(partial)
             fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
-                json.dump(values, f)
+                # None: unset. The server may have started parked (a hot standby's
+                # first workers), with the parked round in its own environment.
+                json.dump({**values, **dict.fromkeys(unset)}, f)
             os.replace(partial, target)
 
     def _publish_ranks(self, assignment: Assignment, local_world: int) -> None:
