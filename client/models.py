@@ -78,6 +78,7 @@ __all__ = [
     "WaitRequest",
     "WaitingNode",
     "check_id",
+    "rank_folder",
 ]
 
 #: Carries a node's credential (from its join) on every request that acts for the node.
@@ -255,6 +256,14 @@ MAX_SHARD_FILES = 64
 #: Processes (global ranks) a checkpoint version may have: 16,384 GPUs at 8 per node
 #: and room beyond; rank folders are named with 5 digits.
 MAX_RANKS = 99_999
+
+
+def rank_folder(rank: int) -> str:
+    """The folder of a version that holds ``rank``'s files, in blob storage and in a
+    node's memory tier alike: ``rank-00007``."""
+    return f"rank-{rank:05d}"
+
+
 #: Serialised size of a report's metadata (its non-tensor state), in bytes.
 MAX_METADATA_BYTES = 512 * 1024
 

@@ -72,6 +72,7 @@ from rallypoint.client.models import (
     RestoreSource,
     ShardFile,
     TimelineVersion,
+    rank_folder,
 )
 
 from . import _retention as retention
@@ -225,7 +226,7 @@ def _rep_key(version: int, rank: int) -> str:
 
 
 def _rank_folder(version: Version, rank: int) -> str:
-    return f"{version.folder}rank-{rank:05d}/"
+    return f"{version.folder}{rank_folder(rank)}/"
 
 
 def _find(job_id: str, versions: list[Version], number: int) -> Version:

@@ -67,6 +67,7 @@ from rallypoint.client import (
     ShardFile,
     UnknownCheckpoint,
 )
+from rallypoint.client.models import rank_folder
 
 from .._bytes import as_memoryview, checksum, own_storage, tensor_bytes
 from .._progress import Progress
@@ -352,7 +353,7 @@ class RallypointWriter(StorageWriter):
         """See base class. Uploads this rank's file; ranks other than 0 report it."""
         if self._committed:
             return _done([])
-        path = f"rank-{self.rank:05d}/{DATA}"
+        path = f"{rank_folder(self.rank)}/{DATA}"
         staged = None
         if isinstance(planner, StagedPlanner):
             planner.staged.ready()  # the copy has landed (raises what it raised)
@@ -462,7 +463,7 @@ class RallypointWriter(StorageWriter):
         are too few (a peer that failed, a node without a memory tier)."""
         begun = self._begun
         assert begun is not None
-        path = f"rank-{self.rank:05d}/{name}"
+        path = f"{rank_folder(self.rank)}/{name}"
         # The data file goes first; a later one (rank 0's metadata) goes where it went.
         # A place counts (is named in the report) only once the file can be read there:
         # here once the version's index is written too, on the peer once it took the
@@ -493,7 +494,7 @@ class RallypointWriter(StorageWriter):
             # With DCP's metadata, what the version is (the index a node writes of its
             # own versions): the standby then reads the whole version from its memory.
             raw = json.dumps(dataclasses.asdict(self._summary())).encode()
-            index = f"rank-{self.rank:05d}/{INDEX}"
+            index = f"{rank_folder(self.rank)}/{INDEX}"
             with contextlib.suppress(TransferError):  # it reads the manifest instead
                 push(
                     begun.standby,
@@ -700,7 +701,7 @@ class RallypointReader(StorageReader):
         if METADATA not in files:
             raise CheckpointCorrupt(f"{self.label}: rank 0 reported no {METADATA}")
         meta_file = files[METADATA]
-        whole = StoredItem(f"rank-00000/{METADATA}", 0, meta_file.size, meta_file.checksum)
+        whole = StoredItem(f"{rank_folder(0)}/{METADATA}", 0, meta_file.size, meta_file.checksum)
         kept = self._checked(whole.path, [whole])(whole)  # held: the view borrows its memory
         raw = bytes(as_memoryview(kept))
         self.summary = Summary(
@@ -721,7 +722,7 @@ class RallypointReader(StorageReader):
         summary = self.memory.summary(self.version)
         # Its own copy, or a standby's replica of rank 0's files.
         path = self.memory.find(self.version, METADATA) or self.memory.find(
-            self.version, f"rank-00000/{METADATA}"
+            self.version, f"{rank_folder(0)}/{METADATA}"
         )
         if summary is None or path is None:
             return None

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from rallypoint.client import check_id
+from rallypoint.client.models import rank_folder
 
 from .._bytes import map_private
 from .._pids import alive
@@ -80,7 +81,7 @@ _DONE = "version.json"
 #: node's own versions, and beside rank 0's files in a standby's replica of them.
 INDEX = _DONE
 _REPLICAS = "replicas"
-_RANK0 = "rank-00000"
+_RANK0 = rank_folder(0)
 _STAGING = "staging"
 _RECYCLE = "recycle"
 #: Recycled files kept per rank: one version's worth (the next save takes it).
@@ -200,12 +201,12 @@ class NodeMemory:
             and the tier's copy is skipped or written as before).
         """
         staging = self.folder / _STAGING
-        target = staging / f"rank-{rank:05d}.{os.getpid()}.{next(_SEQUENCE)}"
+        target = staging / f"{rank_folder(rank)}.{os.getpid()}.{next(_SEQUENCE)}"
         try:
             staging.mkdir(parents=True, exist_ok=True)
             self._sweep_staging(staging)
             taken = False
-            for old in sorted((self.folder / _RECYCLE / f"rank-{rank:05d}").glob("*")):
+            for old in sorted((self.folder / _RECYCLE / rank_folder(rank)).glob("*")):
                 with contextlib.suppress(OSError):  # another process took it first
                     os.rename(old, target)
                     taken = _reusable(target)
