@@ -152,11 +152,9 @@ def ready_ends(job: Job, running: Generation, node_id: str, round: int) -> str |
     no member, and the generation has room for it. None otherwise: a standby beside a
     full generation waits for a lost slot, and a node whose round is open or sealed has
     nothing to end."""
-    if not parked(job, round) or round != job.round or node_id in running.ranks:
+    if not parked(job, round) or round != job.round:
         return None
-    if len(running.members) >= job.spec.max_nodes:
-        return None
-    return f"node {node_id} joined"
+    return f"node {node_id} joined" if warms(job, running, node_id, warm=True) else None
 
 
 def parked(job: Job, round: int) -> bool:
