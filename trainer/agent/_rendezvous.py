@@ -484,7 +484,9 @@ class RallypointRendezvousHandler(RendezvousHandler):
                     except RallypointError as exc:
                         # Its workers wait either way: the node goes in at the next end.
                         log.warning("rallypoint: could not say node is ready: %s", exc)
-                    log.info("rallypoint: node %s ready for round %d", self.settings.node_id, round)
+                    else:
+                        node = self.settings.node_id
+                        log.info("rallypoint: node %s ready for round %d", node, round)
                     return
             time.sleep(0.01)
 
