@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -83,9 +84,15 @@ def _run(args: argparse.Namespace) -> int:
     # The package's warnings on stderr whatever else configures logging (Python's
     # last-resort handler shows them only while no handler exists anywhere): the node's
     # account of what it waits for, e.g. a coordinator it cannot reach.
+    # torchrun's LOGLEVEL (INFO, DEBUG) shows the agent's own lines too: when a
+    # generation was sealed, joined, ended and why.
+    level = logging.getLevelName(os.environ.get("LOGLEVEL", "WARNING").upper())
     stderr = logging.StreamHandler(sys.stderr)
-    stderr.setLevel(logging.WARNING)
-    logging.getLogger("rallypoint").addHandler(stderr)
+    stderr.setLevel(level if isinstance(level, int) else logging.WARNING)
+    logger = logging.getLogger("rallypoint")
+    logger.addHandler(stderr)
+    if isinstance(level, int) and level < logging.WARNING:
+        logger.setLevel(level)
     return run(args.torchrun_args)
 
 

@@ -31,6 +31,7 @@ from .models import (
     BeginCheckpoint,
     CheckpointBegun,
     CheckpointInfo,
+    FaultReport,
     HeartbeatReply,
     HeartbeatRequest,
     JobSpec,
@@ -298,9 +299,11 @@ class ElasticClient(Closing):
         *,
         read_timeout: float = 0,
         retry: RetryPolicy | None = None,
+        via: httpx.Client | None = None,
     ) -> httpx.Response:
         """Sends a request, retrying transport errors and 429/5xx (by ``retry``, else the
-        client's policy); raises error replies."""
+        client's policy), through ``via`` if given (else the client's pool); raises error
+        replies."""
         retry = retry or self.retry
         content = body.model_dump_json(exclude_none=True) if body is not None else None
         url = path
@@ -315,7 +318,7 @@ class ElasticClient(Closing):
             unreachable: str | None = None
             soon: float | None = None
             try:
-                response = self._http.request(
+                response = (via or self._http).request(
                     method,
                     url,
                     content=content,
@@ -706,6 +709,31 @@ class ElasticClient(Closing):
         body = WaitRequest(round=round, wait=0, ready=True)
         response = self._request("POST", f"{self._node}/wait", body, read_timeout=5.0)
         return JoinReply.model_validate_json(response.content).assignment is None
+
+    def report_fault(self, detail: str = "", *, generation: int | None = None) -> None:
+        """Tells the coordinator that a collective with this node's peers failed while
+        its generation ran, before the generation was known to have ended. It ends
+        nothing by itself; a peer whose heartbeat watch the coordinator saw cut counts
+        as gone at once, not after the reconnect window. :func:`~rallypoint.trainer.
+        generations` reports for its workers. One try: a report that comes late is
+        worth nothing.
+
+        Args:
+            detail: What failed (the error's first line), for the coordinator's log.
+            generation: The generation it failed in (default: this node's).
+
+        Raises:
+            StaleGeneration: The generation has ended already.
+        """
+        body = FaultReport(generation=self._generation(generation), detail=detail[:500])
+        # On a connection of its own, closed after: in bench runs, reports sent on the
+        # pool the worker's checkpoint calls share were followed by a regroup that
+        # stalled in 3 of 53 rounds (cause not found), and none in 50 rounds this way.
+        with httpx.Client(
+            base_url=self.url, headers=self._http.headers, timeout=self._timeout
+        ) as own:
+            once = RetryPolicy(deadline=timedelta(0))
+            self._request("POST", f"{self._node}/fault", body, retry=once, via=own)
 
     def leave(self, reason: str = "left", *, fenced: bool = True) -> None:
         """Leaves the job; if this node was a member, the others restart without it.

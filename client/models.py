@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointPointer",
     "Envelope",
     "ErrorBody",
+    "FaultReport",
     "GenerationInfo",
     "HeartbeatReply",
     "HeartbeatRequest",
@@ -621,6 +622,15 @@ class HeartbeatReply(_Model):
     #: Why the node's generation ended, on a ``restart`` when the coordinator knows
     #: (``node n2 lost``, ``node n4 joined``): what the agent's one line says.
     reason: str | None = None
+
+
+class FaultReport(_Model):
+    """A member's worker saw a collective with its peers fail while ``generation`` ran,
+    before the generation was known to have ended (a peer's process gone, or a bug)."""
+
+    generation: int = Field(ge=1)
+    #: What failed: the error's first line (the coordinator logs it).
+    detail: str = Field("", max_length=500)
 
 
 class LeaveRequest(_Model):

@@ -35,6 +35,7 @@ from starlette.types import Receive
 
 from rallypoint.client.models import JobSpec
 
+from . import _seal as seal
 from ._rendezvous import Job, Rendezvous
 from .errors import StorageError
 from .storage import each_try_within, within
@@ -72,6 +73,16 @@ def hang_up(receive: Receive) -> asyncio.Task[None]:
 
 
 @dataclass
+class _Cut:
+    """A node's cut heartbeat watch, while its check waits (see :meth:`Driver.dropped`)."""
+
+    generation: int | None  # the held heartbeat's; None for a held join
+    at: float  # when the cut was seen (``time.monotonic``)
+    # Set when another member's failed collective corroborates the cut (see Driver.fault).
+    corroborated: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
 class _JobState:
     """What the driver keeps of one job: its snapshot, the beats queued for the next
     pass, the nodes waiting here, and the task that runs the passes."""
@@ -86,7 +97,11 @@ class _JobState:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     # Each node's queued beat: its generation and when it arrived (see Driver.dropped).
     beats: dict[str, tuple[int, float]] = field(default_factory=dict)
-    dropped: dict[str, object] = field(default_factory=dict)
+    dropped: dict[str, _Cut] = field(default_factory=dict)
+    # Each generation's reports of failed collectives: member -> when (time.monotonic).
+    faults: dict[int, dict[str, float]] = field(default_factory=dict)
+    passing: bool = False  # a storage pass is under way
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # ends the wait for a pass
     waiters: Counter[str] = field(default_factory=Counter)
     creating: asyncio.Lock = field(default_factory=asyncio.Lock)
     tick_now: bool = True
@@ -274,12 +289,20 @@ class Driver:
         state.dropped.pop(node_id, None)
         return arrived
 
-    def dropped(self, job_id: str, node_id: str, since: float | None = None) -> None:
+    def dropped(
+        self,
+        job_id: str,
+        node_id: str,
+        since: float | None = None,
+        generation: int | None = None,
+    ) -> None:
         """A node's heartbeat watch was cut: its process exited (the kernel closes its
         sockets when a process dies, even by SIGKILL). A live client reconnects at once;
         if no beat of the node arrives here within ``reconnect`` seconds (and this
         process's last storage pass), nor reaches storage through another replica, it
-        counts as silent now rather than at the end of its heartbeat timeout.
+        counts as silent now rather than at the end of its heartbeat timeout. A failed
+        collective that another member of its generation reports here (:meth:`fault`)
+        ends the wait at once (:func:`._seal.corroborated`).
 
         Args:
             since: Only a beat that arrived later counts as the node's return: for a
@@ -287,35 +310,89 @@ class Driver:
                 node's; the held beat's own write may reach storage after the cut: a
                 node killed within a pass of its beat was found only at the timeout);
                 by default now (a held join, whose waits are beaten for by the driver).
+            generation: The held heartbeat's generation (None for a held join).
         """
         state = self._state(job_id)
         since = self.rdzv.clock() if since is None else since
-        mark = object()
-        state.dropped[node_id] = mark
+        cut = state.dropped[node_id] = _Cut(generation, time.monotonic())
+        if generation is not None and seal.corroborated(
+            node_id, cut.at, state.faults.get(generation, {}), self.reconnect
+        ):
+            cut.corroborated.set()
         # The cut request's own beat, not yet written, must not be written after the
         # mark below: a beat's write replaces the mark (a pass taking it now is waited
         # for). It arrived before the cut, so it proves nothing.
         queued = state.beats.get(node_id)
         if queued is not None and queued[1] <= since:
             del state.beats[node_id]
-        passes = state.passes
+        # A pass under way at the cut may have taken that beat: its write must land first.
+        passes = state.passes if state.passing else None
 
         async def check() -> None:
-            await asyncio.sleep(self.reconnect + state.pass_seconds)
-            while state.passes <= passes and state.task is not None and not state.task.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(cut.corroborated.wait(), self.reconnect + state.pass_seconds)
+            while (
+                passes is not None
+                and state.passes <= passes
+                and state.task is not None
+                and not state.task.done()
+            ):
                 await asyncio.sleep(self.interval / 4)  # the pass under way at the cut
-            if state.dropped.get(node_id) is not mark:
+            if state.dropped.get(node_id) is not cut:
                 return  # it beat again here
             del state.dropped[node_id]
             if node_id in state.waiters:
                 return  # it waits here again
             if await anyio.to_thread.run_sync(self.rdzv.expire, job_id, node_id, since):
-                log.info("job %s: node %s dropped its heartbeat watch", job_id, node_id)
+                log.info(
+                    "job %s: node %s dropped its heartbeat watch%s",
+                    job_id,
+                    node_id,
+                    " (a peer's collective failed)" if cut.corroborated.is_set() else "",
+                )
+                # The tick that ends its generation runs now, not at the next pass.
                 self.poke(job_id)
+                state.wake.set()
 
         task = asyncio.create_task(check(), name=f"dropped-{job_id}-{node_id}")
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
+
+    def fault(self, job_id: str, node_id: str, generation: int, detail: str = "") -> int:
+        """A member of ``generation`` reports that a collective with its peers failed
+        while the generation ran: a watch of another member cut here counts at once
+        (:func:`._seal.corroborated`), so the generation ends without the reconnect
+        window. Ends nothing by itself: a collective also fails on a bug, and a peer that
+        died without closing its sockets is found at its heartbeat timeout.
+
+        Returns:
+            How many cut watches it corroborated.
+        """
+        state = self._state(job_id)
+        now = time.monotonic()
+        # Only the running generation's reports matter; older ones go.
+        for old in [g for g in state.faults if g < generation]:
+            del state.faults[old]
+        state.faults.setdefault(generation, {})[node_id] = now
+        corroborated = 0
+        for cut_node, cut in state.dropped.items():
+            if (
+                cut.generation == generation
+                and not cut.corroborated.is_set()
+                and seal.corroborated(cut_node, cut.at, state.faults[generation], self.reconnect)
+            ):
+                cut.corroborated.set()
+                corroborated += 1
+                log.info(
+                    "job %s: node %s's collective failed in generation %d (%s): node %s's "
+                    "cut heartbeat watch counts now",
+                    job_id,
+                    node_id,
+                    generation,
+                    detail or "no detail",
+                    cut_node,
+                )
+        return corroborated
 
     @contextlib.contextmanager
     def waiting(self, job_id: str, node_id: str) -> Iterator[None]:
@@ -361,6 +438,8 @@ class Driver:
         next_waiter_beat = 0.0
         while True:
             started = time.monotonic()
+            state.wake.clear()
+            state.passing = True
             known = state.job
             timeout = known.spec.heartbeat_timeout.total_seconds() if known else 3.0
             # A pass's storage tries get a third of the heartbeat timeout each: a frozen
@@ -407,13 +486,17 @@ class Driver:
                     state.beats = {**beats, **state.beats}
                     self.rdzv.storage_lost()
             state.passes += 1
+            state.passing = False
             if job is not None:
                 self._publish(state, job, started)
             state.ready.set()
             if not state.waiters and time.monotonic() - state.last_used > self.idle:
                 self._states.pop(job_id, None)
                 return
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    state.wake.wait(), max(0.0, self.interval - (time.monotonic() - started))
+                )
 
     def _storage_pass(
         self, job_id: str, beats: dict[str, tuple[int, float]], tick: bool, budget: float

@@ -172,6 +172,13 @@ class Metrics:
         self.heartbeats = Counter(
             "rallypoint_heartbeats", "Heartbeats received", ["job"], registry=self.registry
         )
+        self.faults = Counter(
+            "rallypoint_collective_faults",
+            "Members' reports of a collective that failed while their generation ran "
+            "(each lets a cut heartbeat watch of that generation count at once)",
+            ["job"],
+            registry=self.registry,
+        )
         self.generation_misses = Counter(
             "rallypoint_generation_miss_reads",
             "Reads of a job a request caused by naming a generation newer than this "

@@ -26,7 +26,10 @@ ETag compare-and-swap. What makes it ask:
   its round, already gathered, seals without a last call (:func:`seal_waits`);
 - a member that leaves because its workers finished ends its generation, and the
   standbys parked beside it are released (:func:`released`), not sealed alone;
-- a heartbeat: :func:`verdict` tells a member whether its generation still runs;
+- a heartbeat: :func:`verdict` tells a member whether its generation still runs; a
+  member's held heartbeat cut (its process gone, or only its connection) counts after
+  the reconnect window, or at once where another member's collective failed beside it
+  (:func:`corroborated`);
 - a rank that cannot load the checkpoint its generation named (``_checkpoints.py``,
   ``load_failed``) ends the generation; the job counts such ends in a row
   (:func:`load_streak`), and a round does not seal a third generation that would only
@@ -55,6 +58,7 @@ __all__ = [
     "admitted",
     "alive",
     "blocked_reason",
+    "corroborated",
     "end_reason",
     "held_back",
     "join_ends",
@@ -321,6 +325,32 @@ def silent(
         t, node_id = late[0]
         return f"node {node_id} missed heartbeats for {now - t:.1f} s", 0.0, node_id
     return None, min(last.values()) + timeout - now, None
+
+
+def corroborated(
+    node_id: str, cut_at: float, faults: Mapping[str, float], reconnect: float
+) -> bool:
+    """Whether a member's cut heartbeat watch counts at once, before its reconnect window.
+
+    A cut alone may be the network's (a balancer that dropped the connection, a replica
+    that went), and a live node reconnects within the window. A collective of the same
+    generation that failed on another member is the data plane seeing the same death: a
+    connection cut between a node and its coordinator fails no collective between the
+    nodes. The death reaches both within milliseconds, in either order (a collective
+    fails at once in a transfer, or at the next one, up to a step later).
+
+    Args:
+        node_id: The member whose watch was cut.
+        cut_at: When the cut was seen.
+        faults: When each member of the generation last reported a failed collective.
+        reconnect: The reconnect window: a report that old before the cut still counts.
+
+    Returns:
+        True if a member other than ``node_id`` reported a failed collective at most
+        ``reconnect`` before the cut, or since. The node's own report does not count: it
+        shows the node alive.
+    """
+    return any(at >= cut_at - reconnect for n, at in faults.items() if n != node_id)
 
 
 def verdict(job: Job, node_id: str, generation: int | None) -> Literal["continue", "restart"]:

@@ -38,7 +38,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
@@ -107,6 +107,7 @@ class Generation:
         regrouped: bool,
         ended: threading.Event,
         detect: float,
+        report: Callable[[int, str], None] | None = None,
     ) -> None:
         self.number = assignment.generation
         self.rank = rank
@@ -116,6 +117,7 @@ class Generation:
         self.regrouped = regrouped
         self._ended = ended
         self._detect = detect
+        self._report = report
         self.reason = ""
         self.timings: dict[str, float] = {}
         self._ended_at = 0.0
@@ -150,15 +152,18 @@ class Generation:
         if not isinstance(exc, Exception):
             return False  # KeyboardInterrupt, SystemExit: not ours to swallow
         # A collective fails the moment a peer's connection closes, which may come
-        # before the coordinator has seen the peer go: give detection its time.
+        # before the coordinator has seen the peer go: give detection its time. The
+        # report lets the coordinator count a peer's cut heartbeat watch at once.
+        failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if not self._ended.is_set() and self._report is not None:
+            self._report(self.number, failed)
         if self._ended.wait(self._detect):
             log.info(
-                "rank %d: generation %d ended (%s); left it at: %s: %s",
+                "rank %d: generation %d ended (%s); left it at: %s",
                 self.rank,
                 self.number,
                 self.reason,
-                type(exc).__name__,
-                str(exc).splitlines()[0] if str(exc) else "",
+                failed,
             )
             return True
         return False
@@ -221,6 +226,20 @@ class _Membership:
             if time.monotonic() >= deadline:
                 raise RegroupError(f"no generation after {after} within {timeout:.0f} s")
             time.sleep(_POLL_S)
+
+    def report(self, generation: int, detail: str) -> None:
+        """Reports a failed collective of ``generation`` to the coordinator, from a
+        thread of its own: the worker goes on to wait for the generation's end, which
+        the report may bring sooner, and a coordinator that is slow to answer must not
+        delay it."""
+
+        def send() -> None:
+            try:
+                self.client.report_fault(detail, generation=generation)
+            except RallypointError as exc:  # stale already, or unreachable: nothing lost
+                log.debug("fault report for generation %d: %s", generation, exc)
+
+        threading.Thread(target=send, name="rallypoint-fault", daemon=True).start()
 
     def close(self) -> None:
         if self._beats is not None:
@@ -293,6 +312,7 @@ def generations(
                 regrouped,
                 ended,
                 detect=detect,
+                report=membership.report,
             )
             _init_group(generation, backend, timeout)
             if regrouped:

@@ -18,6 +18,7 @@ from starlette.types import Receive
 from rallypoint.client.models import (
     TIMELINE_GENERATIONS,
     Assignment,
+    FaultReport,
     HeartbeatReply,
     HeartbeatRequest,
     JobSpec,
@@ -419,7 +420,7 @@ async def answer_heartbeat(
                 await until_changed(changed, left, gone)
                 if gone.done():
                     # The member's process is gone (or will reconnect at once: see dropped).
-                    driver.dropped(job_id, node_id, arrived)
+                    driver.dropped(job_id, node_id, arrived, generation)
                     break
                 job, changed = await driver.snapshot(job_id)
                 action = rdzv.judge_beat(job, node_id, generation)
@@ -461,6 +462,41 @@ async def leave(
         raise
     await driver.refresh(job_id)
     return {"status": "left"}
+
+
+@router.post(
+    "/{job_id}/nodes/{node_id}/fault",
+    status_code=202,
+    responses=errors(UnknownJob, UnknownNode, StaleGeneration),
+)
+async def fault(
+    job_id: JobId,
+    node_id: NodeId,
+    body: FaultReport,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    request: Request,
+    credential: Credential,
+) -> dict[str, str]:
+    """A member reports that a collective with its peers failed while its generation
+    ran (with its credential). It ends nothing by itself; a member of the same
+    generation whose heartbeat watch was cut at this replica counts as gone at once,
+    without the reconnect window (see the operations guide). ``stale_generation`` once
+    the generation is no longer the job's."""
+    job, _ = await driver.snapshot(job_id, body.generation)
+    sealed = rdzv.cached(job_id, body.generation)
+    if sealed is None:
+        with within(job.spec.heartbeat_timeout.total_seconds() / 3):
+            sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, body.generation)
+    sealed.check_credential(node_id, credential)
+    if seal.verdict(job, node_id, body.generation) != "continue":
+        raise StaleGeneration(
+            f"generation {body.generation} of job {job_id!r} is not running "
+            f"(latest is {job.generation}, {job.status})"
+        )
+    request.app.state.metrics.faults.labels(job_id).inc()
+    driver.fault(job_id, node_id, body.generation, body.detail)
+    return {"status": "noted"}
 
 
 @router.delete(

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rallypoint.client import (
     Assignment,
     ElasticClient,
+    InvalidCredential,
     JobConflict,
     JobFull,
     RetryPolicy,
@@ -374,6 +375,76 @@ def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(spawn:
             p.kill()
             p.wait()
     assert client.membership().history[-1].ended_reason == "node b dropped its heartbeat connection"
+
+
+def test_a_peers_failed_collective_ends_a_cut_members_generation_without_the_window(
+    spawn: Spawn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member whose held heartbeat was cut counts as gone at once when another member
+    reports a failed collective of that generation (_seal.corroborated): here the
+    reconnect window is 30 s and the heartbeat timeout 60 s, so only the report can end
+    the generation within the 15 s the test waits."""
+    import signal
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("RALLYPOINT_HEARTBEAT_RECONNECT", "30")
+    coordinator = spawn()
+    reporter = ElasticClient(coordinator.url, "cut", "c")
+    reporter.create_job(3, 3, heartbeat_timeout=timedelta(seconds=60))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WATCHER, coordinator.url, node],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for node in ("a", "b")
+    ]
+    try:
+        joined = threading.Thread(target=reporter.join, args=("127.0.0.1", 30002))
+        joined.start()
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "joined"
+        joined.join(30)
+        assert reporter.assignment is not None
+        deadline = time.monotonic() + 10
+        while beats(coordinator.url, "cut") < 2:  # both watchers hold a heartbeat
+            assert time.monotonic() < deadline, "the members never sent their held heartbeats"
+            time.sleep(0.02)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait()
+        # The report may come before the coordinator saw the cut, or after: both count.
+        reporter.report_fault("RuntimeError: Connection reset by peer")
+        killed = time.monotonic()
+        while reporter.membership().status == "sealed":
+            assert time.monotonic() - killed < 15, "the report did not end the generation"
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    history = reporter.membership().history
+    assert history[-1].ended_reason == "node b dropped its heartbeat connection"
+    # Its generation is over: a report for it now is a zombie's, refused.
+    with pytest.raises(StaleGeneration):
+        reporter.report_fault("late")
+
+
+def test_a_fault_report_acts_only_for_a_member_of_its_generation(start: Start) -> None:
+    url = start().url
+    nodes = clients(url, ["a", "b"])
+    first = join_all(nodes, spec(2, 2))
+    generation = first[0].generation
+    nodes[0].report_fault("RuntimeError: Connection reset by peer")  # ends nothing itself
+    assert nodes[0].membership().generation == generation
+    assert nodes[0].membership().status == "sealed"
+    # Another node's credential does not act for this one.
+    impostor = ElasticClient(url, "job", "a", credential=nodes[1].credential)
+    with pytest.raises(InvalidCredential):
+        impostor.report_fault("x", generation=generation)
+    nodes[1].leave()
+    with pytest.raises(StaleGeneration):
+        nodes[0].report_fault("late")
 
 
 def test_the_members_route_serves_one_list_per_generation(start: Start) -> None:

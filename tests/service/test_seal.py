@@ -234,3 +234,17 @@ def test_a_third_generation_that_would_fail_the_same_way_does_not_seal() -> None
     assert seal.load_blocked(twice, 2, None) is None
     assert seal.load_blocked(failed(count=1), 2, pointer(2)) is None
     assert seal.load_blocked(None, 2, pointer(2)) is None
+
+
+def test_a_cut_watch_counts_at_once_when_another_member_saw_a_collective_fail() -> None:
+    window = 0.25
+    # No report: the cut waits for its window (a balancer may have dropped the connection).
+    assert not seal.corroborated("b", 100.0, {}, window)
+    # A peer's report, after the cut or up to a window before it: the same death.
+    assert seal.corroborated("b", 100.0, {"a": 100.01}, window)
+    assert seal.corroborated("b", 100.0, {"a": 99.8}, window)
+    # Older than that, it was about something else.
+    assert not seal.corroborated("b", 100.0, {"a": 99.7}, window)
+    # The cut node's own report shows it alive.
+    assert not seal.corroborated("b", 100.0, {"b": 100.01}, window)
+    assert seal.corroborated("b", 100.0, {"b": 100.01, "c": 100.02}, window)
