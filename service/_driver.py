@@ -83,6 +83,17 @@ class _Cut:
 
 
 @dataclass
+class _Released:
+    """A member's held heartbeat answered ``continue``: its watch lapses until its next
+    beat arrives (see :meth:`Driver.released`)."""
+
+    generation: int
+    arrived: float  # when the released beat arrived (the rendezvous clock)
+    at: float  # when it was answered (``time.monotonic``)
+    awaited: bool = False  # a check of its return is under way
+
+
+@dataclass
 class _JobState:
     """What the driver keeps of one job: its snapshot, the beats queued for the next
     pass, the nodes waiting here, and the task that runs the passes."""
@@ -100,6 +111,7 @@ class _JobState:
     dropped: dict[str, _Cut] = field(default_factory=dict)
     # Each generation's reports of failed collectives: member -> when (time.monotonic).
     faults: dict[int, dict[str, float]] = field(default_factory=dict)
+    released: dict[str, _Released] = field(default_factory=dict)
     passing: bool = False  # a storage pass is under way
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # ends the wait for a pass
     waiters: Counter[str] = field(default_factory=Counter)
@@ -287,7 +299,41 @@ class Driver:
         arrived = self.rdzv.clock()
         state.beats[node_id] = (generation, arrived)
         state.dropped.pop(node_id, None)
+        state.released.pop(node_id, None)
         return arrived
+
+    def released(self, job_id: str, node_id: str, generation: int, arrived: float) -> None:
+        """A member's held heartbeat (arrived at ``arrived``) was answered ``continue``.
+
+        Until its next beat, a few milliseconds later, the node holds no watch here: a
+        node that died in that gap cut nothing, and was found only at its heartbeat
+        timeout (a bench's kills, timed a step after a generation began, landed there in
+        2 to 4 of 25). Where another member of the generation reports a failed
+        collective (:meth:`fault`), a node that has not beaten again within the reconnect
+        window of its release counts as cut then (:meth:`dropped`, the report
+        corroborating it); without a report a slow node only waits longer, as before.
+        """
+        state = self._state(job_id)
+        gap = state.released[node_id] = _Released(generation, arrived, time.monotonic())
+        if any(n != node_id for n in state.faults.get(generation, {})):
+            self._await_return(job_id, state, node_id, gap)
+
+    def _await_return(self, job_id: str, state: _JobState, node_id: str, gap: _Released) -> None:
+        """Counts a released member as cut if no beat of it arrives here within the
+        reconnect window of its release (see :meth:`released`)."""
+        if gap.awaited:
+            return
+        gap.awaited = True
+
+        async def check() -> None:
+            await asyncio.sleep(max(0.0, gap.at + self.reconnect - time.monotonic()))
+            if state.released.get(node_id) is gap:  # no beat of it since
+                del state.released[node_id]
+                self.dropped(job_id, node_id, gap.arrived, gap.generation)
+
+        task = asyncio.create_task(check(), name=f"return-{job_id}-{node_id}")
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
 
     def dropped(
         self,
@@ -370,9 +416,11 @@ class Driver:
         """
         state = self._state(job_id)
         now = time.monotonic()
-        # Only the running generation's reports matter; older ones go.
+        # Only the running generation's reports and releases matter; older ones go.
         for old in [g for g in state.faults if g < generation]:
             del state.faults[old]
+        for node in [n for n, gap in state.released.items() if gap.generation < generation]:
+            del state.released[node]
         state.faults.setdefault(generation, {})[node_id] = now
         corroborated = 0
         for cut_node, cut in state.dropped.items():
@@ -392,6 +440,9 @@ class Driver:
                     detail or "no detail",
                     cut_node,
                 )
+        for gap_node, gap in list(state.released.items()):
+            if gap.generation == generation and gap_node != node_id:
+                self._await_return(job_id, state, gap_node, gap)
         return corroborated
 
     @contextlib.contextmanager

@@ -29,7 +29,9 @@ ETag compare-and-swap. What makes it ask:
 - a heartbeat: :func:`verdict` tells a member whether its generation still runs; a
   member's held heartbeat cut (its process gone, or only its connection) counts after
   the reconnect window, or at once where another member's collective failed beside it
-  (:func:`corroborated`);
+  (:func:`corroborated`); with such a report, a member that has not beaten again within
+  the window of its last held heartbeat's answer counts as cut too (the driver's
+  ``released``: one that died between two held heartbeats cut nothing);
 - a rank that cannot load the checkpoint its generation named (``_checkpoints.py``,
   ``load_failed``) ends the generation; the job counts such ends in a row
   (:func:`load_streak`), and a round does not seal a third generation that would only

@@ -412,6 +412,7 @@ async def answer_heartbeat(
         # Held until the job changes, the caller hangs up, or the hold ends.
         deadline = time.monotonic() + wait
         gone = hang_up(receive)
+        cut = False
         try:
             while action == "continue" and not driver.closing:
                 left = deadline - time.monotonic()
@@ -421,11 +422,14 @@ async def answer_heartbeat(
                 if gone.done():
                     # The member's process is gone (or will reconnect at once: see dropped).
                     driver.dropped(job_id, node_id, arrived, generation)
+                    cut = True
                     break
                 job, changed = await driver.snapshot(job_id)
                 action = rdzv.judge_beat(job, node_id, generation)
         finally:
             gone.cancel()
+        if action == "continue" and not cut and arrived is not None:
+            driver.released(job_id, node_id, generation, arrived)  # until its next beat
     reason = rdzv.end_reason(job, generation) if action == "restart" else None
     return _reply(action, job.generation, reason)
 

@@ -430,6 +430,31 @@ def test_a_peers_failed_collective_ends_a_cut_members_generation_without_the_win
         reporter.report_fault("late")
 
 
+def test_a_member_gone_between_two_held_heartbeats_is_found_when_a_peer_reports(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that dies after a held heartbeat was answered and before its next one
+    arrives cuts no watch. With a peer's report of a failed collective it counts as cut
+    once a reconnect window (1 s here) has passed since its release with no beat of it;
+    a member that beats again within the window is kept. The heartbeat timeout is 60 s,
+    so only this rule ends the generation within the 15 s the test waits."""
+    monkeypatch.setenv("RALLYPOINT_HEARTBEAT_RECONNECT", "1")
+    url = start().url
+    a, b, c = clients(url, ["a", "b", "c"])
+    first = join_all([a, b, c], spec(3, 3, timeout=60))
+    assert a.heartbeat(wait=timedelta(seconds=0.1)).action == "continue"  # released
+    assert b.heartbeat(wait=timedelta(seconds=0.1)).action == "continue"  # released; b "dies"
+    c.report_fault("RuntimeError: Connection reset by peer")
+    a.heartbeat()  # a comes back within its window
+    reported = time.monotonic()
+    while c.membership().status == "sealed":
+        assert time.monotonic() - reported < 15, "the report did not end the generation"
+        time.sleep(0.05)
+    status = c.membership()
+    assert status.history[-1].generation == first[0].generation
+    assert status.history[-1].ended_reason == "node b dropped its heartbeat connection"
+
+
 def test_a_fault_report_acts_only_for_a_member_of_its_generation(start: Start) -> None:
     url = start().url
     nodes = clients(url, ["a", "b"])
