@@ -157,9 +157,14 @@ def test_in_place_survivors_keep_their_processes_through_a_kill_and_a_join(
         persist_every=100,  # memory only, but the first version
         memory=tmp_path / "shm",
     )
-    _, verdict, history = kill_rank_0_then_add_a_node(cluster, coordinator)
+    rank0, verdict, history = kill_rank_0_then_add_a_node(cluster, coordinator)
     reasons = [(g["world_size"], g.get("ended_reason")) for g in history]
     assert [g["world_size"] for g in history] == [3, 2, 3], reasons
+    assert history[0]["ended_reason"] == f"node {rank0} dropped its heartbeat connection"
+    # The survivors' workers told the coordinator that their collectives failed (what
+    # lets a cut count without the reconnect window: generations() sends it).
+    metrics = httpx.get(f"{coordinator.url}/metrics", timeout=10).text
+    assert 'rallypoint_collective_faults_total{job="inplace"}' in metrics, metrics[-2000:]
     resumed = [e for e in cluster.events() if e["event"] == "resumed"]
     first = {e["pid"] for e in resumed if e["generation"] == 1}
     by_generation = {g: [e for e in resumed if e["generation"] == g] for g in (1, 2, 3)}
