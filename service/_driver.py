@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -329,18 +329,18 @@ class Driver:
             await asyncio.sleep(max(0.0, gap.at + self.reconnect - time.monotonic()))
             if state.released.get(node_id) is gap:  # no beat of it since
                 del state.released[node_id]
-                self.dropped(job_id, node_id, gap.arrived, gap.generation)
+                self.dropped(job_id, node_id, gap.arrived, generation=gap.generation)
 
-        task = asyncio.create_task(check(), name=f"return-{job_id}-{node_id}")
+        self._check(check(), f"return-{job_id}-{node_id}")
+
+    def _check(self, check: Coroutine[None, None, None], name: str) -> None:
+        """Runs a check as a task of its own, kept until it ends."""
+        task = asyncio.create_task(check, name=name)
         self._checks.add(task)
         task.add_done_callback(self._checks.discard)
 
     def dropped(
-        self,
-        job_id: str,
-        node_id: str,
-        since: float | None = None,
-        generation: int | None = None,
+        self, job_id: str, node_id: str, since: float | None = None, *, generation: int | None
     ) -> None:
         """A node's heartbeat watch was cut: its process exited (the kernel closes its
         sockets when a process dies, even by SIGKILL). A live client reconnects at once;
@@ -400,9 +400,7 @@ class Driver:
                 self.poke(job_id)
                 state.wake.set()
 
-        task = asyncio.create_task(check(), name=f"dropped-{job_id}-{node_id}")
-        self._checks.add(task)
-        task.add_done_callback(self._checks.discard)
+        self._check(check(), f"dropped-{job_id}-{node_id}")
 
     def fault(self, job_id: str, node_id: str, generation: int, detail: str = "") -> int:
         """A member of ``generation`` reports that a collective with its peers failed

@@ -247,7 +247,7 @@ async def _await_seal(
         gone.cancel()
     if reply is None:
         # Out of the driver's waiters first: their beats would hide the cut.
-        driver.dropped(job_id, node_id)
+        driver.dropped(job_id, node_id, generation=None)  # a held join
         response.status_code = 202
         return JoinReply(status="waiting", round=node.round, credential=credential)
     return reply
@@ -421,7 +421,7 @@ async def answer_heartbeat(
                 await until_changed(changed, left, gone)
                 if gone.done():
                     # The member's process is gone (or will reconnect at once: see dropped).
-                    driver.dropped(job_id, node_id, arrived, generation)
+                    driver.dropped(job_id, node_id, arrived, generation=generation)
                     cut = True
                     break
                 job, changed = await driver.snapshot(job_id)

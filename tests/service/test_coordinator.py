@@ -4,6 +4,9 @@ own where one is killed), real ElasticClients."""
 from __future__ import annotations
 
 import hashlib
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -313,6 +316,30 @@ while True:
 """
 
 
+def watchers(url: str, nodes: list[str]) -> list[subprocess.Popen[str]]:
+    """Members of job ``cut`` in processes of their own (:data:`WATCHER`), to be killed."""
+    return [
+        subprocess.Popen(
+            [sys.executable, "-c", WATCHER, url, node], stdout=subprocess.PIPE, text=True
+        )
+        for node in nodes
+    ]
+
+
+def until_ended(client: ElasticClient, within: float, failure: str) -> None:
+    """Waits until the job's generation is no longer sealed (``failure`` if not within)."""
+    since = time.monotonic()
+    while client.membership().status == "sealed":
+        assert time.monotonic() - since < within, failure
+        time.sleep(0.05)
+
+
+def until_joined(procs: list[subprocess.Popen[str]]) -> None:
+    """Waits until every watcher has its assignment."""
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "joined"
+
+
 def beats(url: str, job: str) -> float:
     """The heartbeats the coordinator counted for ``job`` (each as it arrived)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -334,25 +361,13 @@ def beats_written_since(client: ElasticClient, since: float) -> bool:
 
 
 def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(spawn: Spawn) -> None:
-    import signal
-    import subprocess
-    import sys
-
     coordinator = spawn()
     ElasticClient(coordinator.url, "cut", "x").create_job(
         2, 2, heartbeat_timeout=timedelta(seconds=60)
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WATCHER, coordinator.url, node],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for node in ("a", "b")
-    ]
+    procs = watchers(coordinator.url, ["a", "b"])
     try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "joined"
+        until_joined(procs)
         # A cut watch is judged against the node's last beat in storage, where the
         # driver writes beats within an interval of their arrival, stamped as written:
         # wait until both held beats arrived (counted) and were written after that.
@@ -365,11 +380,8 @@ def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(spawn:
         while not beats_written_since(client, counted):
             assert time.monotonic() < deadline, "the held heartbeats never reached storage"
             time.sleep(0.02)
-        killed = time.monotonic()
         procs[1].send_signal(signal.SIGKILL)
-        while client.membership().status == "sealed":
-            assert time.monotonic() - killed < 30, "not detected before half the timeout"
-            time.sleep(0.1)
+        until_ended(client, 30, "not detected before half the timeout")
     finally:
         for p in procs:
             p.kill()
@@ -384,27 +396,15 @@ def test_a_peers_failed_collective_ends_a_cut_members_generation_without_the_win
     reports a failed collective of that generation (_seal.corroborated): here the
     reconnect window is 30 s and the heartbeat timeout 60 s, so only the report can end
     the generation within the 15 s the test waits."""
-    import signal
-    import subprocess
-    import sys
-
     monkeypatch.setenv("RALLYPOINT_HEARTBEAT_RECONNECT", "30")
     coordinator = spawn()
     reporter = ElasticClient(coordinator.url, "cut", "c")
     reporter.create_job(3, 3, heartbeat_timeout=timedelta(seconds=60))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", WATCHER, coordinator.url, node],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for node in ("a", "b")
-    ]
+    procs = watchers(coordinator.url, ["a", "b"])
     try:
         joined = threading.Thread(target=reporter.join, args=("127.0.0.1", 30002))
         joined.start()
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "joined"
+        until_joined(procs)
         joined.join(30)
         assert reporter.assignment is not None
         deadline = time.monotonic() + 10
@@ -415,10 +415,7 @@ def test_a_peers_failed_collective_ends_a_cut_members_generation_without_the_win
         procs[1].wait()
         # The report may come before the coordinator saw the cut, or after: both count.
         reporter.report_fault("RuntimeError: Connection reset by peer")
-        killed = time.monotonic()
-        while reporter.membership().status == "sealed":
-            assert time.monotonic() - killed < 15, "the report did not end the generation"
-            time.sleep(0.05)
+        until_ended(reporter, 15, "the report did not end the generation")
     finally:
         for p in procs:
             p.kill()
@@ -446,10 +443,7 @@ def test_a_member_gone_between_two_held_heartbeats_is_found_when_a_peer_reports(
     assert b.heartbeat(wait=timedelta(seconds=0.1)).action == "continue"  # released; b "dies"
     c.report_fault("RuntimeError: Connection reset by peer")
     a.heartbeat()  # a comes back within its window
-    reported = time.monotonic()
-    while c.membership().status == "sealed":
-        assert time.monotonic() - reported < 15, "the report did not end the generation"
-        time.sleep(0.05)
+    until_ended(c, 15, "the report did not end the generation")
     status = c.membership()
     assert status.history[-1].generation == first[0].generation
     assert status.history[-1].ended_reason == "node b dropped its heartbeat connection"
