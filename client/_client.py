@@ -728,7 +728,8 @@ class ElasticClient(Closing):
         body = FaultReport(generation=self._generation(generation), detail=detail[:500])
         # On a connection of its own, closed after: in bench runs, reports sent on the
         # pool the worker's checkpoint calls share were followed by a regroup that
-        # stalled in 3 of 53 rounds (cause not found), and none in 50 rounds this way.
+        # stalled in 3 of 31 rounds, and 3 of 197 this way (cause not found; see
+        # docs/BENCHMARKS.md, "Failed collectives corroborate a cut").
         with httpx.Client(
             base_url=self.url, headers=self._http.headers, timeout=self._timeout
         ) as own:

@@ -361,10 +361,7 @@ class Driver:
         state = self._state(job_id)
         since = self.rdzv.clock() if since is None else since
         cut = state.dropped[node_id] = _Cut(generation, time.monotonic())
-        if generation is not None and seal.corroborated(
-            node_id, cut.at, state.faults.get(generation, {}), self.reconnect
-        ):
-            cut.corroborated.set()
+        self._corroborate(state, node_id, cut)
         # The cut request's own beat, not yet written, must not be written after the
         # mark below: a beat's write replaces the mark (a pass taking it now is waited
         # for). It arrived before the cut, so it proves nothing.
@@ -422,12 +419,7 @@ class Driver:
         state.faults.setdefault(generation, {})[node_id] = now
         corroborated = 0
         for cut_node, cut in state.dropped.items():
-            if (
-                cut.generation == generation
-                and not cut.corroborated.is_set()
-                and seal.corroborated(cut_node, cut.at, state.faults[generation], self.reconnect)
-            ):
-                cut.corroborated.set()
+            if cut.generation == generation and self._corroborate(state, cut_node, cut):
                 corroborated += 1
                 log.info(
                     "job %s: node %s's collective failed in generation %d (%s): node %s's "
@@ -442,6 +434,17 @@ class Driver:
             if gap.generation == generation and gap_node != node_id:
                 self._await_return(job_id, state, gap_node, gap)
         return corroborated
+
+    def _corroborate(self, state: _JobState, node_id: str, cut: _Cut) -> bool:
+        """Ends the reconnect window of ``node_id``'s cut if the reports of its
+        generation corroborate it (:func:`._seal.corroborated`); whether this did."""
+        if cut.generation is None or cut.corroborated.is_set():
+            return False
+        faults = state.faults.get(cut.generation, {})
+        if not seal.corroborated(node_id, cut.at, faults, self.reconnect):
+            return False
+        cut.corroborated.set()
+        return True
 
     @contextlib.contextmanager
     def waiting(self, job_id: str, node_id: str) -> Iterator[None]:

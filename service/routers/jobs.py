@@ -41,7 +41,7 @@ from .. import _timeline
 from .._checkpoints import Checkpoints
 from .._contract import errors
 from .._driver import Driver, hang_up, until_changed
-from .._rendezvous import Generation, Node, Rendezvous
+from .._rendezvous import Generation, Job, Node, Rendezvous
 from ..deps import (
     AdminOnly,
     Auth,
@@ -393,13 +393,7 @@ async def answer_heartbeat(
     job, changed = await driver.snapshot(job_id, generation)
     action = rdzv.judge_beat(job, node_id, generation)
     if generation is not None:
-        # A member's beat is checked against the generation record (cached: it never
-        # changes), so the credential costs a hash, not a storage read.
-        sealed = rdzv.cached(job_id, generation)
-        if sealed is None:
-            with within(job.spec.heartbeat_timeout.total_seconds() / 3):
-                sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, generation)
-        sealed.check_credential(node_id, credential)
+        await _check_member(rdzv, job, node_id, generation, credential)
     else:
         with within(job.spec.heartbeat_timeout.total_seconds() / 3):
             node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
@@ -432,6 +426,23 @@ async def answer_heartbeat(
             driver.released(job_id, node_id, generation, arrived)  # until its next beat
     reason = rdzv.end_reason(job, generation) if action == "restart" else None
     return _reply(action, job.generation, reason)
+
+
+async def _check_member(
+    rdzv: Rendezvous, job: Job, node_id: str, generation: int, credential: str | None
+) -> None:
+    """Checks that ``credential`` is ``node_id``'s in ``generation``, against the
+    generation's record (cached: it never changes), so it costs a hash, not a storage
+    read.
+
+    Raises:
+        RallypointServiceError: Not a member, not its credential, storage failures.
+    """
+    sealed = rdzv.cached(job.job_id, generation)
+    if sealed is None:
+        with within(job.spec.heartbeat_timeout.total_seconds() / 3):
+            sealed = await anyio.to_thread.run_sync(rdzv.sealed, job.job_id, generation)
+    sealed.check_credential(node_id, credential)
 
 
 @functools.lru_cache(maxsize=256)
@@ -488,11 +499,7 @@ async def fault(
     without the reconnect window (see the operations guide). ``stale_generation`` once
     the generation is no longer the job's."""
     job, _ = await driver.snapshot(job_id, body.generation)
-    sealed = rdzv.cached(job_id, body.generation)
-    if sealed is None:
-        with within(job.spec.heartbeat_timeout.total_seconds() / 3):
-            sealed = await anyio.to_thread.run_sync(rdzv.sealed, job_id, body.generation)
-    sealed.check_credential(node_id, credential)
+    await _check_member(rdzv, job, node_id, body.generation, credential)
     if seal.verdict(job, node_id, body.generation) != "continue":
         raise StaleGeneration(
             f"generation {body.generation} of job {job_id!r} is not running "
