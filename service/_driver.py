@@ -315,7 +315,7 @@ class Driver:
         """
         state = self._state(job_id)
         gap = state.released[node_id] = _Released(generation, arrived, time.monotonic())
-        if any(n != node_id for n in state.faults.get(generation, {})):
+        if seal.corroborated(node_id, gap.at, state.faults.get(generation, {}), self.reconnect):
             self._await_return(job_id, state, node_id, gap)
 
     def _await_return(self, job_id: str, state: _JobState, node_id: str, gap: _Released) -> None:
