@@ -78,6 +78,7 @@ class _Cut:
 
     generation: int | None  # the held heartbeat's; None for a held join
     at: float  # when the cut was seen (``time.monotonic``)
+    since: float  # only a beat that arrived later is the node's return (rendezvous clock)
     # Set when another member's failed collective corroborates the cut (see Driver.fault).
     corroborated: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -292,15 +293,24 @@ class Driver:
                 state.changed.set_result(None)
             state.changed = asyncio.get_running_loop().create_future()
 
-    def queue_beat(self, job_id: str, node_id: str, generation: int) -> float:
-        """Queues a heartbeat; it is written within one interval, stamped with the time
-        it arrived, which it returns (a held beat's cut is judged against it)."""
+    def queue_beat(self, job_id: str, node_id: str, generation: int, arrived: float) -> None:
+        """Queues a heartbeat that arrived at ``arrived`` (the rendezvous clock, taken as
+        the request came in); it is written within one interval, stamped with that time.
+
+        A beat answered late (its request waited on storage) neither replaces a later
+        one queued meanwhile nor counts as the return of a node whose watch was cut, or
+        lapsed, after it arrived.
+        """
         state = self._state(job_id)
-        arrived = self.rdzv.clock()
-        state.beats[node_id] = (generation, arrived)
-        state.dropped.pop(node_id, None)
-        state.released.pop(node_id, None)
-        return arrived
+        queued = state.beats.get(node_id)
+        if queued is None or queued[1] < arrived:
+            state.beats[node_id] = (generation, arrived)
+        cut = state.dropped.get(node_id)
+        if cut is not None and arrived > cut.since:
+            del state.dropped[node_id]
+        gap = state.released.get(node_id)
+        if gap is not None and arrived > gap.arrived:
+            del state.released[node_id]
 
     def released(self, job_id: str, node_id: str, generation: int, arrived: float) -> None:
         """A member's held heartbeat (arrived at ``arrived``) was answered ``continue``.
@@ -360,7 +370,7 @@ class Driver:
         """
         state = self._state(job_id)
         since = self.rdzv.clock() if since is None else since
-        cut = state.dropped[node_id] = _Cut(generation, time.monotonic())
+        cut = state.dropped[node_id] = _Cut(generation, time.monotonic(), since)
         self._corroborate(state, node_id, cut)
         # The cut request's own beat, not yet written, must not be written after the
         # mark below: a beat's write replaces the mark (a pass taking it now is waited

@@ -388,6 +388,10 @@ async def answer_heartbeat(
     """
     rdzv: Rendezvous = state.rdzv
     driver: Driver = state.driver
+    # The beat counts from now: what follows may wait on storage (a snapshot this
+    # replica has yet to read, a generation's record), and the other replicas judge the
+    # node's silence by the stamp, not by when this one got to it.
+    arrived = rdzv.clock()
     # A generation newer than this replica's snapshot is read from storage first: a
     # member's first beat may follow the seal, made by another replica, by milliseconds.
     job, changed = await driver.snapshot(job_id, generation)
@@ -399,9 +403,8 @@ async def answer_heartbeat(
             node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
         credentials.check(node.cred, credential, node_id)
     state.metrics.heartbeats.labels(job_id).inc()  # a beat of the node itself
-    arrived = None
     if action == "continue":
-        arrived = driver.queue_beat(job_id, node_id, generation or 0)
+        driver.queue_beat(job_id, node_id, generation or 0, arrived)
     if generation is not None and wait > 0 and action == "continue" and not driver.closing:
         # Held until the job changes, the caller hangs up, or the hold ends.
         deadline = time.monotonic() + wait
@@ -422,7 +425,7 @@ async def answer_heartbeat(
                 action = rdzv.judge_beat(job, node_id, generation)
         finally:
             gone.cancel()
-        if action == "continue" and not cut and arrived is not None:
+        if action == "continue" and not cut:
             driver.released(job_id, node_id, generation, arrived)  # until its next beat
     reason = rdzv.end_reason(job, generation) if action == "restart" else None
     return _reply(action, job.generation, reason)

@@ -7,6 +7,7 @@ partitioned account looks from the coordinator.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rallypoint.client import ElasticClient
 from rallypoint.client.models import JobSpec
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import StorageUnavailable
@@ -29,6 +31,9 @@ from rallypoint.service.storage import (
 )
 
 from .._azurite import Azurite
+from .._inprocess import InProcessCoordinator
+from .._support import clients, join_all
+from .._support import spec as timed_spec
 from ..conftest import Clock
 
 pytestmark = pytest.mark.timeout(120)
@@ -205,6 +210,54 @@ def test_a_call_under_a_deadline_fails_within_it_when_storage_is_frozen(
             assert time.monotonic() < deadline
             time.sleep(0.2)
     assert azure.health.down_for() == 0
+
+
+@pytest.mark.azurite
+def test_a_heartbeat_counts_when_it_arrives_though_storage_holds_its_answer(
+    own_azurite: Azurite,
+) -> None:
+    """Replicas judge a member's silence from the beats in storage, stamped with their
+    arrival. A beat that reaches a replica while that replica waits on storage (here: its
+    first read of the job, behind an Azurite frozen for 0.6 s, within the read's 1 s
+    budget) counts from when it arrived, not from when storage let the replica answer
+    it."""
+    env = {
+        "AZURE_STORAGE_CONNECTION_STRING": own_azurite.connection_string,
+        "RALLYPOINT_STORAGE_PREFIX": "b" + uuid.uuid4().hex[:10],
+    }
+    one = InProcessCoordinator(["--storage", "azure"], env).start()
+    two = InProcessCoordinator(["--storage", "azure"], env).start()
+    try:
+        a, b = clients(one.url, ["a", "b"])
+        join_all([a, b], timed_spec(2, 2, timeout=60))  # sealed through one
+        time.sleep(1.0)  # a beat sent now is a second younger than the joins' own
+        beat = ElasticClient(two.url, "job", "a", credential=a.credential)
+        beat.assignment = a.assignment  # the same node, through the other replica
+        replies: list[str] = []
+        with own_azurite.frozen():
+            sent = time.time()
+            heartbeat = threading.Thread(target=lambda: replies.append(beat.heartbeat().action))
+            heartbeat.start()
+            time.sleep(0.6)  # the replica waits for storage to read the job
+        heartbeat.join(30)
+        assert replies == ["continue"]
+        watcher = ElasticClient(one.url, "job", "x")
+        deadline = time.monotonic() + 10
+        while True:
+            ages = {m.node_id: m.heartbeat_age for m in watcher.membership().members}
+            # No earlier than the coordinator's clock when it answered: the beat's
+            # stamp is at most this.
+            stamped = time.time() - (ages["a"] or 0.0)
+            if stamped >= sent - 0.5:  # the beat through two is in storage
+                break
+            assert time.monotonic() < deadline, "the beat never reached storage"
+            time.sleep(0.05)
+        assert stamped < sent + 0.3, (
+            f"stamped {stamped - sent:.2f} s after it was sent: when storage answered"
+        )
+    finally:
+        two.stop()
+        one.stop()
 
 
 # --- what callers are told -------------------------------------------------------------------
