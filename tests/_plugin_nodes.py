@@ -9,7 +9,8 @@ ranks (a set, then a blocking get of every node's key), and then polls
 ``num_nodes_waiting`` every 0.1 s (torchrun's monitor interval): when the plugin says the
 generation ended, it calls ``next_rendezvous`` again, as the agent restarts its workers.
 
-Commands, one a line on stdin: ``start JOB MIN MAX HEARTBEAT_TIMEOUT LAST_CALL``,
+Commands, one a line on stdin: ``start JOB MIN MAX HEARTBEAT_TIMEOUT LAST_CALL`` (a
+heartbeat every second, whatever the timeout),
 ``hush JOB`` (no further rendezvous for the job, then the handler's ``shutdown``: the
 node leaves, and the generation's end restarts nothing). Events, one JSON object a line
 on stdout: ``sealed`` (job, generation, rank, world_size), ``restart`` (job, why),
@@ -50,7 +51,7 @@ def agent(job, low, high, timeout, last_call):
         backend="rallypoint", endpoint=url, run_id=job, min_nodes=int(low),
         max_nodes=int(high), local_addr="127.0.0.1", node_id=node,
         heartbeat_timeout=timeout, last_call=last_call, join_timeout="60",
-        store_timeout="30",
+        store_timeout="30", heartbeat_interval="1",
     )
     handler = handlers[job] = get_rendezvous_handler(params)
     try:
@@ -100,7 +101,7 @@ spec = JobSpec(min_nodes=int(low), max_nodes=int(high),
                heartbeat_timeout=timedelta(seconds=int(timeout)),
                last_call=timedelta(seconds=int(last_call)), join_timeout=timedelta(seconds=60))
 a = client.join(addr="127.0.0.1", spec=spec, timeout=timedelta(seconds=60))
-with client.heartbeats(interval=timedelta(seconds=int(timeout)) / 4):
+with client.heartbeats(interval=timedelta(seconds=1)):
     # Its part of the agents' worker-rank assignment (they wait for every node's key).
     value = base64.b64encode(node.encode()).decode()
     try:

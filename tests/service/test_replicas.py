@@ -23,13 +23,18 @@ from .._plugin_nodes import PluginNode, VictimNode
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-STARTUPS = 30  # jobs of 3 agents (min = max = 3, heartbeat timeout 5 s, no last call)
-STARTUP_SPEC = (3, 3, 5, 0)
+STARTUPS = 30  # jobs of 3 agents (min = max = 3, heartbeat timeout 10 s, no last call)
+STARTUP_SPEC = (3, 3, 10, 0)
 WAVE = 10  # start-ups at once
-# Jobs of 2 agents and a node to kill (2 to 3 nodes, heartbeat timeout 4 s; the first
+# Jobs of 2 agents and a node to kill (2 to 3 nodes, heartbeat timeout 8 s; the first
 # round waits up to 10 s for the third, and seals the moment it joins).
 KILLS = 10
-KILL_SPEC = (2, 3, 4, 10)
+KILL_SPEC = (2, 3, 8, 10)
+# The timeouts are twice the storage stalls this test causes on a 2-CPU machine: three
+# replicas, Azurite and 13 node processes keep both cores 98% busy, and Azurite's
+# answers stalled for 1.4 to 3.9 s at times (a replica's beats wait that long to be
+# written), which ended live members' generations with 4-5 s timeouts. A storage
+# stall, not the round robin: docs/OPERATIONS.md says to keep the timeout above it.
 # Seconds of heartbeats after a seal: a member's first beats follow its join at once,
 # each through the next replica (the window under test, not a wait for a result).
 HOLD = 1.5
