@@ -369,8 +369,9 @@ def test_a_member_killed_mid_watch_ends_its_generation_before_the_timeout(spawn:
     try:
         until_joined(procs)
         # A cut watch is judged against the node's last beat in storage, where the
-        # driver writes beats within an interval of their arrival, stamped as written:
-        # wait until both held beats arrived (counted) and were written after that.
+        # driver writes beats within an interval of their arrival, stamped with it:
+        # wait until both held beats arrived (counted) and beats that arrived after
+        # that are in storage.
         deadline = time.monotonic() + 10
         while beats(coordinator.url, "cut") < 2:
             assert time.monotonic() < deadline, "the members never sent their held heartbeats"
