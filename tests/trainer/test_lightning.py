@@ -368,7 +368,13 @@ def against_uninterrupted(
     assert step == reference_step == ELASTIC_STEPS  # the same number of optimizer steps
     difference = largest_relative_difference(model, reference)
     print(f"{job}: largest relative difference from the uninterrupted run {difference:.3g}")
-    assert difference < 1e-4
+    # How far the rounding goes changed between machines (and their fresh installs), not
+    # with this code: 4.6e-6 when this bound was set, 1.6e-4 on 2026-11-27's machine (an
+    # AMD EPYC) in 3 runs of 22, 24 and 39 rolled-back batches, the same with the code of
+    # the last CI run that passed at 1e-4; the most in the convolutions' weights (biases
+    # 1e-7 to 2e-5): the sums of 3 micro-batches of 2 ranks, against 2 of 3. A lost or
+    # repeated sample, step or version fails check_elastic_run above, whatever this bound.
+    assert difference < 1e-3
 
 
 @pytest.mark.e2e
