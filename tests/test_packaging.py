@@ -77,6 +77,29 @@ def test_the_service_imports_no_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_torchruns_agent_loads_no_checkpoint_path() -> None:
+    # The agent loads its plugin through rallypoint.trainer; DCP (torch.distributed.tensor,
+    # sympy) is 1.4 s of CPU at every agent start for a path only the workers run.
+    code = (
+        "import sys, rallypoint.trainer.agent._plugin; "
+        "print(sorted(m for m in ('torch.distributed.checkpoint', 'sympy', "
+        "'rallypoint.trainer.checkpoint') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_public_trainer_name_resolves() -> None:
+    # The checkpoint path's names load on first use: each must still be there, and dir()
+    # must show them before they are.
+    code = (
+        "import rallypoint.trainer as t; missing = set(t.__all__) - set(dir(t)); "
+        "print(sorted(missing), all(getattr(t, n) is not None for n in t.__all__))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[] True"
+
+
 def test_base_install_runs_the_client_alone(tmp_path: Path) -> None:
     """A fresh venv with only the base install: the client imports; the rest says why not."""
     venv = tmp_path / "venv"

@@ -16,6 +16,9 @@ Example::
     checkpoints.save({"model": model.state_dict(), "sampler": sampler.state_dict()}, step)
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._batch import BatchPlan, plan_batch, world_sizes
 from ._preemption import RESTART_EXIT_CODE, Notice, PreemptionWatcher
 from ._progress import Progress
@@ -29,19 +32,6 @@ from .agent import (
     run,
     torchrun_argv,
 )
-from .checkpoint import (
-    CheckpointManager,
-    Exported,
-    ExportFormat,
-    RallypointReader,
-    RallypointWriter,
-    Restored,
-    SaveHandle,
-    SavePolicy,
-    download,
-    export,
-    upload,
-)
 from .errors import (
     CheckpointCorrupt,
     CheckpointError,
@@ -54,6 +44,53 @@ from .errors import (
     TransferNotFound,
     WorldSizeError,
 )
+
+if TYPE_CHECKING:
+    from .checkpoint import (
+        CheckpointManager,
+        Exported,
+        ExportFormat,
+        RallypointReader,
+        RallypointWriter,
+        Restored,
+        SaveHandle,
+        SavePolicy,
+        download,
+        export,
+        upload,
+    )
+
+# The checkpoint path's names load on first use. torchrun's agent reaches its plugin
+# (rallypoint.trainer.agent) through this package, and DCP's import (torch.distributed.tensor,
+# sympy) cost every agent 1.5 s of CPU at start-up for a path only workers run.
+_CHECKPOINT = frozenset(
+    {
+        "CheckpointManager",
+        "ExportFormat",
+        "Exported",
+        "RallypointReader",
+        "RallypointWriter",
+        "Restored",
+        "SaveHandle",
+        "SavePolicy",
+        "download",
+        "export",
+        "upload",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _CHECKPOINT:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(".checkpoint", __name__), name)
+    globals()[name] = value  # once: later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "BACKEND",
