@@ -315,12 +315,14 @@ def _resources(mine: Sequence[Event]) -> list[str]:
     lines = [f"  {len(mine)} resumed events, generations {[e['generation'] for e in mine]}"]
     if not mine:
         return lines
-    keys = ("rss_kib", "threads", "fds")
+    keys = ("rss_kib", "anon_kib", "file_kib", "shmem_kib", "maps", "threads", "fds")
     for label, e in (("first", mine[0]), ("last", mine[-1])):
         values = ", ".join(f"{k} {e['resources'].get(k)}" for k in keys)
         lines.append(f"  {label:5} (generation {e['generation']}): {values}")
     for k in keys:
         series = [e["resources"].get(k) for e in mine]
+        if None in series:  # a worker of an older example
+            continue
         lines.append(
             f"  {k:8} min {min(series)} max {max(series)} across all: "
             + " ".join(str(v) for v in series)

@@ -49,13 +49,26 @@ def process_started() -> float | None:
 def resources() -> dict[str, int]:
     """This process's resident memory (KiB), threads and open file descriptors (Linux):
     a process that regroups in place must not grow them generation after generation."""
+    # RSS by kind (anonymous: the heap; file: mapped files; shmem: the memory tier's
+    # /dev/shm files), so a growth says where it is; and the mappings, which a file
+    # mapped and never unmapped would add to.
+    fields = {
+        "VmRSS:": "rss_kib",
+        "RssAnon:": "anon_kib",
+        "RssFile:": "file_kib",
+        "RssShmem:": "shmem_kib",
+    }
     try:
+        found: dict[str, int] = {}
         with open("/proc/self/status") as f:
-            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        return {
-            "rss_kib": rss,
-            "threads": len(os.listdir("/proc/self/task")),
-            "fds": len(os.listdir("/proc/self/fd")),
-        }
-    except (OSError, StopIteration, ValueError):
+            for line in f:
+                words = line.split()
+                if words and words[0] in fields:
+                    found[fields[words[0]]] = int(words[1])
+        with open("/proc/self/maps") as f:
+            found["maps"] = sum(1 for _ in f)
+        found["threads"] = len(os.listdir("/proc/self/task"))
+        found["fds"] = len(os.listdir("/proc/self/fd"))
+        return found if "rss_kib" in found else {}
+    except (OSError, ValueError):
         return {}
