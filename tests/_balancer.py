@@ -68,6 +68,9 @@ class Balancer:
             "    timeout server 90s",
             "    timeout http-keep-alive 60s",
             "    option redispatch",
+            # A node's close reaches the replica that holds its heartbeat, which then cuts
+            # it at once; without it a killed node is found only at the heartbeat timeout.
+            "    option abortonclose",
             "    retries 2",
             "    retry-on conn-failure",
             "frontend rallypoint",
