@@ -58,14 +58,19 @@ def test_the_wheel_holds_only_the_rallypoint_package(tmp_path: Path) -> None:
     assert sorted(r.split()[1].split(">")[0] for r in base) == ["httpx", "pydantic"]
 
 
+def fresh(code: str) -> str:
+    """What ``code`` prints in a new interpreter: imports as a new process makes them."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
 def test_the_client_imports_nothing_heavy() -> None:
     code = (
         "import sys, rallypoint.client, rallypoint.localfs; "
         "heavy = {'torch', 'fastapi', 'azure', 'starlette', 'uvicorn'}; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert fresh(code) == "[]"
 
 
 def test_the_service_imports_no_torch() -> None:
@@ -73,8 +78,7 @@ def test_the_service_imports_no_torch() -> None:
         "import sys, rallypoint.service.app, rallypoint.service.storage._azure_blob; "
         "print('torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert fresh(code) == "False"
 
 
 def test_torchruns_agent_loads_no_checkpoint_path() -> None:
@@ -85,8 +89,7 @@ def test_torchruns_agent_loads_no_checkpoint_path() -> None:
         "print(sorted(m for m in ('torch.distributed.checkpoint', 'sympy', "
         "'rallypoint.trainer.checkpoint') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert fresh(code) == "[]"
 
 
 def test_every_public_trainer_name_resolves() -> None:
@@ -96,8 +99,7 @@ def test_every_public_trainer_name_resolves() -> None:
         "import rallypoint.trainer as t; missing = set(t.__all__) - set(dir(t)); "
         "print(sorted(missing), all(getattr(t, n) is not None for n in t.__all__))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[] True"
+    assert fresh(code) == "[] True"
 
 
 def test_base_install_runs_the_client_alone(tmp_path: Path) -> None:

@@ -60,28 +60,13 @@ if TYPE_CHECKING:
         upload,
     )
 
-# The checkpoint path's names load on first use. torchrun's agent reaches its plugin
-# (rallypoint.trainer.agent) through this package, and DCP's import (torch.distributed.tensor,
-# sympy) cost every agent 1.5 s of CPU at start-up for a path only workers run.
-_CHECKPOINT = frozenset(
-    {
-        "CheckpointManager",
-        "ExportFormat",
-        "Exported",
-        "RallypointReader",
-        "RallypointWriter",
-        "Restored",
-        "SaveHandle",
-        "SavePolicy",
-        "download",
-        "export",
-        "upload",
-    }
-)
 
-
+# The checkpoint path's names (the rest of __all__, unbound until asked for) load on first
+# use. torchrun's agent reaches its plugin (rallypoint.trainer.agent) through this
+# package, and DCP's import (torch.distributed.tensor, sympy) cost every agent 1.4 s of
+# CPU at start-up for a path only workers run.
 def __getattr__(name: str) -> Any:
-    if name not in _CHECKPOINT:
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(".checkpoint", __name__), name)
     globals()[name] = value  # once: later lookups find it without this function
