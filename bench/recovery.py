@@ -45,8 +45,8 @@ the first step).
 ``--kind chaos`` (in place only): four nodes, ten rounds of a seeded random node other than
 n0 SIGKILLed (to a step at world 3) and a new node started (to a step at world 4); every
 generation is checked consistent, fallbacks (a worker restarted instead of regrouping)
-are counted, and n0's worker, which never dies, reports its RSS, threads and open files
-at each regroup: the leak check.
+are counted, and n0's worker, which never dies, reports its RSS (in all and by kind), its
+mappings, threads and open files at each regroup: the leak check.
 
 Both sides use ``--nnodes=3:4`` and ``--max-restarts=100``. rallypoint runs with
 ``heartbeat_timeout=3`` and a 2 s last call; stock c10d keeps its defaults. The anchor's

@@ -47,11 +47,11 @@ def process_started() -> float | None:
 
 
 def resources() -> dict[str, int]:
-    """This process's resident memory (KiB), threads and open file descriptors (Linux):
-    a process that regroups in place must not grow them generation after generation."""
-    # RSS by kind (anonymous: the heap; file: mapped files; shmem: the memory tier's
-    # /dev/shm files), so a growth says where it is; and the mappings, which a file
-    # mapped and never unmapped would add to.
+    """This process's resident memory (KiB), in all and by kind, its mappings, threads
+    and open file descriptors (Linux): a process that regroups in place must not grow
+    them generation after generation."""
+    # By kind (anonymous: the heap; file: mapped files; shmem: the memory tier's /dev/shm
+    # files), so a growth says where it is; a file mapped and never unmapped adds a mapping.
     fields = {
         "VmRSS:": "rss_kib",
         "RssAnon:": "anon_kib",
