@@ -16,12 +16,18 @@ and the copy costs next to nothing.
 
 Where the copy goes:
 
-- into the memory tier's file for this rank (:meth:`NodeMemory.staging_file`), mapped
-  shared, when the node runs the tier: the file becomes the version's data file, so a
-  save to memory is one copy from the training state, and the peer copy and the upload
-  read from it;
+- CPU tensors, into the memory tier's file for this rank
+  (:meth:`NodeMemory.staging_file`), mapped shared, when the node runs the tier: the file
+  becomes the version's data file, so a save to memory is one copy from the training
+  state, and the peer copy and the upload read from it;
 - else into buffers kept from one save to the next (pinned for CUDA): fresh memory costs
-  a page fault per 4 KiB on first touch.
+  a page fault per 4 KiB on first touch. CUDA tensors always go here, tier or not: an
+  asynchronous copy needs pinned memory, and pinning the tier's file
+  (``cudaHostRegister``) took 311 ms per save for 517 MiB on an H200, all of it waited
+  for by the next optimizer step, where a copy into pinned buffers queued in 0.1 ms; on
+  a file system other than tmpfs the registration fails, and the copies into the mapping
+  failed with "CUDA error: invalid argument". The tier's file is then written from the
+  buffers by the save's writer, in the background.
 
 DCP's ``DefaultStager`` deep-copies the state, DTensors included, through DTensor's
 dispatch; here only each tensor's local data is copied. The DTensors themselves stay in
@@ -82,8 +88,6 @@ class StagedFile:
     size: int
     #: Where each tensor's copy lies, by ``id`` of the tensor in the staged state.
     offsets: dict[int, int]
-    #: Whether the mapping is registered with CUDA (pinned).
-    pinned: bool = False
 
 
 class Staged:
@@ -154,12 +158,6 @@ class Staged:
         staged = self.file
         if staged is None:
             return
-        if staged.pinned:
-            with contextlib.suppress(Exception):
-                torch.cuda.cudart().cudaHostUnregister(  # type: ignore[no-untyped-call]
-                    staged.mapping.data_ptr()
-                )
-            staged.pinned = False
         if memory is not None and staged.path.exists():
             memory.discard(staged.path)
         self._copies = {}
@@ -256,7 +254,9 @@ class Staging:
         size: int,
         marker: dict[torch.device, Any] | None,
     ) -> None:
-        targets = self._file_targets(staged, items, size) if self._memory is not None else None
+        # CUDA tensors go to pinned buffers, never into the tier's file (the module's doc).
+        to_file = self._memory is not None and marker is None
+        targets = self._file_targets(staged, items, size) if to_file else None
         if targets is None:
             targets = self._buffer_targets(items)
         if marker is None:
@@ -281,8 +281,7 @@ class Staging:
             mapping = map_shared(fd)
         finally:
             os.close(fd)
-        pinned = _register(mapping, any(item.source.device.type == "cuda" for item in items))
-        staged.file = StagedFile(path, mapping, size, {i.key: i.offset for i in items}, pinned)
+        staged.file = StagedFile(path, mapping, size, {i.key: i.offset for i in items})
         views = []
         for item in items:
             nbytes = item.source.numel() * item.source.element_size()
@@ -342,20 +341,6 @@ class Staging:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._buffers.clear()
-
-
-def _register(mapping: torch.Tensor, cuda: bool) -> bool:
-    """Pins a staging file's pages for CUDA's asynchronous copies, where the driver
-    allows registering them; else the copies go through pageable memory (slower, still
-    in the copy thread). Returns whether it did."""
-    if not cuda or mapping.numel() == 0:
-        return False
-    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    code = cudart.cudaHostRegister(mapping.data_ptr(), mapping.numel(), 0)
-    if int(code) != 0:
-        log.debug("cudaHostRegister of a staging file failed (%s); pageable copies", code)
-        return False
-    return True
 
 
 class StagedPlanner(DefaultSavePlanner):
