@@ -1,9 +1,10 @@
 """``bench/checkpoint.py --mode loop``: what saving costs a training loop, side by side.
 
-One process trains an MLP with Adam on the CPU and saves its state (parameters and
-Adam's moments) every ``SAVE_EVERY`` steps; the batch is sized so that a step takes
-about ten times the copy of the state. In the same run, alternating rounds of
-``--steps`` steps each:
+One process trains an MLP with Adam on the CPU (or, with ``--device cuda``, on the GPU)
+and saves its state (parameters and Adam's moments) every ``SAVE_EVERY`` steps; the batch
+is sized so that a step takes about ten times the copy of the state (on the GPU: the copy
+into pinned host memory, which is what a save's staging does). In the same run,
+alternating rounds of ``--steps`` steps each:
 
 - no saves (the baseline steps/s);
 - ``CheckpointManager`` with ``overlap=True`` under a memory tier in /dev/shm (every 5th
@@ -15,7 +16,10 @@ about ten times the copy of the state. In the same run, alternating rounds of
 
 Per save it reports the time training waited (``save()`` itself, plus the fences: the
 optimizer's step waiting for the copy) against a plain copy of the state into
-preallocated buffers, and steps/s against the baseline. Every variant's save of the
+preallocated buffers (pinned, on the GPU), and steps/s against the baseline. On the GPU
+every timing ends with ``torch.cuda.synchronize()``: host time alone would count only
+the queueing of the work. What the host waited is the figure for a save; whether the
+GPU waited shows in steps/s. Every variant's save of the
 previous round has finished before the next round starts.
 """
 
@@ -40,6 +44,14 @@ from rallypoint.trainer.memory import MEMORY_ENV
 
 SAVE_EVERY = 5
 MiB = 1 << 20
+# torch 2.11's DefaultStager fails on its second save (KeyError: <class 'type'> in its
+# deep copy), so there the anchor makes a new stager, and new buffers, for every save.
+REUSABLE_STAGER = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def _model(mib: int) -> torch.nn.Module:
@@ -69,19 +81,23 @@ def _tensors(state: Any) -> list[torch.Tensor]:
 class _Loop:
     """One model, its optimizer and a batch sized for a step of ``ratio`` copies."""
 
-    def __init__(self, mib: int, ratio: float) -> None:
-        self.model = _model(mib)
+    def __init__(self, mib: int, ratio: float, device: str = "cpu") -> None:
+        self.device = device
+        self.model = _model(mib).to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.batch = 8
         self.step()  # Adam's moments exist from here on
         tensors = _tensors(_state(self.model, self.optimizer))
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        buffers = [torch.empty_like(t) for t in tensors]
+        pinned = device != "cpu"
+        buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
 
         def copy() -> float:
+            _sync(device)
             start = time.perf_counter()
             for b, t in zip(buffers, tensors, strict=True):
-                b.copy_(t)
+                b.copy_(t, non_blocking=pinned)
+            _sync(device)
             return time.perf_counter() - start
 
         copy()
@@ -91,12 +107,14 @@ class _Loop:
         self.step_time = statistics.median(self._timed_step() for _ in range(3))
 
     def _timed_step(self) -> float:
+        _sync(self.device)
         start = time.perf_counter()
         self.step()
+        _sync(self.device)
         return time.perf_counter() - start
 
     def forward_backward(self) -> None:
-        x = torch.randn(self.batch, 1024)
+        x = torch.randn(self.batch, 1024, device=self.device)
         self.model(x).square().mean().backward()
 
     def step(self, saver: _Saver | None = None) -> None:
@@ -129,6 +147,7 @@ class _Ours(_Saver):
         self.manager = manager
         self.counter = counter
         self.handles: list[SaveHandle] = []
+        self.split: list[tuple[float, float]] = []  # (save() itself, the fences)
 
     def save(self, loop: _Loop, step: int) -> None:
         self.counter[0] += 1  # a new step for every version, across variants
@@ -141,14 +160,18 @@ class _Ours(_Saver):
         self.manager.wait()
         self.manager.wait_staged()
         self.waits += [h.blocked + h.waited for h in self.handles]
+        self.split += [(h.blocked, h.waited) for h in self.handles]
         self.handles = []
 
 
 class _Dcp(_Saver):
-    def __init__(self, work: Path, asynchronous: bool) -> None:
+    def __init__(self, work: Path, asynchronous: bool, device: str = "cpu") -> None:
         super().__init__()
         self.work = work
-        self.stager = DefaultStager(StagingOptions(False, False, asynchronous, False))
+        # On the GPU, DCP's own best: cached pinned buffers and non-blocking copies.
+        gpu = device != "cpu"
+        self.options = StagingOptions(gpu, False, asynchronous, gpu)
+        self.stager = DefaultStager(self.options)
         self.upload: Future[Any] | None = None
         self.staging: Future[Any] | None = None
         self.counter = 0
@@ -161,6 +184,8 @@ class _Dcp(_Saver):
         shutil.rmtree(self.work / f"dcp-{self.counter - 1}", ignore_errors=True)
         target = self.work / f"dcp-{self.counter}"
         self.counter += 1
+        if not REUSABLE_STAGER:
+            self.stager = DefaultStager(self.options)
         response = dcp.async_save(
             _state(loop.model, loop.optimizer),
             checkpoint_id=str(target),
@@ -187,11 +212,11 @@ class _Dcp(_Saver):
             self.upload = None
 
 
-def run(url: str, work: Path, mib: int, steps: int, rounds: int) -> None:
+def run(url: str, work: Path, mib: int, steps: int, rounds: int, device: str = "cpu") -> None:
     """Runs every variant ``rounds`` times, alternating, and prints the table."""
-    loop = _Loop(mib, ratio=10.0)
+    loop = _Loop(mib, ratio=10.0, device=device)
     print(
-        f"\nloop: {loop.nbytes / MiB:.0f} MiB of state (an MLP and Adam), a step "
+        f"\nloop on {device}: {loop.nbytes / MiB:.0f} MiB of state (an MLP and Adam), a step "
         f"{loop.step_time * 1e3:.0f} ms at batch {loop.batch}, a copy of the state "
         f"{loop.copy * 1e3:.1f} ms ({loop.step_time / loop.copy:.1f} copies per step); "
         f"a save every {SAVE_EVERY} steps, {steps} steps a round, {rounds} rounds"
@@ -199,7 +224,7 @@ def run(url: str, work: Path, mib: int, steps: int, rounds: int) -> None:
     client = ElasticClient(url, "bench-loop", "n0")
     spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
     client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
-    client.heartbeats(timedelta(seconds=1))
+    beats = client.heartbeats(timedelta(seconds=1))
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
     tier = shm / f"rallypoint-bench-{os.getpid()}"
     counter = [0]
@@ -223,8 +248,9 @@ def run(url: str, work: Path, mib: int, steps: int, rounds: int) -> None:
     }
     variants: dict[str, _Saver | None] = {"no saves": None}
     variants.update({name: _Ours(m, counter) for name, m in managers.items()})
-    variants["dcp.async_save, cached stager"] = _Dcp(work, asynchronous=False)
-    variants["dcp.async_save, async staging"] = _Dcp(work, asynchronous=True)
+    cached = "cached stager" if REUSABLE_STAGER else "new stager per save"
+    variants[f"dcp.async_save, {cached}"] = _Dcp(work, asynchronous=False, device=device)
+    variants["dcp.async_save, async staging"] = _Dcp(work, asynchronous=True, device=device)
     rates: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for round_ in range(rounds + 1):  # the first round warms every variant up
@@ -234,16 +260,20 @@ def run(url: str, work: Path, mib: int, steps: int, rounds: int) -> None:
                     loop.step(saver)
                     if saver is not None and step % SAVE_EVERY == 0:
                         saver.save(loop, step)
+                _sync(device)
                 elapsed = time.perf_counter() - start
                 if saver is not None:
                     saver.settle()  # the last save's upload, outside the timed steps
                     if not round_:
                         saver.waits.clear()
+                        if isinstance(saver, _Ours):
+                            saver.split.clear()
                 if round_:
                     rates[name].append(steps / elapsed)
     finally:
         for m in managers.values():
             m.close()
+        beats.stop()
         shutil.rmtree(tier, ignore_errors=True)
     base = statistics.median(rates["no saves"])
     print(f"{'':40} {'waited per save':>16} {'x the copy':>10} {'steps/s':>8} {'x no saves':>10}")
@@ -257,3 +287,8 @@ def run(url: str, work: Path, mib: int, steps: int, rounds: int) -> None:
             )
         else:
             print(f"{name:40} {'':16} {'':10} {rate:8.2f} {1.0:10.3f}")
+    for name, saver in variants.items():
+        if isinstance(saver, _Ours):
+            blocked = statistics.median(b for b, _ in saver.split)
+            fences = statistics.median(w for _, w in saver.split)
+            print(f"{name}: save() itself {blocked * 1e3:.1f} ms, fences {fences * 1e3:.1f} ms")

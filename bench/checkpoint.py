@@ -18,7 +18,7 @@ Each figure is the median of ``--repeat`` rounds after one warm-up (for our save
 after four: from then on retention collects a version per save, as in a long job);
 pairs alternate. The first saves' rates are printed too.
 
-With ``--device cuda`` (single mode only) the state is made on the GPU and the same
+With ``--device cuda`` (single and loop modes) the state is made on the GPU and the same
 anchors run on the same tensors: the copy goes into preallocated pinned host buffers
 (non-blocking, then a synchronize: what DCP's async_save blocks on), ``torch.save`` and
 ``dcp.async_save`` take the GPU tensors as they are, and ``load()`` restores into GPU
@@ -526,8 +526,8 @@ def main() -> None:
         "--device", choices=["cpu", "cuda"], default="cpu", help="where the state lives"
     )
     args = parser.parse_args()
-    if args.device != "cpu" and args.mode != "single":
-        parser.error("--device cuda runs the single-process mode only: add --mode single")
+    if args.device != "cpu" and args.mode not in ("single", "loop"):
+        parser.error("--device cuda runs in one process only: add --mode single or --mode loop")
     single, shard = args.mode in ("single", "both"), args.mode in ("sharded", "both")
     if args.mode in ("formats", "loop"):
         args.only = "local"
@@ -554,7 +554,7 @@ def main() -> None:
                 if args.mode == "loop":
                     from bench._loop import run as loop
 
-                    loop(coordinator.url, work, args.mib, args.steps, args.repeat)
+                    loop(coordinator.url, work, args.mib, args.steps, args.repeat, args.device)
             finally:
                 coordinator.stop()
         # A fresh Azurite for each run: its in-memory storage does not give back the

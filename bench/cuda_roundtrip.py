@@ -8,10 +8,18 @@ state as saved, on the CPU), comparing every tensor's bytes, dtype and shape:
 - float32, bfloat16, float16, int64, uint8 and bool tensors, a 0-dim one, a transposed
   (non-contiguous) view, an ``nn.Parameter``, a DTensor on a 1-rank mesh, 64 MiB ones,
   and a real model's ``state_dict`` with its Adam state (``step`` on the CPU, int keys);
-- the state is changed on the GPU as soon as ``save()`` returns, while the upload runs:
-  the version must hold the values of when ``save()`` was called (the staging copies,
-  non-blocking into pinned buffers, had landed);
-- a second save reuses the staging buffers and must hold the changed values.
+- the state is changed on the GPU as soon as ``save()`` returns and an optimizer's
+  ``step()`` has fenced it, while the copy and the upload run: on CUDA the fence only
+  makes the training stream wait for the side stream's copies (the host does not wait
+  for the GPU), and the version must hold the values of when ``save()`` was called;
+- a second save reuses the staging buffers and must hold the changed values;
+- a restored state is ordinary tensors: ``torch.save`` of it and
+  ``torch.load(weights_only=True)`` give the same bits back.
+
+It runs twice: staging into pinned buffers (no memory tier), and into the memory tier's
+file, mapped shared and registered with CUDA (``cudaHostRegister``), as a node running
+the tier does. Each pass prints how long ``save()`` held the caller and how long the
+first fence waited.
 
 Usage: python bench/cuda_roundtrip.py [--device cuda|cpu]
 """
@@ -20,11 +28,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
+import os
 import socket
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +49,9 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 
-from bench.checkpoint import joined_manager  # noqa: E402
+from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
+from rallypoint.trainer.memory import MEMORY_ENV  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
 
 MiB = 1 << 20
@@ -148,6 +161,74 @@ def compare(label: str, got: Any, expected: dict[str, torch.Tensor], device: str
     return bad
 
 
+def reloads(label: str, state: Any, expected: dict[str, torch.Tensor]) -> int:
+    """``torch.save`` of a restored state, then ``torch.load(weights_only=True)``."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(state, buffer)
+        buffer.seek(0)
+        again = torch.load(buffer, weights_only=True, map_location="cpu")
+    except Exception as e:  # the bench reports it as a mismatch
+        print(f"{label}: torch.save/torch.load failed: {e!r}")
+        return 1
+    return compare(f"{label}, through torch.save/load", again, expected, None)
+
+
+def one_pass(url: str, device: str, tier: Path | None) -> int:
+    """Saves and loads twice through one manager; returns the mismatches."""
+    label = "memory tier" if tier else "no tier"
+    client = ElasticClient(url, "bench", "n0")
+    spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
+    client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
+    beats = client.heartbeats(timedelta(seconds=1))  # a trainer beats while it saves
+    if tier is not None:
+        os.environ[MEMORY_ENV] = str(tier)
+    try:
+        manager = CheckpointManager(client, progress=False)
+    finally:
+        os.environ.pop(MEMORY_ENV, None)
+    bad = 0
+    state = make_state(device)
+    first = {k: v.clone() for k, v in tensors(state).items()}
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    handle = manager.save(state, 1)
+    held = time.perf_counter() - started
+    assert handle is not None
+    # An optimizer's step is the fence a training loop meets: on CUDA it orders the
+    # training stream after the copies, and the host goes on.
+    started = time.perf_counter()
+    torch.optim.SGD([torch.zeros(1, device=device, requires_grad=True)], lr=0.0).step()
+    fenced = time.perf_counter() - started
+    for t in tensors(state).values():  # while the copy and the upload run
+        change(t)
+    v1 = handle.result().version
+    second = {k: v.clone() for k, v in tensors(state).items()}
+    assert all(not same_bits(first[k], second[k]) for k in first), "change() missed one"
+    v2 = manager.save(state, 2, blocking=True)
+    assert v2 is not None
+    print(
+        f"{label}: save() held the caller {held * 1e3:.1f} ms, "
+        f"the optimizer's step (the fence) {fenced * 1e3:.1f} ms"
+    )
+    for version, expected in ((v1, first), (v2.result().version, second)):
+        template = mapped(state, sentinel)
+        restored = manager.load(version, template)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        where = f"{label}: v{version}"
+        bad += compare(f"{where} into templates on {device}", restored.state, expected, device)
+        as_saved = manager.load(version).state
+        bad += compare(f"{where} as saved", as_saved, expected, None)
+        bad += reloads(f"{where} into templates", restored.state, expected)
+        bad += reloads(f"{where} as saved", as_saved, expected)
+    manager.close()
+    beats.stop()  # before the coordinator goes
+    client.close()
+    return bad
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
@@ -162,33 +243,14 @@ def main() -> int:
         torch.cuda.set_device(0)
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {backend}")
     bad = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        coordinator = Coordinator(["--storage", f"local:{tmp}/storage"], {}).start()
-        try:
-            manager: CheckpointManager = joined_manager(coordinator.url)
-            state = make_state(device)
-            first = {k: v.clone() for k, v in tensors(state).items()}
-            handle = manager.save(state, 1)
-            assert handle is not None
-            for t in tensors(state).values():  # while the upload runs
-                change(t)
-            v1 = handle.result().version
-            second = {k: v.clone() for k, v in tensors(state).items()}
-            assert all(not same_bits(first[k], second[k]) for k in first), "change() missed one"
-            v2 = manager.save(state, 2, blocking=True)
-            assert v2 is not None
-            for version, expected in ((v1, first), (v2.result().version, second)):
-                template = mapped(state, sentinel)
-                restored = manager.load(version, template)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                bad += compare(
-                    f"v{version} into templates on {device}", restored.state, expected, device
-                )
-                bad += compare(f"v{version} as saved", manager.load(version).state, expected, None)
-            manager.close()
-        finally:
-            coordinator.stop()
+    for tiered in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            coordinator = Coordinator(["--storage", f"local:{tmp}/storage"], {}).start()
+            try:
+                tier = Path(tmp) / "tier" if tiered else None
+                bad += one_pass(coordinator.url, device, tier)
+            finally:
+                coordinator.stop()
     dist.destroy_process_group()
     print("OK" if not bad else f"FAILED: {bad} mismatches")
     return 1 if bad else 0
