@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -445,6 +446,33 @@ def _await_listener(host: str, port: int, timeout: float) -> None:
             time.sleep(_POLL_S)
 
 
+#: The ``sys.excepthook`` the last :func:`_one_excepthook` block ended with, and the one it
+#: started with: (installed, replaced).
+_hooks: tuple[object, object] | None = None
+
+
+@contextlib.contextmanager
+def _one_excepthook() -> Iterator[None]:
+    """Around ``dist.init_process_group``: uncaught exceptions keep one ``[rankN]:``
+    prefix, the current generation's, however many generations the process saw.
+
+    torch's ``init_process_group`` wraps ``sys.excepthook`` in a hook that prefixes each
+    line with the rank, at every call, around whatever hook was there. A process that
+    regroups in place calls it once per generation: the chaos bench's worker gained one
+    such hook per generation (11 from its 2nd to its 13th), each adding the rank of its
+    own generation, which may not be the current one. So the hook the previous block
+    left is taken off first (unless something replaced it since).
+    """
+    global _hooks
+    if _hooks is not None and sys.excepthook is _hooks[0]:
+        sys.excepthook = _hooks[1]  # type: ignore[assignment]
+    before = sys.excepthook
+    try:
+        yield
+    finally:
+        _hooks = (sys.excepthook, before) if sys.excepthook is not before else None
+
+
 def _init_group(generation: Generation, backend: str, timeout: timedelta) -> None:
     """The generation's process group: a TCP store at its rank 0's master address."""
     a = generation.assignment
@@ -454,10 +482,11 @@ def _init_group(generation: Generation, backend: str, timeout: timedelta) -> Non
         torch.cuda.set_device(generation.local_rank)
     if generation.rank != 0:
         _await_listener(a.master_addr, a.master_port, timeout.total_seconds())
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{a.master_addr}:{a.master_port}",
-        rank=generation.rank,
-        world_size=generation.world_size,
-        timeout=timeout,
-    )
+    with _one_excepthook():
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{a.master_addr}:{a.master_port}",
+            rank=generation.rank,
+            world_size=generation.world_size,
+            timeout=timeout,
+        )
