@@ -315,7 +315,10 @@ def _resources(mine: Sequence[Event]) -> list[str]:
     lines = [f"  {len(mine)} resumed events, generations {[e['generation'] for e in mine]}"]
     if not mine:
         return lines
-    keys = ("rss_kib", "anon_kib", "file_kib", "shmem_kib", "maps", "threads", "fds")
+    keys = (
+        "rss_kib", "anon_kib", "file_kib", "shmem_kib", "heap_used_kib", "heap_free_kib",
+        "maps", "threads", "fds",
+    )  # fmt: skip
     for label, e in (("first", mine[0]), ("last", mine[-1])):
         values = ", ".join(f"{k} {e['resources'].get(k)}" for k in keys)
         lines.append(f"  {label:5} (generation {e['generation']}): {values}")

@@ -8,6 +8,7 @@ line has ``t`` and ``event``, and a trainer's lines also ``generation``, ``rank`
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -46,6 +47,34 @@ def process_started() -> float | None:
     return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost",
+        )
+    ]  # fmt: skip
+
+
+def _malloc() -> dict[str, int]:
+    """glibc's heap (``mallinfo2``, KiB): what the program holds (``heap_used``: in use
+    plus mmapped chunks) and what malloc keeps free (``heap_free``). A heap whose RSS
+    grows while ``heap_used`` stays flat is fragmentation or freed memory not given
+    back, not a leak. Empty off glibc >= 2.33."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    mallinfo2.restype = _Mallinfo2
+    info = mallinfo2()
+    return {
+        "heap_used_kib": (info.uordblks + info.hblkhd) >> 10,
+        "heap_free_kib": info.fordblks >> 10,
+    }
+
+
 def resources() -> dict[str, int]:
     """This process's resident memory (KiB), in all and by kind, its mappings, threads
     and open file descriptors (Linux): a process that regroups in place must not grow
@@ -69,6 +98,7 @@ def resources() -> dict[str, int]:
             found["maps"] = sum(1 for _ in f)
         found["threads"] = len(os.listdir("/proc/self/task"))
         found["fds"] = len(os.listdir("/proc/self/fd"))
+        found.update(_malloc())
         return found if "rss_kib" in found else {}
     except (OSError, ValueError):
         return {}
