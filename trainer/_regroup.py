@@ -33,8 +33,6 @@ node's workers, as before, and counts it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import logging
 import os
 import socket
@@ -346,7 +344,6 @@ def generations(
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
             timings["left"] = time.time()
-            _trim_heap()
             assignment = membership.next(assignment.generation, join_timeout.total_seconds())
             timings["assigned"] = time.time()
             regrouped = True
@@ -447,27 +444,6 @@ def _await_listener(host: str, port: int, timeout: float) -> None:
             if time.monotonic() >= deadline:
                 return  # torch's own connect reports it
             time.sleep(_POLL_S)
-
-
-def _trim_heap() -> None:
-    """Gives the heap's free memory back to the system (glibc's ``malloc_trim``), while
-    the coordinator seals the next generation: a generation's teardown frees megabytes
-    (its process group, its DDP's buckets), and glibc keeps them. In the chaos bench the
-    memory malloc kept free grew 15.6 MB over 18 regroups of one worker without it. A
-    no-op off glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        started = time.perf_counter()
-        trim(0)
-        log.debug("malloc_trim: %.1f ms", (time.perf_counter() - started) * 1e3)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
 
 
 #: The ``sys.excepthook`` the last :func:`_one_excepthook` block ended with, and the one it

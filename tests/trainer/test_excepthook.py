@@ -1,12 +1,7 @@
-"""What regrouping in place does to the process that outlives its generations.
-
-- It calls ``dist.init_process_group`` once per generation, and torch wraps
-  ``sys.excepthook`` at each call: uncaught exceptions must still carry one ``[rankN]:``
-  prefix, the current generation's. Real process groups (gloo, world 1) in the test's
-  process, one after another.
-- Between generations it gives the heap's free memory back to the system: the test
-  frees 64 MiB below a block that stays, which ``free()`` alone cannot give back.
-"""
+"""A process that regroups in place calls ``dist.init_process_group`` once per
+generation, and torch wraps ``sys.excepthook`` at each call: uncaught exceptions must
+still carry one ``[rankN]:`` prefix, the current generation's. Real process groups
+(gloo, world 1) in the test's process, one after another."""
 
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from rallypoint.trainer import _regroup
-from rallypoint.trainer._regroup import _malloc_trim, _one_excepthook, _trim_heap
+from rallypoint.trainer._regroup import _one_excepthook
 
 
 def free_port() -> int:
@@ -85,25 +80,3 @@ def test_a_hook_set_between_generations_is_kept(
     err = uncaught(capsys)
     assert seen == [ValueError]
     assert "[rank0]: ValueError: boom" in err
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
-
-@pytest.mark.skipif(_malloc_trim() is None, reason="glibc's malloc_trim: Linux with glibc")
-def test_the_heaps_free_memory_goes_back_between_generations() -> None:
-    page, block = 4096, 64 << 10  # under malloc's mmap threshold: from the heap
-    blocks = [bytearray(block) for _ in range(1024)]
-    for b in blocks:
-        b[::page] = b"\x01" * (block // page)  # every page touched: resident
-    above = bytearray(block)  # the heap's top stays in use: free() cannot shrink it
-    full = rss_kib()
-    del blocks
-    freed = rss_kib()
-    _trim_heap()
-    trimmed = rss_kib()
-    assert full - trimmed > 48 << 10, (full, freed, trimmed)
-    assert freed - trimmed > 32 << 10, (full, freed, trimmed)  # the trim, not free()
-    assert above[0] == 0
