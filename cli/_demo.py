@@ -19,6 +19,8 @@ from typing import Any
 
 import httpx
 
+from rallypoint.tls import ssl_context
+
 from .processes import Cluster, Coordinator, Event, judge
 
 __all__ = ["main", "timeline"]
@@ -58,7 +60,7 @@ def timeline(
 
 
 def _history(url: str, job: str) -> list[dict[str, Any]]:
-    reply = httpx.get(f"{url}/v1/jobs/{job}", timeout=10)
+    reply = httpx.get(f"{url}/v1/jobs/{job}", timeout=10, verify=ssl_context())
     reply.raise_for_status()
     history: list[dict[str, Any]] = reply.json()["history"]
     return history

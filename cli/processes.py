@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from rallypoint.tls import ssl_context
+
 __all__ = [
     "Agent",
     "Cluster",
@@ -126,7 +128,10 @@ class Coordinator:
                     f"coordinator exited with {self.proc.returncode}:\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                if (
+                    httpx.get(f"{self.url}/healthz", timeout=1, verify=ssl_context()).status_code
+                    == 200
+                ):
                     return self
             time.sleep(0.05)
         raise RuntimeError("the coordinator did not answer /healthz in time")

@@ -21,6 +21,7 @@ import httpx
 from pydantic import BaseModel
 
 from rallypoint.closing import Closing
+from rallypoint.tls import ssl_context
 
 from .errors import JoinTimeout, RallypointError, StandbyReleased, TransportError, error_for
 from .models import (
@@ -234,7 +235,11 @@ class ElasticClient(Closing):
         elif token:
             headers["Authorization"] = f"Bearer {token}"
         self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=self._timeout, transport=http_transport
+            base_url=self.url,
+            headers=headers,
+            timeout=self._timeout,
+            transport=http_transport,
+            verify=ssl_context(),
         )
         self.assignment: Assignment | None = None
         self._joined = generation
@@ -731,7 +736,10 @@ class ElasticClient(Closing):
         # stalled in 3 of 31 rounds, and 3 of 197 this way (cause not found; see
         # docs/BENCHMARKS.md, "Failed collectives corroborate a cut").
         with httpx.Client(
-            base_url=self.url, headers=self._http.headers, timeout=self._timeout
+            base_url=self.url,
+            headers=self._http.headers,
+            timeout=self._timeout,
+            verify=ssl_context(),
         ) as own:
             once = RetryPolicy(deadline=timedelta(0))
             self._request("POST", f"{self._node}/fault", body, retry=once, via=own)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rallypoint.client import ElasticClient, RallypointError
+from rallypoint.tls import ssl_context
 
 __all__ = ["IMDS_ENV", "RESTART_EXIT_CODE", "VM_NAME_ENV", "Notice", "PreemptionWatcher"]
 
@@ -233,7 +234,10 @@ class PreemptionWatcher:
         if self._vm_name is None:
             try:
                 reply = httpx.get(
-                    self.imds_url + NAME_PATH, headers={"Metadata": "true"}, timeout=2
+                    self.imds_url + NAME_PATH,
+                    headers={"Metadata": "true"},
+                    timeout=2,
+                    verify=ssl_context(),
                 )
                 reply.raise_for_status()
                 self._vm_name = reply.text.strip() or socket.gethostname()
@@ -244,7 +248,7 @@ class PreemptionWatcher:
     def _poll_events(self) -> None:
         interval = self.poll_interval.total_seconds()
         failures = 0
-        with httpx.Client(headers={"Metadata": "true"}, timeout=5) as http:
+        with httpx.Client(headers={"Metadata": "true"}, timeout=5, verify=ssl_context()) as http:
             while not self._stop.is_set():
                 try:
                     reply = http.get(self.imds_url + EVENTS_PATH)
@@ -285,7 +289,11 @@ class PreemptionWatcher:
         body = {"StartRequests": [{"EventId": notice.event_id}]}
         try:
             httpx.post(
-                self.imds_url + EVENTS_PATH, json=body, headers={"Metadata": "true"}, timeout=5
+                self.imds_url + EVENTS_PATH,
+                json=body,
+                headers={"Metadata": "true"},
+                timeout=5,
+                verify=ssl_context(),
             ).raise_for_status()
         except httpx.HTTPError as exc:
             log.warning("rallypoint: could not acknowledge event %s: %s", notice.event_id, exc)
