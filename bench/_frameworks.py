@@ -13,13 +13,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from rallypoint.client import CheckpointPointer, ElasticClient, JobSpec
+from bench._joined import joined
+from rallypoint.client import CheckpointPointer, ElasticClient
 from rallypoint.trainer import CheckpointManager
 from tests._coordinator import Coordinator
 
@@ -106,10 +106,7 @@ def coordinator(*jobs: str) -> Iterator[tuple[Path, dict[str, ElasticClient]]]:
 
 
 def _joined(url: str, job: str) -> ElasticClient:
-    client = ElasticClient(url, job, "n0")
-    spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
-    client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
-    client.heartbeats(timedelta(seconds=1))  # a trainer beats while it saves; so do we
+    client, _ = joined(url, job)
     return client
 
 

@@ -30,7 +30,6 @@ import shutil
 import statistics
 import time
 from concurrent.futures import Future
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from rallypoint.client import ElasticClient, JobSpec
+from bench._joined import joined
 from rallypoint.trainer import CheckpointManager, SaveHandle
 from rallypoint.trainer.memory import MEMORY_ENV
 
@@ -221,10 +220,7 @@ def run(url: str, work: Path, mib: int, steps: int, rounds: int, device: str = "
         f"{loop.copy * 1e3:.1f} ms ({loop.step_time / loop.copy:.1f} copies per step); "
         f"a save every {SAVE_EVERY} steps, {steps} steps a round, {rounds} rounds"
     )
-    client = ElasticClient(url, "bench-loop", "n0")
-    spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
-    client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
-    beats = client.heartbeats(timedelta(seconds=1))
+    client, beats = joined(url, "bench-loop")
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
     tier = shm / f"rallypoint-bench-{os.getpid()}"
     counter = [0]

@@ -61,7 +61,6 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +71,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 import torch  # noqa: E402
 
-from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
+from bench._joined import joined  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
 from tests._azurite import running_azurite  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
@@ -115,10 +114,7 @@ def paired(
 
 
 def joined_manager(url: str) -> CheckpointManager:
-    client = ElasticClient(url, "bench", "n0")
-    spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
-    client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
-    client.heartbeats(timedelta(seconds=1))  # a trainer beats while it saves; so do we
+    client, _ = joined(url, "bench")
     return CheckpointManager(client, progress=False)
 
 

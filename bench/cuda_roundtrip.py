@@ -36,7 +36,6 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
 
-from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
+from bench._joined import joined  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
 from rallypoint.trainer.memory import MEMORY_ENV  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
@@ -177,10 +176,7 @@ def reloads(label: str, state: Any, expected: dict[str, torch.Tensor]) -> int:
 def one_pass(url: str, device: str, tier: Path | None) -> int:
     """Saves and loads twice through one manager; returns the mismatches."""
     label = "memory tier" if tier else "no tier"
-    client = ElasticClient(url, "bench", "n0")
-    spec = JobSpec(min_nodes=1, max_nodes=1, last_call=timedelta(0))
-    client.join("127.0.0.1", 29500, spec=spec, timeout=timedelta(seconds=60))
-    beats = client.heartbeats(timedelta(seconds=1))  # a trainer beats while it saves
+    client, beats = joined(url, "bench")
     if tier is not None:
         os.environ[MEMORY_ENV] = str(tier)
     try:
