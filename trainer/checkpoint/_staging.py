@@ -25,7 +25,7 @@ Where the copy goes:
   asynchronous copy needs pinned memory, and pinning the tier's file
   (``cudaHostRegister``) for each save made the next optimizer step wait 311.7 ms for
   517 MiB on an H200, where the fences of the pinned-buffer path took 0.1 ms (``save()``
-  itself took 50 ms on both paths, not explained); with the tier on the machine's disk
+  itself took 50 ms there, not explained); with the tier on the machine's disk
   rather than tmpfs the registration failed, and the copies into the mapping failed with
   "CUDA error: invalid argument". The tier's file is then written from the buffers by
   the save's writer, in the background.
