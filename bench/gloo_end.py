@@ -1,21 +1,23 @@
 """How often ending a gloo generation mid-step leaves a live rank blocked, by how the
-ranks stop: the way a worker regrouping in place stops today, and an agreed stop.
+ranks stop: as a worker regrouping in place stopped before (``leave``), and as it stops
+now (``agree``).
 
 Three processes train a small DDP model on gloo, round after round; each round ends at
 a time every rank knows (the same seed), seen by each rank's watcher thread up to 10 ms
-apart, as workers see their agent's board. Two ways to stop, run one after the other:
+apart, as workers see their agent's board.
 
-- ``shut`` (what ``generations()`` does): a rank leaves at its next step boundary once
-  its watcher saw the end, and the watcher shuts down the process's accepted gloo
-  connections (``_regroup._shut_gloo``), so that ranks inside a collective get an
-  error instead of waiting for the ones that left.
-- ``agree``: every step begins with an all-reduce of the ranks' "ended" flags, so all
-  ranks leave at the same step and no collective is left half done; nothing is shut.
+- ``leave`` (before): a rank leaves at its next step boundary once its watcher saw the
+  end, and the watcher shuts down the process's gloo connections at once
+  (``_regroup._shut_gloo``), so that ranks inside a collective get an error instead of
+  waiting for the ones that left.
+- ``agree`` (now): every step ends with :meth:`Generation.check`, an all-reduce of the
+  ranks' "ended" flags, so all ranks leave at the same step; each shuts its
+  connections once out of the block.
 
 A rank is *stalled* when it needs more than a second after the end to leave: it waits
-for the group's timeout (``--timeout``). Under ``shut`` the stalled rank's gloo thread
-waits in the ring all-reduce's ``UnboundBuffer::waitSend`` (gdb): a send that was
-queued on a connection that then closed is not failed by gloo, and waits the whole
+for the group's timeout (``--timeout``). Under ``leave`` the stalled rank's gloo thread
+waits in the ring all-reduce's ``UnboundBuffer::waitSend`` (gdb): a send that gloo had
+begun writing on a connection that then closed is not failed, and waits the whole
 timeout.
 
     .venv/bin/python bench/gloo_end.py --rounds 60
@@ -41,6 +43,8 @@ import json, random, sys, threading, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from rallypoint.client.models import Assignment
+from rallypoint.trainer import Generation, GenerationEnded
 from rallypoint.trainer._regroup import _shut_gloo
 rank, world, rounds, port, mode, timeout, seed = sys.argv[1:8]
 rank, world, rounds, port, timeout, seed = map(int, (rank, world, rounds, port, timeout, seed))
@@ -48,38 +52,42 @@ for round_ in range(rounds):
     store = port + round_
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout))
+    assignment = Assignment(job_id="bench", node_id=f"n{rank}", generation=round_ + 1,
+                            rank=rank, world_size=world, master_addr="127.0.0.1",
+                            master_port=store)
+    ended = threading.Event()
+    generation = Generation(assignment, rank, world, 0, False, ended, detect=timeout,
+                            agree=mode == "agree")
     torch.manual_seed(round_)
     model = DistributedDataParallel(torch.nn.Sequential(
         torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     end = time.time() + 0.3 + random.Random(seed + round_).random() * 0.5
     seen = end + random.Random((seed + round_) * 100 + rank).random() * 0.01
-    ended = threading.Event()
     def watch():
         time.sleep(max(0.0, seen - time.time()))
+        generation.reason = "the bench ended it"
         ended.set()
-        if mode == "shut":
-            _shut_gloo({store})
+        if mode == "leave":
+            _shut_gloo()
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    how = "boundary"
+    how = "check"
     try:
         while True:
-            if mode == "agree":
-                flag = torch.tensor([int(ended.is_set())])
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if flag.item():
-                    break
-            elif ended.is_set():
-                break
             model(torch.randn(64, 256)).pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
+            generation.check()
+    except GenerationEnded:
+        pass
     except Exception as exc:  # a collective a peer left
         ended.wait(timeout)
         how = str(exc).splitlines()[0][-80:]
     left = time.time() - seen
     watcher.join()
+    if mode == "agree":
+        _shut_gloo()
     del model, optimizer
     dist.destroy_process_group()
     print(json.dumps({"round": round_, "rank": rank, "left_s": round(left, 3), "how": how}),
@@ -125,11 +133,14 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=10, help="the group's timeout, s")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=38500)
+    parser.add_argument("--only", choices=("leave", "agree"), help="one way to stop")
     args = parser.parse_args()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, mode in enumerate(("shut", "agree")):
+        for i, mode in enumerate(("leave", "agree")):
+            if args.only not in (None, mode):
+                continue
             started = time.monotonic()
             lines = run(mode, args.rounds, args.port + i * 1000, args.timeout, args.seed, Path(tmp))
             stalled = [x for x in lines if x["left_s"] > 1.0]

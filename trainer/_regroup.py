@@ -11,15 +11,16 @@ in place and trains until the generation ends. Then:
 1. it learns that the generation ended: from its agent's board (:mod:`._board`), which
    the agent's heartbeat watch updates the moment the coordinator ends the generation,
    or, without an agent, from its own heartbeat watch;
-2. it leaves the collectives it is in (the training thread's, the background save's):
-   an NCCL group is aborted. A gloo group cannot be (``abort()`` does nothing in torch
-   2.13, and destroying it closes nothing while DDP still holds it), so the process
-   shuts down the TCP connections its groups accepted from peers (:func:`_shut_gloo`):
-   every pair of processes has one side that accepted, so once each live process has
-   done so no collective of the ended generation waits on anyone, and the wait ends
-   with an error, which the ``with generation:`` block swallows once the generation is
-   known to have ended. A peer that vanished without closing its end (a VM gone) is
-   waited for up to the group's ``timeout``;
+2. it leaves the generation's collectives (the training thread's, the background
+   save's): an NCCL group is aborted. A gloo group cannot be (``abort()`` does nothing
+   in torch 2.13, and destroying it closes nothing while DDP still holds it). Its ranks
+   leave together instead, at the step whose :meth:`Generation.check` (an all-reduce
+   of each rank's "ended") says so, and each then shuts down its gloo connections
+   (:func:`_shut_gloo`), so that a peer still in a collective (one that failed on a
+   dead peer's connection) gets an error, which the ``with generation:`` block
+   swallows once the generation is known to have ended. A rank still in the block a
+   grace after the end shuts them too. A peer that vanished without closing its end
+   (a VM gone) is waited for up to the group's ``timeout``;
 3. it destroys the process group, and waits for the node's assignment in the next
    generation (the agent joins it, as the same member);
 4. it builds the new process group (a TCP store at the new rank 0) and yields it.
@@ -36,6 +37,7 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -45,6 +47,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
 from rallypoint.client import Assignment, ElasticClient, RallypointError
@@ -109,6 +112,7 @@ class Generation:
         ended: threading.Event,
         detect: float,
         report: Callable[[int, str], None] | None = None,
+        agree: bool = False,
     ) -> None:
         self.number = assignment.generation
         self.rank = rank
@@ -122,6 +126,12 @@ class Generation:
         self.reason = ""
         self.timings: dict[str, float] = {}
         self._ended_at = 0.0
+        # Whether check() agrees with the other ranks (gloo, more than one process);
+        # when it was last called (time.monotonic()) and the time between the last two
+        # calls, for the watcher's grace.
+        self._agree = agree and world_size > 1
+        self._checked: float | None = None
+        self._step_s = 0.0
 
     @property
     def ended(self) -> bool:
@@ -129,13 +139,33 @@ class Generation:
         return self._ended.is_set()
 
     def check(self) -> None:
-        """Raises :class:`GenerationEnded` if the generation ended: call it once a step.
+        """Raises :class:`GenerationEnded` if the generation ended: call it once a step,
+        on every rank at the same steps.
+
+        Under gloo it is a collective (an all-reduce of one integer on the generation's
+        group): the ranks agree on whether the generation ended, so all of them leave
+        at the same step, and none goes on into the next step's collectives once
+        another has left. A rank that left at its own next step, as soon as it saw the
+        end, could leave a peer inside that step's all-reduce, waiting on it for the
+        group's timeout (``bench/gloo_end.py``). Under NCCL it reads a flag: an ended
+        generation's communicator is aborted instead.
 
         Raises:
             GenerationEnded: As named.
         """
-        if self._ended.is_set():
-            raise GenerationEnded(f"generation {self.number} ended: {self.reason}")
+        ended = self._ended.is_set()
+        now = time.monotonic()
+        if self._checked is not None:
+            self._step_s = now - self._checked
+        self._checked = now
+        if self._agree:
+            flag = torch.tensor([int(ended)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item() and not ended:
+                # Another rank saw the end first: this one's board shows it within ms.
+                ended = self._ended.wait(self._detect) or True
+        if ended:
+            raise GenerationEnded(f"generation {self.number} ended: {self.reason or 'ended'}")
 
     def __enter__(self) -> Generation:
         return self
@@ -291,8 +321,6 @@ def generations(
             "torch.distributed.init_process_group yourself"
         )
     if backend is None:
-        import torch
-
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -314,15 +342,17 @@ def generations(
                 ended,
                 detect=detect,
                 report=membership.report,
+                agree=backend != "nccl",
             )
             _init_group(generation, backend, timeout)
             if regrouped:
                 generation.timings = {**timings, "grouped": time.time()}
             if checkpoints is not None:
                 checkpoints.follow(assignment)
+            left = threading.Event()  # set once the caller is out of the block
             watcher = threading.Thread(
                 target=_watch,
-                args=(membership, generation, ended),
+                args=(membership, generation, ended, left),
                 name="rallypoint-generation",
                 daemon=True,
             )
@@ -332,12 +362,18 @@ def generations(
             finally:
                 done = ended.is_set()
                 ended.set()  # stops the watcher, if the caller broke out
+                left.set()
                 watcher.join()
             if not done:
                 raise RuntimeError(
                     f"the loop asked for the generation after {generation.number} while "
                     "it still runs: break out of the loop when training is done"
                 )
+            if backend != "nccl":
+                # Out of the generation's collectives: a peer still in one (it failed on
+                # another connection, or the block was left on an error) is released.
+                closed = _shut_gloo()
+                log.debug("rank %d: shut %d gloo connections", generation.rank, closed)
             timings = {"ended": generation._ended_at or time.time()}
             if checkpoints is not None:
                 checkpoints.leave_generation(timeout.total_seconds())
@@ -358,9 +394,17 @@ def generations(
         membership.close()
 
 
-def _watch(membership: _Membership, generation: Generation, ended: threading.Event) -> None:
-    """Sets ``ended`` when the generation ends (and aborts an NCCL group, which a
-    dead peer can otherwise leave hanging)."""
+def _watch(
+    membership: _Membership, generation: Generation, ended: threading.Event, left: threading.Event
+) -> None:
+    """Sets ``ended`` when the generation ends. Then an NCCL group is aborted, which a
+    dead peer can otherwise leave hanging. A gloo group's connections are shut here
+    only if the caller has not left the block within a grace: the ranks leave
+    together at a :meth:`Generation.check`, and each shuts its connections once out;
+    shutting them while a peer is inside a collective can leave that peer waiting the
+    group's timeout (a send gloo had begun writing is not failed). The grace, a second
+    and twice the last step, covers callers that do not call ``check()``, and a rank
+    held in a collective by a peer that failed and left."""
     while not ended.is_set():
         reason = membership.ended(generation.number)
         if reason is not None:
@@ -372,51 +416,54 @@ def _watch(membership: _Membership, generation: Generation, ended: threading.Eve
             if dist.get_backend() == "nccl":
                 with contextlib.suppress(Exception):
                     dist.group.WORLD.abort()  # type: ignore[union-attr]  # untested here
-            else:
-                closed = _shut_gloo({generation.assignment.master_port})
-                log.debug("rank %d: shut %d gloo connections", generation.rank, closed)
+            elif not left.wait(1.0 + 2 * generation._step_s):
+                closed = _shut_gloo()
+                log.debug(
+                    "rank %d: still in generation %d's block; shut %d gloo connections",
+                    generation.rank,
+                    generation.number,
+                    closed,
+                )
             return
         ended.wait(_POLL_S)
 
 
-_LISTEN, _ESTABLISHED = "0A", "01"
-
-
-def _shut_gloo(keep_ports: set[int]) -> int:
-    """Shuts down the TCP connections this process accepted on its listening ports
-    (gloo's, less ``keep_ports``: the store's), from /proc; returns how many.
+def _shut_gloo() -> int:
+    """Shuts down this process's gloo connections, both ends' sockets of every pair it
+    holds; returns how many.
 
     ``shutdown`` acts on the connection, not on a descriptor: gloo's own descriptor
-    stays open (gloo closes it with its group), and its wait ends with an error, here
-    and at the peer.
+    stays open (gloo closes it with its group), and a wait on it ends with an error,
+    here and at the peer.
+
+    A gloo connection is a socket with both kernel timeouts set: gloo sets them, to the
+    group's timeout, on each end of every pair it connects, and nothing else in a
+    worker does (Python's sockets and torch's store wait with ``poll``), so the store's
+    and HTTP connections stay up. Each process shuts both ends it holds: a peer that
+    failed on another connection and left must release the ranks waiting on it,
+    whichever side accepted.
     """
-    sockets: dict[int, int] = {}  # inode -> fd
+    closed = 0
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError, ValueError):
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith("socket:["):
-                sockets[int(target[8:-1])] = int(name)
-    rows: list[tuple[int, str, int]] = []  # (local port, state, inode)
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                with contextlib.suppress(ValueError, IndexError):
-                    port = int(fields[1].rsplit(":", 1)[1], 16)
-                    rows.append((port, fields[3], int(fields[9])))
-    listening = {port for port, state, inode in rows if state == _LISTEN and inode in sockets}
-    listening -= keep_ports
-    closed = 0
-    for port, state, inode in rows:
-        if state == _ESTABLISHED and port in listening and inode in sockets:
-            with contextlib.suppress(OSError):
-                sock = socket.socket(fileno=os.dup(sockets[inode]))
-                try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:["):
+                continue
+            # A duplicate: closing it leaves gloo's descriptor as it was.
+            with socket.socket(fileno=os.dup(int(name))) as sock:
+                if sock.family in (socket.AF_INET, socket.AF_INET6) and _timed(sock):
+                    sock.getpeername()  # raises unless connected
                     sock.shutdown(socket.SHUT_RDWR)
                     closed += 1
-                finally:
-                    sock.close()  # the duplicate only
     return closed
+
+
+def _timed(sock: socket.socket) -> bool:
+    """Whether ``sock`` has both kernel timeouts set (``struct timeval``, not zero)."""
+    size = struct.calcsize("ll")
+    return all(
+        any(struct.unpack("ll", sock.getsockopt(socket.SOL_SOCKET, option, size)))
+        for option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO)
+    )
 
 
 def _detect_s(client: ElasticClient) -> float:
@@ -477,8 +524,6 @@ def _init_group(generation: Generation, backend: str, timeout: timedelta) -> Non
     """The generation's process group: a TCP store at its rank 0's master address."""
     a = generation.assignment
     if backend == "nccl":
-        import torch
-
         torch.cuda.set_device(generation.local_rank)
     if generation.rank != 0:
         _await_listener(a.master_addr, a.master_port, timeout.total_seconds())

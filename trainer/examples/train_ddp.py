@@ -316,9 +316,12 @@ class Loop:
                 self.event("emergency", step=self.step, version=info.version if info else None)
                 if generation is None or watcher.notice is not None:
                     watcher.finish()  # leaves (the notified node) or awaits the restart
-                while True:  # a survivor in place: the departure ends the generation
-                    generation.check()
+                # A survivor in place: the notified node's ranks wait in finish()'s
+                # barrier for every rank, then leave, which ends the generation.
+                dist.barrier()
+                while not generation.ended:
                     time.sleep(0.01)
+                return
             if generation is not None:
                 generation.check()
             self.step += 1
