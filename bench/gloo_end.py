@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rallypoint.client.models import Assignment
 from rallypoint.trainer import Generation, GenerationEnded
 from rallypoint.trainer._regroup import _shut_gloo
-rank, world, rounds, port, mode, timeout, seed = sys.argv[1:8]
+rank, world, rounds, port, mode, timeout, seed, base = sys.argv[1:9]
 rank, world, rounds, port, timeout, seed = map(int, (rank, world, rounds, port, timeout, seed))
 for round_ in range(rounds):
     store = port + round_
@@ -62,7 +62,7 @@ for round_ in range(rounds):
     model = DistributedDataParallel(torch.nn.Sequential(
         torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    end = time.time() + 0.3 + random.Random(seed + round_).random() * 0.5
+    end = time.time() + float(base) + random.Random(seed + round_).random() * 0.5
     seen = end + random.Random((seed + round_) * 100 + rank).random() * 0.01
     def watch():
         time.sleep(max(0.0, seen - time.time()))
@@ -73,30 +73,33 @@ for round_ in range(rounds):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     how = "check"
+    steps, began = 0, time.perf_counter()
     try:
         while True:
             model(torch.randn(64, 256)).pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad()
             generation.check()
+            steps += 1
     except GenerationEnded:
         pass
     except Exception as exc:  # a collective a peer left
         ended.wait(timeout)
         how = str(exc).splitlines()[0][-80:]
     left = time.time() - seen
+    step_ms = 1000 * (time.perf_counter() - began) / max(steps, 1)
     watcher.join()
     if mode == "agree":
         _shut_gloo()
     del model, optimizer
     dist.destroy_process_group()
-    print(json.dumps({"round": round_, "rank": rank, "left_s": round(left, 3), "how": how}),
-          flush=True)
+    print(json.dumps({"round": round_, "rank": rank, "left_s": round(left, 3), "how": how,
+                      "step_ms": round(step_ms, 3)}), flush=True)
 """
 
 
 def run(
-    mode: str, rounds: int, port: int, timeout: int, seed: int, folder: Path
+    mode: str, rounds: int, port: int, timeout: int, seed: int, folder: Path, train_s: float
 ) -> list[dict[str, Any]]:
     """One mode's rounds: the ranks' lines."""
     script = folder / "rank.py"
@@ -113,6 +116,7 @@ def run(
                 mode,
                 str(timeout),
                 str(seed),
+                str(train_s),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -134,6 +138,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=38500)
     parser.add_argument("--only", choices=("leave", "agree"), help="one way to stop")
+    parser.add_argument(
+        "--train-s", type=float, default=0.3, help="each round trains this long, and up to 0.5 s"
+    )
     args = parser.parse_args()
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     results: dict[str, dict[str, Any]] = {}
@@ -142,17 +149,24 @@ def main() -> None:
             if args.only not in (None, mode):
                 continue
             started = time.monotonic()
-            lines = run(mode, args.rounds, args.port + i * 1000, args.timeout, args.seed, Path(tmp))
+            port = args.port + i * 1000
+            lines = run(mode, args.rounds, port, args.timeout, args.seed, Path(tmp), args.train_s)
             stalled = [x for x in lines if x["left_s"] > 1.0]
             ends = sorted(x["left_s"] for x in lines)
+            # A step with its check, the ranks' steps until the end (no stalled ranks).
+            steps = sorted(x["step_ms"] for x in lines if x["left_s"] <= 1.0)
             results[mode] = {
                 "rank_ends": len(lines),
                 "stalled": len(stalled),
                 "stalled_rounds": sorted({x["round"] for x in stalled}),
                 "median_left_s": ends[len(ends) // 2] if ends else None,
+                "median_step_ms": steps[len(steps) // 2] if steps else None,
                 "wall_s": round(time.monotonic() - started, 1),
             }
             print(mode, json.dumps(results[mode]), flush=True)
+        if len(results) == 2 and all(r["median_step_ms"] for r in results.values()):
+            ratio = results["agree"]["median_step_ms"] / results["leave"]["median_step_ms"]
+            print(f"a step with the agreed check: {ratio:.3f}x one without", flush=True)
 
 
 if __name__ == "__main__":
