@@ -5,7 +5,6 @@ still carry one ``[rankN]:`` prefix, the current generation's. Real process grou
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -13,14 +12,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from rallypoint.cli.processes import free_port
 from rallypoint.trainer import _regroup
 from rallypoint.trainer._regroup import _one_excepthook
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -19,13 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from rallypoint.cli.processes import free_port
 from rallypoint.trainer._regroup import _shut_gloo
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def connection(stack: ExitStack, *, timed: bool) -> tuple[socket.socket, socket.socket]:
