@@ -20,9 +20,10 @@ from rallypoint.trainer._regroup import _one_excepthook
 @pytest.fixture
 def hooks() -> Iterator[None]:
     """The interpreter's own hook and no record of one, then the hook and record as they
-    were. An in-process test that built a process group before this one in the same
-    process (a framework's world of one) left torch's prefixing hook installed: under
-    four xdist workers the first test below saw three prefixes, two of them not its own."""
+    were. In-process tests that built a process group earlier in the same process leave
+    torch's prefixing hook installed: under four xdist workers the first test below saw
+    three prefixes, two of them not its own (two raw ``init_process_group`` calls before
+    it reproduce that)."""
     assert not dist.is_initialized()
     original, recorded = sys.excepthook, _regroup._hooks
     sys.excepthook, _regroup._hooks = sys.__excepthook__, None
