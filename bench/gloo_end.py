@@ -154,7 +154,7 @@ def main() -> None:
             stalled = [x for x in lines if x["left_s"] > 1.0]
             ends = sorted(x["left_s"] for x in lines)
             # A step with its check, the ranks' steps until the end (no stalled ranks).
-            steps = sorted(x["step_ms"] for x in lines if x["left_s"] <= 1.0)
+            steps = sorted(x["step_ms"] for x in lines if x not in stalled)
             results[mode] = {
                 "rank_ends": len(lines),
                 "stalled": len(stalled),

@@ -66,9 +66,9 @@ class Replicas(Topology):
         """A counter's total over every replica and label.
 
         A scrape reads every job's state from storage: 40 jobs took 1.5 s a replica with
-        this test alone here, and one replica's took more than 10 s in the serial CI run at 8b56426
-        (why that one stalled was not found). The counter is the test's report, not what
-        it tests: it waits as the status reads do."""
+        this test alone here, and one replica's took more than 10 s in the serial CI run
+        at 8b56426 (why that one stalled was not found). The counter is the test's
+        report, not what it tests: it waits as the status reads do."""
         total = 0.0
         for replica in self.replicas:
             text = httpx.get(f"{replica.url}/metrics", timeout=60).text
