@@ -73,12 +73,15 @@ lint: dev
 typecheck: dev
 	PATH=$(abspath $(BIN)):$$PATH scripts/typecheck
 
+# The unit and azurite lanes wait more than they compute (35% of 2 CPUs busy serially):
+# two xdist workers halve them. The e2e lane is bound by CPU and by timing: serially.
 test: setup lint typecheck
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not e2e" -n 2
+	$(BIN)/python -m pytest -m e2e
 
 # The unit lane: tests that start no process (tests/conftest.py says which are which).
 test-fast: dev
-	$(BIN)/python -m pytest -m unit
+	$(BIN)/python -m pytest -m unit -n 2
 
 # The framework integrations' tests alone (part of `make test` too).
 test-frameworks: dev frameworks

@@ -94,10 +94,15 @@ def test_a_silent_member_makes_the_others_restart(start: Start) -> None:
             assert a.rank == by_node[a.node_id], (by_node, a)
 
 
-def until_parked(member: ElasticClient, within: float = 10) -> None:
-    """Waits until the job shows a standby (or ``within`` s pass: the caller asserts)."""
+def until_parked(member: ElasticClient, standby: ElasticClient, within: float = 10) -> None:
+    """Waits until the job shows a standby and ``standby``'s own join has read that it
+    parks (or ``within`` s pass: the caller asserts). The status shows it a moment before
+    its join's reply arrives, and the node's credential with it: under two xdist workers
+    a ``ready`` sent in between was refused for want of one."""
     end = time.monotonic() + within
-    while not any(w.standby for w in member.membership().waiting) and time.monotonic() < end:
+    while time.monotonic() < end and not (
+        standby.parked_round is not None and any(w.standby for w in member.membership().waiting)
+    ):
         time.sleep(0.02)
 
 
@@ -120,7 +125,7 @@ def test_a_standby_waits_past_its_join_timeout_and_takes_the_rank_of_a_leaver(
     thread = threading.Thread(target=stand_by)
     thread.start()
     # Parked: shown as a standby, and the members run on.
-    until_parked(a)
+    until_parked(a, s)
     assert [w.node_id for w in a.membership().waiting if w.standby] == ["s"]
     thread.join(2)  # four times the join's timeout
     assert thread.is_alive() and not errors
@@ -145,7 +150,7 @@ def test_a_hot_join_parks_until_it_says_ready_then_the_generation_ends_for_it(
     thread = threading.Thread(target=lambda: joined.append(catch(lambda: c.join(warm=True))))
     thread.start()
     # Room for it, yet it parks: the members run on while its workers start.
-    until_parked(a)
+    until_parked(a, c)
     assert [w.node_id for w in a.membership().waiting if w.standby] == ["c"]
     assert a.heartbeat().action == "continue" and b.heartbeat().action == "continue"
     assert c.parked_round == 2
@@ -169,7 +174,7 @@ def test_a_standby_beside_a_full_generation_ends_nothing_by_saying_ready(start: 
     join_all([a, b], spec(1, 2).model_copy(update={"standbys": 1}))
     thread = threading.Thread(target=lambda: catch(lambda: s.join(warm=True)), daemon=True)
     thread.start()
-    until_parked(a)
+    until_parked(a, s)
     assert s.ready(2)  # it still waits: no room, so it waits for a lost slot
     assert a.heartbeat().action == "continue" and a.membership().generation == 1
     a.leave(FINISHED)
@@ -184,7 +189,7 @@ def test_a_standby_is_released_once_the_members_finish(start: Start) -> None:
     outcome: list[BaseException | Assignment] = []
     thread = threading.Thread(target=lambda: outcome.append(catch(s.join)))
     thread.start()
-    until_parked(a)
+    until_parked(a, s)
     # The members' workers finished: each agent leaves as finished (the second finds
     # its generation over already, and leaves unfenced, as the agent does).
     a.leave(FINISHED)
