@@ -15,8 +15,9 @@ from datetime import timedelta
 from typing import TextIO
 
 from rallypoint.client import QuarantinedNode, TokenInfo
+from rallypoint.times import utc
 
-from ._inspect import _table, _when, ask, connection_options
+from ._inspect import _table, ask, connection_options
 
 __all__ = ["add_commands", "parse_duration"]
 
@@ -43,9 +44,9 @@ def _print(tokens: Sequence[TokenInfo]) -> None:
             t.job_id,
             t.role,
             t.name,
-            _when(t.created_at),
-            _when(t.expires_at),
-            _when(t.revoked_at),
+            utc(t.created_at, zone=False),
+            utc(t.expires_at, zone=False),
+            utc(t.revoked_at, zone=False),
         )
         for t in tokens
     ]
@@ -66,7 +67,11 @@ def _create(args: argparse.Namespace) -> int:
     else:
         # The token alone on stdout, for `export RALLYPOINT_TOKEN=$(rallypoint token ...)`.
         print(made.token)
-        expiry = "never expires" if made.expires_at is None else f"expires {_when(made.expires_at)}"
+        expiry = (
+            "never expires"
+            if made.expires_at is None
+            else f"expires {utc(made.expires_at, zone=False)}"
+        )
         print(
             f"token {made.token_id}: {made.role} of job {made.job_id}, {expiry}; "
             "it is shown only now",
@@ -99,7 +104,7 @@ def _revoke(args: argparse.Namespace) -> int:
 
 def print_quarantined(nodes: Sequence[QuarantinedNode], out: TextIO) -> None:
     """One row per node the job does not admit: since when, by whom, why."""
-    rows = [(q.node_id, _when(q.at), q.by, q.reason or None) for q in nodes]
+    rows = [(q.node_id, utc(q.at, zone=False), q.by, q.reason or None) for q in nodes]
     _table(("NODE", "SINCE", "BY", "WHY"), rows, out)
 
 

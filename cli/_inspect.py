@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any, Literal, TextIO, TypeVar
 
 from pydantic import BaseModel
@@ -33,6 +33,7 @@ from rallypoint.client import (
     RetryPolicy,
     Timeline,
 )
+from rallypoint.times import utc
 
 __all__ = ["add_commands", "ask", "client_for", "connection_options"]
 
@@ -42,12 +43,6 @@ _T = TypeVar("_T")
 _RETRY = RetryPolicy(deadline=timedelta(seconds=5))
 # ElasticClient wants a node id; these commands never act as a node.
 _NODE = "rallypoint-cli"
-
-
-def _when(epoch: float | None) -> str:
-    if epoch is None:
-        return "-"
-    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _age(seconds: float | None) -> str:
@@ -113,7 +108,7 @@ def print_jobs(jobs: Sequence[JobSummary], out: TextIO) -> None:
             if j.checkpoint is None
             else f"v{j.checkpoint.version} step {j.checkpoint.step}"
             + ("" if j.checkpoint.durable else " (memory)"),
-            _when(j.created_at),
+            utc(j.created_at, zone=False),
         )
         for j in jobs
     ]
@@ -147,7 +142,10 @@ def print_status(status: JobStatus, out: TextIO) -> None:
         out.write("\nquarantined (not admitted)\n")
         _table(
             ["NODE", "SINCE", "BY", "WHY"],
-            [(q.node_id, _when(q.at), q.by, q.reason or None) for q in status.quarantined_nodes],
+            [
+                (q.node_id, utc(q.at, zone=False), q.by, q.reason or None)
+                for q in status.quarantined_nodes
+            ],
             out,
         )
     if status.waiting:
@@ -171,7 +169,13 @@ def print_status(status: JobStatus, out: TextIO) -> None:
     _table(
         ["GEN", "WORLD", "SEALED", "ENDED", "WHY"],
         [
-            (g.generation, g.world_size, _when(g.sealed_at), _when(g.ended_at), g.ended_reason)
+            (
+                g.generation,
+                g.world_size,
+                utc(g.sealed_at, zone=False),
+                utc(g.ended_at, zone=False),
+                g.ended_reason,
+            )
             for g in sorted(status.history, key=lambda g: g.generation, reverse=True)
         ],
         out,
@@ -236,13 +240,13 @@ def print_timeline(timeline: Timeline, out: TextIO) -> None:
         return
     events.sort()
     start = events[0][0]
-    day = datetime.fromtimestamp(start, timezone.utc).strftime("%Y-%m-%d")
+    day = utc(start, "%Y-%m-%d", zone=False)
     out.write(f"\nsince {day} (UTC)\n")
     _table(
         ["TIME", "SINCE", "EVENT"],
         [
             (
-                datetime.fromtimestamp(at, timezone.utc).strftime("%H:%M:%S"),
+                utc(at, "%H:%M:%S", zone=False),
                 _offset(at - start),
                 text,
             )
@@ -283,8 +287,8 @@ def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
             v.durability,
             f"{v.reported}/{v.world_size}",
             _pointers(v),
-            _when(v.created_at),
-            _when(v.committed_at),
+            utc(v.created_at, zone=False),
+            utc(v.committed_at, zone=False),
             *([_metrics(v)] if with_metrics else []),
         )
         for v in versions
@@ -293,14 +297,8 @@ def print_checkpoints(versions: Sequence[CheckpointInfo], out: TextIO) -> None:
     extra = ["METRICS"] if with_metrics else []
     _table([*header, "CREATED", "COMMITTED", *extra], rows, out)
     for v in versions:
-        if v.quarantined:
-            why = f": {v.quarantine_reason}" if v.quarantine_reason else ""
-            out.write(f"v{v.version} quarantined {_when(v.quarantined_at)} UTC{why}\n")
-        if v.unrecoverable:
-            out.write(
-                f"v{v.version} unrecoverable since {_when(v.unrecoverable_at)} UTC: "
-                f"{v.unrecoverable_reason}\n"
-            )
+        for mark in v.marks():
+            out.write(f"v{v.version} {mark}\n")
 
 
 def _show(args: argparse.Namespace, fetch: Callable[[], str]) -> int:
@@ -338,7 +336,7 @@ def _render(
     out = io.StringIO()
     printer(value, out)
     if args.watch:
-        out.write(f"\n({_when(time.time())} UTC; every {args.interval:g}s, Ctrl-C stops)\n")
+        out.write(f"\n({utc(time.time())}; every {args.interval:g}s, Ctrl-C stops)\n")
     return out.getvalue()
 
 

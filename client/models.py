@@ -16,6 +16,8 @@ from urllib.parse import unquote
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
 
+from rallypoint.times import utc
+
 __all__ = [
     "CREDENTIAL_HEADER",
     "ENVELOPE_PATH",
@@ -478,6 +480,20 @@ class CheckpointInfo(_Model):
     peers: dict[str, PeerGrant] = Field(default_factory=dict)
     #: The global ranks whose files are in blob storage; with ``urls``.
     in_storage: list[int] = Field(default_factory=list)
+
+    def marks(self) -> list[str]:
+        """Why no generation resumes from it, as people read it: an operator's
+        quarantine and a rank's finding that it cannot be loaded, each with when (UTC)
+        and why; empty if neither. The CLI's ``versions`` and the status page show them.
+        """
+        marks = []
+        if self.quarantined:
+            why = f": {self.quarantine_reason}" if self.quarantine_reason else ""
+            marks.append(f"quarantined {utc(self.quarantined_at)}{why}")
+        if self.unrecoverable:
+            since = utc(self.unrecoverable_at)
+            marks.append(f"unrecoverable since {since}: {self.unrecoverable_reason}")
+        return marks
 
 
 class QuarantineRequest(_Model):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable
-from datetime import datetime, timezone
 from html import escape
 from typing import Literal, Protocol
 
@@ -37,6 +36,7 @@ from rallypoint.client.models import (
     TimelineGeneration,
     TimelineVersion,
 )
+from rallypoint.times import utc
 
 __all__ = ["CAUSE_COLOURS", "HEIGHT", "WIDTH", "Recorded", "as_entry", "cause", "svg", "timeline"]
 
@@ -214,12 +214,7 @@ def timeline(
 
 
 def _clock(epoch: float, span: float) -> str:
-    fmt = "%H:%M:%S" if span < _DAY else "%m-%d %H:%M"
-    return datetime.fromtimestamp(epoch, timezone.utc).strftime(fmt)
-
-
-def _when(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return utc(epoch, "%H:%M:%S" if span < _DAY else "%m-%d %H:%M", zone=False)
 
 
 def _duration(seconds: float) -> str:
@@ -295,11 +290,11 @@ def _generations(t: Timeline, scale: _Scale, top: int) -> list[str]:
         ended = (
             "running"
             if running
-            else f"ended {_when(end)} ({_WORDS[g.cause or 'other']}): {g.ended_reason or '-'}"
+            else f"ended {utc(end)} ({_WORDS[g.cause or 'other']}): {g.ended_reason or '-'}"
         )
         hover = (
             f"generation {g.generation}: world size {g.world_size}, sealed "
-            f"{_when(g.sealed_at)}, {_duration(end - g.sealed_at)}, resumed {resumed}; {ended}"
+            f"{utc(g.sealed_at)}, {_duration(end - g.sealed_at)}, resumed {resumed}; {ended}"
         )
         fill = "#5b8fd9" if running else ("#8fb3e8" if g.generation % 2 else "#a7c4ee")
         label = (
@@ -336,7 +331,7 @@ def _restarts(t: Timeline, scale: _Scale) -> list[str]:
         kind: TimelineCause = g.cause or "other"
         x = scale.x(g.ended_at)
         colour = CAUSE_COLOURS[kind]
-        hover = f"restart ({_WORDS[kind]}) at {_when(g.ended_at)}: {g.ended_reason or '-'}"
+        hover = f"restart ({_WORDS[kind]}) at {utc(g.ended_at)}: {g.ended_reason or '-'}"
         y = _MARKER_Y
         out.append(
             f"<g{_a(class_='restart', data_cause=kind, data_generation=g.generation)}>"
@@ -395,17 +390,17 @@ def _checkpoints(t: Timeline, places: dict[int, float]) -> list[str]:
         notes = [
             "pending"
             if v.committed_at is None
-            else f"committed {_when(v.committed_at)}, "
+            else f"committed {utc(v.committed_at)}, "
             + ("durable" if v.durability == "durable" else "in memory only")
         ]
         if v.quarantined:
             notes.append(
-                "quarantined" + ("" if v.quarantined_at is None else f" {_when(v.quarantined_at)}")
+                "quarantined" + ("" if v.quarantined_at is None else f" {utc(v.quarantined_at)}")
             )
         if v.unrecoverable:
             notes.append(
                 "unrecoverable"
-                + ("" if v.unrecoverable_at is None else f" since {_when(v.unrecoverable_at)}")
+                + ("" if v.unrecoverable_at is None else f" since {utc(v.unrecoverable_at)}")
             )
         if v.latest:
             notes.append("the latest")
@@ -413,7 +408,7 @@ def _checkpoints(t: Timeline, places: dict[int, float]) -> list[str]:
             notes.append("the newest durable")
         if v.collected:
             notes.append(
-                "collected" + ("" if v.collected_at is None else f" {_when(v.collected_at)}")
+                "collected" + ("" if v.collected_at is None else f" {utc(v.collected_at)}")
             )
         hover = f"v{v.version}: step {v.step}, generation {v.generation}; " + "; ".join(notes)
         out.append(
@@ -545,7 +540,7 @@ def svg(t: Timeline, *, standalone: bool = False) -> str:
     """
     scale = _Scale(_start(t), t.now)
     top = max([t.spec.max_nodes, *(g.world_size for g in t.generations)])
-    body: list[str] = [_title(f"Timeline of job {t.job_id}, {_when(t.now)}")]
+    body: list[str] = [_title(f"Timeline of job {t.job_id}, {utc(t.now)}")]
     body += _world_axis(top)
     body += _generations(t, scale, top)
     body += _restarts(t, scale)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timezone
 from html import escape
 from typing import Annotated
 from urllib.parse import parse_qs
@@ -34,6 +33,7 @@ from rallypoint.client.models import (
     Timeline,
     TimelineVersion,
 )
+from rallypoint.times import utc
 
 from .. import _timeline
 from .._tokens import Principal, Tokens, presented
@@ -99,12 +99,6 @@ def _page(title: str, main: str, status: int = 200, refresh: bool = True) -> HTM
     return HTMLResponse(body, status_code=status, headers=headers)
 
 
-def _when(epoch: float | None) -> str:
-    if epoch is None:
-        return "-"
-    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
 def _age(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f} s ago"
 
@@ -127,15 +121,7 @@ def _badges(*names: tuple[str, str]) -> _Html:
 def _marked(version: CheckpointInfo) -> str:
     """When and why an operator quarantined the version, or a rank found it could not
     load it; "-" if neither."""
-    marks = []
-    if version.quarantined:
-        why = f": {version.quarantine_reason}" if version.quarantine_reason else ""
-        marks.append(f"quarantined {_when(version.quarantined_at)}{why}")
-    if version.unrecoverable:
-        marks.append(
-            f"unrecoverable {_when(version.unrecoverable_at)}: {version.unrecoverable_reason}"
-        )
-    return "; ".join(marks) or "-"
+    return "; ".join(version.marks()) or "-"
 
 
 def _pointer(pointer: CheckpointPointer | None) -> str:
@@ -237,7 +223,7 @@ async def jobs_page(rdzv: RdzvDep, request: Request, cookie: Token = None) -> HT
         "<h1>Rallypoint: jobs</h1><table id='jobs'><thead><tr><th>job</th><th>nodes</th>"
         "<th>generation</th><th>status</th><th>world size</th><th>latest checkpoint</th>"
         f"</tr></thead><tbody>{rows}</tbody></table>"
-        f"<p class='muted'>updated {_when(rdzv.clock())}</p>"
+        f"<p class='muted'>updated {utc(rdzv.clock())}</p>"
     )
     return _page("Rallypoint: jobs", main)
 
@@ -319,7 +305,7 @@ async def job_page(
             + _table(
                 "quarantined-nodes",
                 ["node", "since", "by", "why"],
-                [(q.node_id, _when(q.at), q.by, q.reason or "-") for q in status.quarantined_nodes],
+                [(q.node_id, utc(q.at), q.by, q.reason or "-") for q in status.quarantined_nodes],
             )
             if status.quarantined_nodes
             else ""
@@ -332,8 +318,8 @@ async def job_page(
                 (
                     g.generation,
                     g.world_size,
-                    _when(g.sealed_at),
-                    _when(g.ended_at),
+                    utc(g.sealed_at),
+                    utc(g.ended_at),
                     g.ended_reason or ("running" if g.ended_at is None else "-"),
                 )
                 for g in sorted(status.history, key=lambda g: g.generation, reverse=True)
@@ -373,7 +359,7 @@ async def job_page(
                         ),
                     ),
                     f"{v.reported}/{v.world_size}",
-                    _when(v.committed_at),
+                    utc(v.committed_at),
                     " ".join(f"{k}={x:.6g}" for k, x in sorted(v.metrics.items())) or "-",
                     _marked(v),
                 )
@@ -386,7 +372,7 @@ async def job_page(
                 for v in reversed(versions)
             ],
         )
-        + f"<p class='muted'>updated {_when(now)}</p>"
+        + f"<p class='muted'>updated {utc(now)}</p>"
     )
     return _page(f"Rallypoint: {job_id}", main)
 
