@@ -177,8 +177,11 @@ def test_a_hot_standbys_worker_waits_built_and_takes_the_lost_rank_in_place(
 def test_a_standby_never_needed_exits_0_when_the_job_finishes(
     coordinator: Coordinator, tmp_path: Path, hot: bool
 ) -> None:
+    # 150 steps (7.5 s and more): two agents started at once here first joined 6.5 s
+    # after their start, and under four xdist workers the 60 steps this ran before ended
+    # before s had joined (the test then waited out its 150 s for a standby).
     cluster = Cluster(
-        coordinator.url, "done", tmp_path, nnodes="1:2", standbys=1, hot_standby=hot, steps=60
+        coordinator.url, "done", tmp_path, nnodes="1:2", standbys=1, hot_standby=hot, steps=150
     )
     try:
         # torchrun's own INFO lines (its exit barrier's among them): in one CI run of
