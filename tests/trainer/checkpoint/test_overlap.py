@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,11 @@ from rallypoint.trainer.memory import MEMORY_ENV
 
 from ..._ranks import run_ranks
 from ...conftest import Start
+
+# Nothing heartbeats for these nodes: a generation must outlast the test however loaded
+# the machine is. With the 10 s default a save saw its generation end (StaleGeneration)
+# under four xdist workers; under two the memory-tier case took 7.1 s.
+ONE_NODE = JobSpec(min_nodes=1, max_nodes=1, heartbeat_timeout=timedelta(minutes=5))
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,7 +75,7 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mon
 @pytest.mark.parametrize("backend", ["local"], indirect=True)
 def test_overlapped_saves_hold_the_bytes_of_their_call(start: Start, tier: str) -> None:
     client = ElasticClient(start().url, "overlap", "a")
-    client.join(spec=JobSpec(min_nodes=1, max_nodes=1))
+    client.join(spec=ONE_NODE)
     net = model()
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
     ema = {k: v.detach().clone() for k, v in net.state_dict().items() if v.numel() > 1 << 16}
@@ -134,7 +140,7 @@ def test_overlapped_saves_hold_the_bytes_of_their_call(start: Start, tier: str) 
 
 def test_the_fence_is_a_module_or_an_optimizer(start: Start) -> None:
     client = ElasticClient(start().url, "fence", "a")
-    client.join(spec=JobSpec(min_nodes=1, max_nodes=1))
+    client.join(spec=ONE_NODE)
     with pytest.raises(TypeError, match="modules and optimizers"):
         CheckpointManager(client, fence=[torch.zeros(1)])  # type: ignore[list-item]
 
