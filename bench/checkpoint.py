@@ -64,7 +64,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # last: its rallypoint/ folder must not hide an installed package
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 # The DCP anchors run without a process group on purpose.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -261,7 +261,7 @@ def peak_memory(url: str, mib: int, tensors: int, device: str) -> float:
     code = f"""
 import sys, warnings
 warnings.filterwarnings("ignore")
-sys.path.insert(0, {str(ROOT)!r})
+sys.path.append({str(ROOT)!r})
 import torch
 from bench.checkpoint import joined_manager, make_state
 def rss(field):
@@ -359,7 +359,7 @@ SHARDED_WORLD = 4
 _FORMAT_RUN = """
 import json, os, sys, time, warnings
 warnings.filterwarnings("ignore")
-sys.path.insert(0, {root!r})
+sys.path.append({root!r})
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import SerializationFormat

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' coordinator
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # the tests' coordinator, last
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _frameworks import ROOT, coordinator, measuring, parsed
 

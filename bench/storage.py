@@ -37,7 +37,7 @@ from azure.data.tables import TableServiceClient, UpdateMode
 from azure.storage.blob import BlobServiceClient
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # last: its rallypoint/ folder must not hide an installed package
 
 from rallypoint.service.storage import (  # noqa: E402
     AzureStorage,
