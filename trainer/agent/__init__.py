@@ -7,7 +7,7 @@ generation's assignment for the workers that regroup in place (they read it thro
 """
 
 from ._board import REGROUP_ENV, Board, Posted
-from ._launch import RUN_ENV, run, torchrun_argv
+from ._launch import RUN_ENV, WARM_MODULES, WARM_MODULES_ENV, run, torchrun_argv, warm_modules
 from ._quiet import QUIET_ENV, QUIET_WAIT_ENV, generation_end, install_excepthook
 from ._rendezvous import BACKEND, RallypointRendezvousHandler, RendezvousSettings
 from ._store import CoordinatorStore
@@ -18,6 +18,8 @@ __all__ = [
     "QUIET_WAIT_ENV",
     "REGROUP_ENV",
     "RUN_ENV",
+    "WARM_MODULES",
+    "WARM_MODULES_ENV",
     "Board",
     "CoordinatorStore",
     "Posted",
@@ -27,4 +29,5 @@ __all__ = [
     "install_excepthook",
     "run",
     "torchrun_argv",
+    "warm_modules",
 ]

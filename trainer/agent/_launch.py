@@ -20,9 +20,11 @@ __all__ = [
     "RUN_ENV",
     "WARM_ENV",
     "WARM_MODULES",
+    "WARM_MODULES_ENV",
     "WORKER_ENV_FILE",
     "run",
     "torchrun_argv",
+    "warm_modules",
 ]
 
 #: Workers that fail in a collective when a peer dies count as restarts in torchrun;
@@ -39,6 +41,7 @@ RUN_ENV = (
     "RALLYPOINT_MAX_RESTARTS",
     "RALLYPOINT_RDZV_CONF",
     "RALLYPOINT_WARM_START",
+    "RALLYPOINT_WARM_MODULES",
 )
 
 
@@ -51,6 +54,14 @@ def _whole(value: str, low: int, high: int | None = None) -> bool:
 def _nnodes(value: str) -> bool:
     parts = value.split(":")
     return len(parts) <= 2 and all(_whole(p, 1) for p in parts) and int(parts[0]) <= int(parts[-1])
+
+
+def _modules(value: str) -> bool:
+    """Module names (``lightning.pytorch``) separated by commas."""
+    return all(
+        part.strip() and all(piece.isidentifier() for piece in part.strip().split("."))
+        for part in value.split(",")
+    )
 
 
 def _nproc(value: str) -> bool:
@@ -105,6 +116,7 @@ _ACCEPTS: dict[str, tuple[str, Callable[[str], bool]]] = {
     "PET_RDZV_CONF": _CONF,
     "PET_NODE_RANK": ("a whole number >= 0", lambda v: _whole(v, 0)),
     "PET_MASTER_PORT": ("a port number, 0 to 65535", lambda v: _whole(v, 0, 65535)),
+    "RALLYPOINT_WARM_MODULES": ("module names separated by commas", _modules),
 }
 
 
@@ -222,7 +234,9 @@ def _gpus_or_one() -> str:
         import torch
     except ImportError:
         return "1"
-    return "gpu" if torch.cuda.is_available() else "1"
+    # device_count() asks NVML; is_available() initializes CUDA's driver, after which a
+    # process forked from this one cannot use CUDA (bench/warm_cuda.py, on an H200).
+    return "gpu" if torch.cuda.device_count() > 0 else "1"
 
 
 #: Modules the worker-starting server imports once, so that workers started after a
@@ -237,6 +251,12 @@ WARM_MODULES = (
 )
 #: ``0`` turns the warm start off: workers are then fresh interpreters, as torchrun's own.
 WARM_ENV = "RALLYPOINT_WARM_START"
+#: More modules for the server to import once, separated by commas: a framework's
+#: (``lightning.pytorch``, ``transformers``), which each worker would otherwise import at
+#: every start (seconds). Not by default: a job that does not use them would pay the
+#: imports once per node for nothing. Importing Lightning 2.6 or transformers 5.17 leaves
+#: CUDA uninitialized, so workers forked after them train on the GPU (bench/warm_cuda.py).
+WARM_MODULES_ENV = "RALLYPOINT_WARM_MODULES"
 #: Where the agent's plugin writes the ``RALLYPOINT_*`` variables of the generation it
 #: joined: a warm worker's environment is the server's, from before that generation.
 WORKER_ENV_FILE = "RALLYPOINT_WORKER_ENV"
@@ -331,6 +351,15 @@ def _warm(argv: Sequence[str]) -> bool:
     )
 
 
+def warm_modules(environ: Mapping[str, str] | None = None) -> list[str]:
+    """What the warm server imports: :data:`WARM_MODULES`, then those named in
+    ``RALLYPOINT_WARM_MODULES``. A module that fails to import is skipped there (as
+    ``multiprocessing`` does with any preload), and the worker's own import reports it."""
+    env = os.environ if environ is None else environ
+    extra = [part.strip() for part in env.get(WARM_MODULES_ENV, "").split(",") if part.strip()]
+    return list(dict.fromkeys([*WARM_MODULES, *extra]))
+
+
 def _launch_warm(argv: Sequence[str]) -> None:
     """What ``torch.distributed.run.run`` does, with :func:`_worker` as the entrypoint
     (a function, as torchrun's own ``--run-path`` uses) and a warm ``forkserver``."""
@@ -346,7 +375,7 @@ def _launch_warm(argv: Sequence[str]) -> None:
     if parsed.master_port is None:
         parsed.master_port = 29500  # as torchrun's run() sets it (static backend only)
     config, _, _ = config_from_args(parsed)
-    multiprocessing.set_forkserver_preload(list(WARM_MODULES))
+    multiprocessing.set_forkserver_preload(warm_modules())
     with tempfile.NamedTemporaryFile(prefix="rallypoint-worker-env-", suffix=".json") as state:
         os.environ[WORKER_ENV_FILE] = state.name  # before the server starts: it inherits it
         # The server starts now, beside the rendezvous, not at the first worker start:

@@ -22,6 +22,7 @@ import pytest
 from rallypoint.cli.processes import free_port, judge
 from rallypoint.client import ElasticClient, RetryPolicy, TransportError
 from rallypoint.trainer import torchrun_argv
+from rallypoint.trainer.agent import WARM_MODULES, warm_modules
 
 from ...conftest import Spawn
 
@@ -95,6 +96,11 @@ BAD = [
     ({"RALLYPOINT_RDZV_CONF": "join_timeout=1m"}, "RALLYPOINT_RDZV_CONF is 'join_timeout=1m'"),
     ({"PET_RDZV_CONF": "last_call"}, "PET_RDZV_CONF is 'last_call'; it takes KEY=VALUE"),
     ({"PET_MASTER_PORT": "http"}, "PET_MASTER_PORT is 'http'; it takes a port number"),
+    (
+        {"RALLYPOINT_WARM_MODULES": "lightning pytorch"},
+        "RALLYPOINT_WARM_MODULES is 'lightning pytorch'; it takes module names separated",
+    ),
+    ({"RALLYPOINT_WARM_MODULES": "a,,b"}, "RALLYPOINT_WARM_MODULES is 'a,,b'; it takes"),
 ]
 
 
@@ -118,8 +124,15 @@ def test_good_values_pass_and_an_empty_rallypoint_variable_is_unset() -> None:
         "PET_NODE_RANK": "1",
         "PET_MASTER_PORT": "29500",
         "RALLYPOINT_RDZV_CONF": "last_call=1, join_timeout=60,token=t=x",
+        "RALLYPOINT_WARM_MODULES": "lightning.pytorch, transformers",
     }
     assert flags(torchrun_argv(["train.py"], env))["nnodes"] == "1:4"
+
+
+def test_the_warm_server_imports_torchs_modules_then_the_named_ones_once() -> None:
+    assert warm_modules({}) == list(WARM_MODULES)
+    named = {"RALLYPOINT_WARM_MODULES": " lightning.pytorch,torch, transformers "}
+    assert warm_modules(named) == [*WARM_MODULES, "lightning.pytorch", "transformers"]
 
 
 @pytest.mark.e2e
@@ -272,7 +285,9 @@ def test_rallypoint_run_starts_torchrun_with_the_plugin(
 def test_rallypoint_run_starts_warm_workers_under_another_backend_too(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(
-        "import sys\nprint('WARM', 'torch._dynamo' in sys.modules, flush=True)\nsys.exit(0)\n"
+        "import sys\n"
+        "print('WARM', 'torch._dynamo' in sys.modules, 'xml.dom.minidom' in sys.modules)\n"
+        "sys.exit(0)\n"
     )
     result = subprocess.run(
         [
@@ -289,11 +304,15 @@ def test_rallypoint_run_starts_warm_workers_under_another_backend_too(tmp_path: 
         ],
         capture_output=True,
         text=True,
-        env={k: v for k, v in os.environ.items() if not k.startswith("RALLYPOINT_")},
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("RALLYPOINT_")},
+            # One more module for the server, and one that is not there: skipped.
+            "RALLYPOINT_WARM_MODULES": "xml.dom.minidom,no_such_module_here",
+        },
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "WARM True" in result.stdout
+    assert "WARM True True" in result.stdout
 
 
 SUPERVISOR = """
