@@ -185,6 +185,8 @@ class Cluster:
         hot_join: A node joining a running generation parks and starts its workers,
             and the generation ends for it once they are ready
             (``--rdzv-conf hot_join=1``).
+        image_size: The side of the example's synthetic images (``--image-size``):
+            smaller is a cheaper step, for a machine that runs the whole cluster.
     """
 
     def __init__(
@@ -210,6 +212,7 @@ class Cluster:
         standbys: int = 0,
         hot_standby: bool = False,
         hot_join: bool = False,
+        image_size: int = 32,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
         self.nproc = nproc
@@ -242,6 +245,7 @@ class Cluster:
                 "--events",
                 str(self.events_file),
                 *(["--in-place"] if in_place else []),
+                *(["--image-size", str(image_size)] if image_size != 32 else []),
             ]
         )
         self.rallypoint = rdzv is None

@@ -19,6 +19,7 @@ from rallypoint.cli.processes import Cluster, example_script, judge
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, JobSpec
 
 from .._balancer import Topology
+from .._support import IMAGE_SIZE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -90,6 +91,7 @@ def cluster(topology: Topology, job: str, tmp_path: Path, steps: int, **kw: Any)
         heartbeat_timeout=6,
         last_call=1,
         **kw,
+        image_size=IMAGE_SIZE,
     )
     for node in ("a", "b"):
         c.add(node)
@@ -133,6 +135,7 @@ def test_storage_frozen_for_30_s_during_training_costs_no_restart(
 ) -> None:
     # Checkpoints every 5 steps (1.5 s), skipped while the last one waits for storage.
     script = [str(example_script()), "--steps", "100", "--step-time", "0.3"]
+    script += ["--image-size", str(IMAGE_SIZE)]
     script += ["--checkpoint-every", "5", "--if-busy", "skip"]
     script += ["--events", str(tmp_path / "freeze.events.jsonl")]  # Cluster's events file
     c = cluster(topology, "freeze", tmp_path, steps=100, script=script)

@@ -16,7 +16,7 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator
 
-from .._support import judged, status, status_until
+from .._support import IMAGE_SIZE, judged, status, status_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -36,6 +36,7 @@ def test_a_hot_join_ends_the_generation_only_once_its_workers_wait(
         in_place=True,
         steps=300,
         memory=tmp_path / "memory",
+        image_size=IMAGE_SIZE,
     )
     try:
         for node in ("a", "b"):
@@ -106,8 +107,12 @@ def test_a_hot_join_whose_worker_exits_before_join_goes_in_and_restarts_it(
         nnodes="1:3",
         hot_join=True,
         in_place=True,
-        steps=200,
+        # c joins after a and b's first step, and goes in cold after its worker's crash:
+        # at 200 steps a run of cheap steps once ended before that (c then exits 0 as a
+        # standby whose job finished). 400: 20 s of steps at the least.
+        steps=400,
         memory=tmp_path / "memory",
+        image_size=IMAGE_SIZE,
     )
     wrapper = tmp_path / "crashes_once.py"
     wrapper.write_text(CRASHES_ONCE)
@@ -124,7 +129,7 @@ def test_a_hot_join_whose_worker_exits_before_join_goes_in_and_restarts_it(
         cluster.stop()
     assert mark.exists()
     assert "exited while it parked for round 2" in joiner.log.read_text(errors="replace")
-    history = judged(coordinator, cluster, 200)
+    history = judged(coordinator, cluster, 400)
     # One end: the node went in with its workers started cold, as a cold join does.
     assert [g["world_size"] for g in history] == [2, 3]
     assert history[0]["ended_reason"] == "node c joined"

@@ -16,6 +16,8 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator
 
+from .._support import IMAGE_SIZE
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 ENDED = re.compile(r"^rallypoint: generation (\d+) ended: (.+); restarting workers$", re.M)
@@ -25,7 +27,9 @@ ENDED = re.compile(r"^rallypoint: generation (\d+) ended: (.+); restarting worke
 def test_a_node_loss_costs_each_survivor_one_line_and_no_traceback(
     coordinator: Coordinator, tmp_path: Path, warm: str
 ) -> None:
-    cluster = Cluster(coordinator.url, "quiet", tmp_path, nnodes="2:3", steps=400)
+    cluster = Cluster(
+        coordinator.url, "quiet", tmp_path, nnodes="2:3", steps=400, image_size=IMAGE_SIZE
+    )
     try:
         for node in ("a", "b", "c"):
             cluster.add(node, env={"RALLYPOINT_WARM_START": warm})

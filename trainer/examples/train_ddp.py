@@ -65,25 +65,26 @@ from rallypoint.trainer import (
     plan_batch,
 )
 from rallypoint.trainer.examples._events import Event, events, process_started, resources
-from rallypoint.trainer.examples._launch import arguments, start_process_group
+from rallypoint.trainer.examples._launch import add_image_size, arguments, start_process_group
 
 # One optimizer step's batches on one rank: (images, labels, indices), one per
 # accumulation step.
 Step = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def synthetic_cifar(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """CIFAR-shaped images and labels a small CNN can learn, the same on every rank:
-    each class has a fixed random pattern, and each image is its class's under noise."""
+def synthetic_cifar(samples: int, seed: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-shaped images (``size`` a side) and labels a small CNN can learn, the same on
+    every rank: each class has a fixed random pattern, and each image is its class's
+    under noise."""
     g = torch.Generator().manual_seed(seed)
-    patterns = torch.randn(10, 3, 32, 32, generator=g)
+    patterns = torch.randn(10, 3, size, size, generator=g)
     labels = torch.randint(0, 10, (samples,), generator=g)
-    images = 0.5 * patterns[labels] + torch.randn(samples, 3, 32, 32, generator=g)
+    images = 0.5 * patterns[labels] + torch.randn(samples, 3, size, size, generator=g)
     return images, labels
 
 
 class SmallCNN(nn.Module):
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(self, dropout: float = 0.0, image_size: int = 32) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1),
@@ -94,7 +95,7 @@ class SmallCNN(nn.Module):
             nn.MaxPool2d(2),
         )
         self.dropout = nn.Dropout(dropout)  # no parameters: the state dict is the same
-        self.head = nn.Linear(32 * 8 * 8, 10)
+        self.head = nn.Linear(32 * (image_size // 4) ** 2, 10)  # after two 2x pools
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.head(self.dropout(self.features(x).flatten(1)))
@@ -103,6 +104,7 @@ class SmallCNN(nn.Module):
 
 def main() -> None:
     parser = arguments(__doc__.split("\n")[0])
+    add_image_size(parser)
     parser.add_argument(
         "--batch-size", type=int, default=32, help="per rank (with --global-batch: at most)"
     )
@@ -144,8 +146,8 @@ def main() -> None:
     event = events(args.events, generation=assignment.generation, rank=rank, world_size=world)
 
     torch.manual_seed(args.seed)
-    dataset = indexed(*synthetic_cifar(args.samples, args.seed))
-    model = SmallCNN(args.dropout).to(device)
+    dataset = indexed(*synthetic_cifar(args.samples, args.seed, args.image_size))
+    model = SmallCNN(args.dropout, args.image_size).to(device)
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     checkpoints = CheckpointManager(
@@ -176,8 +178,8 @@ def main_in_place(args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
     device = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(args.seed)
-    dataset = indexed(*synthetic_cifar(args.samples, args.seed))
-    model = SmallCNN(args.dropout).to(device)
+    dataset = indexed(*synthetic_cifar(args.samples, args.seed, args.image_size))
+    model = SmallCNN(args.dropout, args.image_size).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # Under torchrun: the agent's assignment. A hot standby's worker (hot_standby=1)
     # or a hot join's (hot_join=1) waits here, its model built, until its node goes in.

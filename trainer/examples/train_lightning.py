@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from rallypoint.trainer import SavePolicy
 from rallypoint.trainer.examples._events import events
-from rallypoint.trainer.examples._launch import arguments
+from rallypoint.trainer.examples._launch import add_image_size, arguments
 from rallypoint.trainer.examples.train_ddp import SmallCNN, synthetic_cifar
 from rallypoint.trainer.lightning import RallypointDDPStrategy, RallypointModelParallelStrategy
 
@@ -54,9 +54,11 @@ class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, lr: float, shard: bool, schedule: bool = False) -> None:
+    def __init__(
+        self, lr: float, shard: bool, schedule: bool = False, image_size: int = 32
+    ) -> None:
         super().__init__()
-        self.model = SmallCNN()
+        self.model = SmallCNN(image_size=image_size)
         self.lr, self.shard, self.schedule = lr, shard, schedule
 
     def configure_model(self) -> None:
@@ -220,6 +222,7 @@ class Events(L.Callback):
 
 def main() -> None:
     parser = arguments(__doc__.split("\n")[0])
+    add_image_size(parser)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--samples", type=int, default=4096)
@@ -278,7 +281,7 @@ def main() -> None:
         enable_model_summary=False,
         logger=False,
     )
-    images, labels = synthetic_cifar(args.samples, 0)
+    images, labels = synthetic_cifar(args.samples, 0, args.image_size)
     loader = DataLoader(
         Indexed(images, labels),
         batch_size=args.batch_size,
@@ -286,7 +289,7 @@ def main() -> None:
         num_workers=args.num_workers,
         persistent_workers=args.num_workers > 0,  # not a process start every epoch
     )
-    module = Classifier(args.lr, args.strategy == "model-parallel", args.schedule)
+    module = Classifier(args.lr, args.strategy == "model-parallel", args.schedule, args.image_size)
     trainer.fit(module, loader, ckpt_path=args.ckpt_path)
     events.event("finished", step=trainer.global_step, loss=events.loss, digest=events.final)
 
