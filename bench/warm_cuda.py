@@ -31,13 +31,8 @@ import sys
 import time
 from typing import Any
 
-BASE = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "rallypoint.trainer"]
-SETS = {
-    "base": BASE,
-    "lightning": [*BASE, "lightning.pytorch", "rallypoint.trainer.lightning"],
-    "transformers": [*BASE, "transformers", "rallypoint.trainer.transformers"],
-}
-#: What a worker of each set imports at its start (what its script would).
+#: What a worker of each set imports at its start (what its script would); the server
+#: preloads these on top of ``WARM_MODULES``.
 FRAMEWORK = {
     "base": [],
     "lightning": ["lightning.pytorch", "rallypoint.trainer.lightning"],
@@ -45,12 +40,22 @@ FRAMEWORK = {
 }
 
 
-def _imports(modules: list[str]) -> dict[str, Any]:
-    """In this (fresh) interpreter: imports ``modules``; CUDA's state and threads after."""
+def _preloads(kind: str) -> str:
+    """What the warm server imports for ``kind``, comma-separated: the agent's own list,
+    then the framework's. Asked in the parent (it imports torch), and handed to the
+    fresh interpreters that measure the imports."""
+    from rallypoint.trainer.agent import warm_modules
+
+    return ",".join(warm_modules({"RALLYPOINT_WARM_MODULES": ",".join(FRAMEWORK[kind])}))
+
+
+def _imports(modules: str) -> dict[str, Any]:
+    """In this (fresh) interpreter: imports ``modules`` (comma-separated); CUDA's state
+    and threads after."""
     import importlib
 
     started = time.process_time()
-    for name in modules:
+    for name in modules.split(","):
         importlib.import_module(name)
     import torch
 
@@ -116,10 +121,11 @@ def _fit(device: str) -> str:
     return f"global_step={trainer.global_step}"
 
 
-def _forked(kind: str, device: str) -> dict[str, Any]:
-    """A forkserver with ``kind``'s set preloaded, and one worker from it."""
+def _forked(kind: str, device: str, modules: str) -> dict[str, Any]:
+    """A forkserver with ``modules`` (comma-separated) preloaded, and one worker of
+    ``kind`` from it."""
     context = multiprocessing.get_context("forkserver")
-    multiprocessing.set_forkserver_preload(SETS[kind])
+    multiprocessing.set_forkserver_preload(modules.split(","))
     out = context.Queue()
     started = time.monotonic()
     process = context.Process(target=_worker, args=(kind, device, out))
@@ -176,10 +182,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     args = parser.parse_args()
-    for kind, modules in SETS.items():
+    preloads = {kind: _preloads(kind) for kind in FRAMEWORK}
+    for kind, modules in preloads.items():
         print(f"{kind:12} imports: {json.dumps(_fresh('_imports', modules))}", flush=True)
-    for kind in SETS:
-        print(f"{kind:12} forked:  {json.dumps(_fresh('_forked', kind, args.device))}", flush=True)
+    for kind, modules in preloads.items():
+        forked = _fresh("_forked", kind, args.device, modules)
+        print(f"{kind:12} forked:  {json.dumps(forked)}", flush=True)
     if args.device == "cuda":
         for query in ("device_count", "is_available"):
             result = _fresh("_fork_after", query, args.device)
