@@ -186,7 +186,8 @@ class Cluster:
             and the generation ends for it once they are ready
             (``--rdzv-conf hot_join=1``).
         image_size: The side of the example's synthetic images (``--image-size``):
-            smaller is a cheaper step, for a machine that runs the whole cluster.
+            smaller is a cheaper step, for a machine that runs the whole cluster; None:
+            the example's own default.
     """
 
     def __init__(
@@ -212,7 +213,7 @@ class Cluster:
         standbys: int = 0,
         hot_standby: bool = False,
         hot_join: bool = False,
-        image_size: int = 32,
+        image_size: int | None = None,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
         self.nproc = nproc
@@ -245,7 +246,7 @@ class Cluster:
                 "--events",
                 str(self.events_file),
                 *(["--in-place"] if in_place else []),
-                *(["--image-size", str(image_size)] if image_size != 32 else []),
+                *(["--image-size", str(image_size)] if image_size is not None else []),
             ]
         )
         self.rallypoint = rdzv is None
