@@ -309,11 +309,14 @@ class Loop:
                 )
             if self.rank == 0:
                 self.event("step", step=self.step, loss=round(self.loss.item(), 4))
-            if self.step % args.checkpoint_every == 0:
-                self.save(self.step)  # async: blocks only for the copy
-            if watcher.should_stop():
-                if self.saved != self.step:
-                    self.save(self.step, now=True)
+            stop = watcher.should_stop()  # a collective: every rank stops at the same step
+            if self.step % args.checkpoint_every == 0 or stop:
+                # Async (blocks only for the copy); on a notice, to storage and complete
+                # before the node goes. Asked before the routine save: a notice at a
+                # checkpoint step left that version in memory only, and a second version
+                # of the same step never becomes latest.
+                self.save(self.step, now=stop)
+            if stop:
                 info = self.checkpoints.wait()
                 self.event("emergency", step=self.step, version=info.version if info else None)
                 if generation is None or watcher.notice is not None:
