@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from rallypoint.cli.processes import free_port, stop_process
+from rallypoint.tls import ssl_context
 
 from ._azurite import Azurite
 from ._coordinator import Coordinator
@@ -112,7 +113,9 @@ class Balancer:
     def stats(self) -> dict[str, dict[str, str]]:
         """Each server's row of HAProxy's CSV statistics (``status``, ``scur``: open
         sessions, ...)."""
-        reply = httpx.get(f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=2)
+        reply = httpx.get(
+            f"http://127.0.0.1:{self.stats_port}/stats;csv", timeout=2, verify=ssl_context()
+        )
         rows = csv.DictReader(io.StringIO(reply.text.lstrip("# ")))
         return {
             row["svname"]: row
@@ -157,7 +160,7 @@ class Topology:
         return self.balancer.url
 
     def status(self, job: str) -> dict[str, Any]:
-        reply = httpx.get(f"{self.url}/v1/jobs/{job}", timeout=10)
+        reply = httpx.get(f"{self.url}/v1/jobs/{job}", timeout=10, verify=ssl_context())
         reply.raise_for_status()
         body: dict[str, Any] = reply.json()
         return body

@@ -17,6 +17,7 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, example_script, judge
 from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, JobSpec
+from rallypoint.tls import ssl_context
 
 from .._balancer import Topology
 from .._support import IMAGE_SIZE
@@ -29,6 +30,13 @@ def topology(tmp_path: Path) -> Iterator[Topology]:
     t = Topology(tmp_path)
     yield t
     t.stop()
+
+
+def storage_state(url: str) -> str:
+    """What a replica's ``/readyz`` says of storage."""
+    return str(
+        httpx.get(f"{url}/readyz", timeout=2, verify=ssl_context()).json().get("storage_state")
+    )
 
 
 def wait_until(predicate: Any, timeout: float, what: str) -> None:
@@ -175,10 +183,7 @@ def test_storage_killed_and_restarted_on_its_data_is_recovered_on_its_own(
         topology.azurite.terminate()
         replica = topology.replicas[0]
         wait_until(
-            lambda: (
-                httpx.get(f"{replica.url}/readyz", timeout=2).json()["storage_state"]
-                == "unavailable"
-            ),
+            lambda: storage_state(replica.url) == "unavailable",
             10,
             "a replica to notice storage is gone",
         )
@@ -186,9 +191,7 @@ def test_storage_killed_and_restarted_on_its_data_is_recovered_on_its_own(
         # Each replica finds storage again on its own: ready, and writes go through.
         for replica in topology.replicas:
             wait_until(
-                lambda r=replica: (
-                    httpx.get(f"{r.url}/readyz", timeout=2).json().get("storage_state") == "ok"
-                ),
+                lambda r=replica: storage_state(r.url) == "ok",
                 20,
                 f"replica {replica.url} to see storage again",
             )

@@ -16,7 +16,7 @@ import pytest
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, judge
 
-from .._support import status
+from .._support import IMAGE_SIZE, ended, pids_of, standing_still, status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -59,7 +59,11 @@ def kill_rank_0_then_add_a_node(
         rank0 = node_of_rank(coordinator, cluster.job, 0)
         cluster.kill(rank0)
         step_at(cluster, 0, world_size=2)
-        cluster.add("late")
+        # The survivors stand still while the late node's agent starts, so that it joins
+        # mid-run on a machine of any speed (at full speed the run ends in seconds).
+        with standing_still(pids_of(cluster, 2)):
+            cluster.add("late")
+            assert "joined" in ended(coordinator, cluster.job, 2)
         step_at(cluster, 0, world_size=3, generation=3)
         verdict, history = finish(cluster, coordinator, 150)
     finally:
@@ -70,7 +74,9 @@ def kill_rank_0_then_add_a_node(
 def test_sigkill_of_rank_0_then_a_late_node_scales_back_up(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    cluster = Cluster(coordinator.url, "kill0", tmp_path, nnodes="2:3", steps=150)
+    cluster = Cluster(
+        coordinator.url, "kill0", tmp_path, nnodes="2:3", steps=150, image_size=IMAGE_SIZE
+    )
     rank0, verdict, history = kill_rank_0_then_add_a_node(cluster, coordinator)
     reasons = [(g["world_size"], g.get("ended_reason")) for g in history]
     assert [g["world_size"] for g in history] == [3, 2, 3], reasons
@@ -85,7 +91,9 @@ def test_sigkill_of_rank_0_then_a_late_node_scales_back_up(
 def test_survives_a_coordinator_restart_and_the_sigkill_of_a_nonzero_rank(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    cluster = Cluster(coordinator.url, "restart", tmp_path, nnodes="2:3", steps=150)
+    cluster = Cluster(
+        coordinator.url, "restart", tmp_path, nnodes="2:3", steps=150, image_size=IMAGE_SIZE
+    )
     try:
         for node in ("a", "b", "c"):
             cluster.add(node)
@@ -115,6 +123,7 @@ def test_a_preemption_notice_and_a_sigterm_lose_no_steps(
             steps=150,
             imds_url=imds.url,
             persist_every=100,
+            image_size=IMAGE_SIZE,
         )
         try:
             for node in ("a", "b", "c"):
@@ -155,6 +164,7 @@ def test_in_place_survivors_keep_their_processes_through_a_kill_and_a_join(
         steps=150,
         in_place=True,
         persist_every=100,  # memory only, but the first version
+        image_size=IMAGE_SIZE,
         memory=tmp_path / "shm",
     )
     rank0, verdict, history = kill_rank_0_then_add_a_node(cluster, coordinator)
@@ -190,7 +200,9 @@ def test_a_resume_is_bit_identical_to_an_uninterrupted_run(
     differs)."""
 
     def run(job: str, kill: bool) -> tuple[list[dict[str, Any]], list[Any]]:
-        cluster = Cluster(coordinator.url, job, tmp_path, nnodes="2:2", steps=60)
+        cluster = Cluster(
+            coordinator.url, job, tmp_path, nnodes="2:2", steps=60, image_size=IMAGE_SIZE
+        )
         cluster.script += ["--dropout", "0.25", "--seed", "3"]
         lost = None
         try:

@@ -12,9 +12,6 @@ uninterrupted run, with the same items in each step.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -25,7 +22,15 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 
-from .._support import committed, kept_and_rolled_back, run_to_the_end, status
+from .._support import (
+    committed,
+    ended,
+    kept_and_rolled_back,
+    pids_of,
+    run_to_the_end,
+    standing_still,
+    status,
+)
 from .._versions import final_model, largest_relative_difference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -69,23 +74,6 @@ def ddp_cluster(
     return cluster
 
 
-def ended(coordinator: Coordinator, job: str, generation: int, timeout: float = 150) -> str:
-    """Waits until ``generation`` of the job has ended; the reason."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        history = status(coordinator, job)["history"]
-        if len(history) >= generation and history[generation - 1].get("ended_reason"):
-            return str(history[generation - 1]["ended_reason"])
-        time.sleep(0.05)
-    raise TimeoutError(f"generation {generation} still runs after {timeout} s")
-
-
-def signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
 def by_step(events: Sequence[Event]) -> dict[int, list[int]]:
     """Each step's items, all ranks together, sorted."""
     steps: dict[int, list[int]] = {}
@@ -100,7 +88,6 @@ def shrink_then_grow(coordinator: Coordinator, tmp_path: Path) -> tuple[list[Eve
     3). The events and the job's history, after checking every agent's exit status."""
     job = "ddp-elastic"
     cluster = ddp_cluster(coordinator, job, tmp_path, "2:3", step_time=0.2)
-    frozen: list[int] = []
     try:
         for node in ("a", "b", "c"):
             cluster.add(node)
@@ -110,17 +97,12 @@ def shrink_then_grow(coordinator: Coordinator, tmp_path: Path) -> tuple[list[Eve
         committed(coordinator, job, resumed[0]["step"] + (-resumed[0]["step"] % CHECKPOINT_EVERY))
         # The two stand still while node d's agent starts (tens of seconds on a loaded
         # machine), so that d joins mid-run however long that takes.
-        frozen = [
-            e["pid"] for e in cluster.events() if e["event"] == "resumed" and e["generation"] == 2
-        ]
-        signal_all(frozen, signal.SIGSTOP)
-        cluster.add("d")  # 2 -> 3
-        assert "joined" in ended(coordinator, job, 2)
-        signal_all(frozen, signal.SIGCONT)
+        with standing_still(pids_of(cluster, 2)):
+            cluster.add("d")  # 2 -> 3
+            assert "joined" in ended(coordinator, job, 2)
         cluster.wait_for(lambda e: e["event"] == "resumed" and e["generation"] == 3, timeout=150)
         codes = cluster.wait(timeout=200)
     finally:
-        signal_all(frozen, signal.SIGCONT)
         cluster.stop()
     assert codes == {"a": 0, "b": 0, "c": -9, "d": 0}, codes
     return cluster.events(), status(coordinator, job)["history"]

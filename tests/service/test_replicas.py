@@ -18,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from rallypoint.tls import ssl_context
+
 from .._balancer import REPLICAS, Topology
 from .._plugin_nodes import PluginNode, VictimNode
 
@@ -53,7 +55,7 @@ class Replicas(Topology):
         loaded machine) is asked again, for 30 s: it is the test's look, not a node's."""
         end = time.monotonic() + 30
         while True:
-            reply = httpx.get(f"{self.url}/v1/jobs/{job}", timeout=30)
+            reply = httpx.get(f"{self.url}/v1/jobs/{job}", timeout=30, verify=ssl_context())
             if reply.status_code != 503 or time.monotonic() > end:
                 break
             self.unavailable.append(reply.text[:200])
@@ -71,7 +73,7 @@ class Replicas(Topology):
         report, not what it tests: it waits as the status reads do."""
         total = 0.0
         for replica in self.replicas:
-            text = httpx.get(f"{replica.url}/metrics", timeout=60).text
+            text = httpx.get(f"{replica.url}/metrics", timeout=60, verify=ssl_context()).text
             for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE):
                 total += float(m.group(1))
         return total

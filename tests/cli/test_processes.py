@@ -1,0 +1,49 @@
+"""The test harness's own rules (``rallypoint.cli.processes``), with no process started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rallypoint.cli.processes import Cluster
+
+
+def line(step: int) -> str:
+    return json.dumps({"event": "step", "step": step}) + "\n"
+
+
+def steps(cluster: Cluster) -> list[int]:
+    return [e["step"] for e in cluster.events()]
+
+
+def test_events_are_read_on_from_the_last_call_a_whole_line_at_a_time(tmp_path: Path) -> None:
+    cluster = Cluster("http://127.0.0.1:1", "job", tmp_path)
+    assert cluster.events() == []  # no file yet
+    with open(cluster.events_file, "a") as f:
+        f.write(line(1) + line(2))
+    assert steps(cluster) == [1, 2]
+    with open(cluster.events_file, "a") as f:
+        f.write(line(3)[:10])  # a line being written
+    assert steps(cluster) == [1, 2]
+    with open(cluster.events_file, "a") as f:
+        f.write(line(3)[10:] + line(4))
+    assert steps(cluster) == [1, 2, 3, 4]
+    assert steps(cluster) == [1, 2, 3, 4]  # nothing new: nothing twice
+
+
+def test_events_follow_the_file_they_are_pointed_at_and_a_file_put_in_its_place(
+    tmp_path: Path,
+) -> None:
+    cluster = Cluster("http://127.0.0.1:1", "job", tmp_path)
+    cluster.events_file.write_text(line(1) + line(2) + line(3))
+    assert steps(cluster) == [1, 2, 3]
+    other = tmp_path / "other.jsonl"
+    other.write_text(line(7))
+    cluster.events_file = other  # as tests with their own script do
+    assert steps(cluster) == [7]
+    replaced = tmp_path / "replaced.jsonl"
+    replaced.write_text(line(8) + line(9))
+    replaced.replace(other)  # a new file of the same name
+    assert steps(cluster) == [8, 9]
+    other.write_text(line(5))  # emptied and written again, shorter than what was read
+    assert steps(cluster) == [5]
