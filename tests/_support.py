@@ -42,7 +42,6 @@ __all__ = [
     "run_to_the_end",
     "save_by_hand",
     "saved_since",
-    "signal_all",
     "spec",
     "standing_still",
     "status",
@@ -126,8 +125,8 @@ def status(coordinator: Coordinator, job: str) -> dict[str, Any]:
 
     The tests' polls hand httpx the package's TLS context (as the package's own clients
     do): each ``httpx.get`` without one builds its own, loading the CA bundle, 54 ms of
-    CPU here against 2.2 ms for the request, and a poll every 50 ms then took half of
-    one of this machine's two CPUs from the processes under test."""
+    CPU here against 2.2 ms for the request, so a poll every 50 ms spent about half of
+    one of this machine's two CPUs beside the processes under test."""
     reply = httpx.get(f"{coordinator.url}/v1/jobs/{job}", timeout=10, verify=ssl_context())
     reply.raise_for_status()
     body: dict[str, Any] = reply.json()
@@ -171,7 +170,7 @@ def ended(coordinator: Coordinator, job: str, generation: int, timeout: float = 
     return str(history[generation - 1]["ended_reason"])
 
 
-def signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
+def _signal_all(pids: Sequence[int], sig: signal.Signals) -> None:
     """Sends ``sig`` to each of ``pids`` that still runs."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
@@ -184,11 +183,11 @@ def standing_still(pids: Sequence[int]) -> Iterator[None]:
     (SIGCONT) after it, also when it raises. For a newcomer that must join mid-run: the
     members' workers stand still while its agent starts, so a fast machine cannot finish
     the run first and a loaded one cannot take longer than the run."""
-    signal_all(pids, signal.SIGSTOP)
+    _signal_all(pids, signal.SIGSTOP)
     try:
         yield
     finally:
-        signal_all(pids, signal.SIGCONT)
+        _signal_all(pids, signal.SIGCONT)
 
 
 def pids_of(cluster: Cluster, generation: int) -> list[int]:
