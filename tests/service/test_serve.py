@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rallypoint.tls import ssl_context
+
 from .._coordinator import Coordinator
 
 pytestmark = pytest.mark.e2e
@@ -71,7 +73,7 @@ def test_readiness_fails_only_once_storage_is_gone_for_the_grace(
     blobs.rename(hidden)  # the container's folder is gone: its ping fails
 
     def readiness() -> tuple[int, dict[str, object]]:
-        reply = httpx.get(f"{url}/readyz", timeout=1)
+        reply = httpx.get(f"{url}/readyz", timeout=1, verify=ssl_context())
         return reply.status_code, reply.json()
 
     def until(check: Callable[[int, dict[str, object]], bool], what: str) -> None:
