@@ -28,12 +28,14 @@ separate machines):
   (warm, under ``rallypoint run``) for each new generation;
 - ``rallypoint-in-place``: the same checkpoints, but the workers regroup in place
   (``train_ddp.py --in-place``): survivors keep their processes, build the new process
-  group and restore from their node's memory (``worker``, ``kill`` and ``join``; for
-  ``join`` also with ``last_call=0``, as ``rallypoint-in-place-lc0``: the 2 s last call is a
-  deliberate wait for more newcomers; for ``standby`` and ``join`` also with
-  ``hot_standby=1,hot_join=1``, as ``rallypoint-in-place-hot``: the standby's or the
-  newcomer's worker starts when it parks and waits, its model built, in ``join()``, and
-  for a join the generation ends only then);
+  group and restore from their node's memory (``worker``, ``kill`` and ``join``, with the
+  shipped defaults: a newcomer's join is hot, its worker starts when it parks and waits,
+  its model built, in ``join()``, and the generation ends for it only then; for ``join``
+  also with ``hot_join=0``, as ``rallypoint-in-place-cold``: the generation ends as the
+  newcomer joins, and the members wait for its process start; and with ``hot_join=0,
+  last_call=0``, as ``rallypoint-in-place-lc0``: the 2 s last call is a deliberate wait
+  for more newcomers; for ``standby`` also with ``hot_standby=1``, as
+  ``rallypoint-in-place-hot``: the standby's worker starts when it parks);
 - ``rallypoint-blob``: ``RALLYPOINT_MEMORY_DIR=none``, a checkpoint every 100 steps to
   blob storage, the most its bandwidth allows for a large model (``worker``, ``kill``).
 
@@ -133,7 +135,8 @@ def rallypoint(
     memory: bool = True,
     in_place: bool = False,
     last_call: int = 2,
-    hot: bool = False,
+    hot_standby: bool = False,
+    hot_join: bool = True,
 ) -> dict[str, Any]:
     storage = ["--storage", f"local:{workdir / 'storage'}"]
     coordinator = Coordinator(storage, log=workdir / "coordinator.log")
@@ -154,8 +157,8 @@ def rallypoint(
             memory=workdir / "shm" if memory else None,
             in_place=in_place,
             standbys=1 if kind == "standby" else 0,
-            hot_standby=hot,
-            hot_join=hot,
+            hot_standby=hot_standby,
+            hot_join=hot_join,
         )
         first: dict[str, Any] | None = None
         try:
@@ -379,6 +382,7 @@ FAMILIES = {
     "rallypoint": ("rallypoint", "rallypoint-blob"),
     "rallypoint-in-place": (
         "rallypoint-in-place",
+        "rallypoint-in-place-cold",
         "rallypoint-in-place-lc0",
         "rallypoint-in-place-hot",
     ),
@@ -393,10 +397,11 @@ KINDS = {
     # last_call=0 seals the newcomer's generation at once: what the 2 s wait for more
     # newcomers costs a join.
     "rallypoint-in-place-lc0": ("join",),
+    # hot_join=0: the generation ends as the newcomer joins (the default before 2026-11-28).
+    "rallypoint-in-place-cold": ("join",),
     # hot_standby=1: the standby's worker starts at the park, and waits with its model
-    # built in join() until the node is promoted; hot_join=1: the newcomer's likewise,
-    # and the generation ends for it only then.
-    "rallypoint-in-place-hot": ("standby", "join"),
+    # built in join() until the node is promoted.
+    "rallypoint-in-place-hot": ("standby",),
     "c10d": ("worker", "kill", "preempt", "join", "standby"),
 }
 LABELS = {
@@ -470,11 +475,14 @@ def main() -> int:
         return _chaos(args)
     runners: dict[str, Callable[[str, Path, float], dict[str, Any]]] = {
         "rallypoint-in-place": lambda k, w, limit: rallypoint(k, w, limit, in_place=True),
+        "rallypoint-in-place-cold": lambda k, w, limit: rallypoint(
+            k, w, limit, in_place=True, hot_join=False
+        ),
         "rallypoint-in-place-lc0": lambda k, w, limit: rallypoint(
-            k, w, limit, in_place=True, last_call=0
+            k, w, limit, in_place=True, last_call=0, hot_join=False
         ),
         "rallypoint-in-place-hot": lambda k, w, limit: rallypoint(
-            k, w, limit, in_place=True, hot=True
+            k, w, limit, in_place=True, hot_standby=True
         ),
         "rallypoint": rallypoint,
         "rallypoint-blob": lambda k, w, limit: rallypoint(k, w, limit, memory=False),
@@ -524,14 +532,14 @@ def main() -> int:
             hot = results.get((kind, "rallypoint-in-place-hot"), [])
             _variant("in place, a hot standby (hot_standby=1)", hot, args.limit)
         if kind == "join":
+            cold = results.get((kind, "rallypoint-in-place-cold"), [])
+            _variant("in place, a cold join (hot_join=0)", cold, args.limit)
             fast = results.get((kind, "rallypoint-in-place-lc0"), [])
-            _variant("in place with last_call=0", fast, args.limit)
-            hot = results.get((kind, "rallypoint-in-place-hot"), [])
-            _variant("in place, a hot join (hot_join=1)", hot, args.limit)
+            _variant("in place, hot_join=0 and last_call=0", fast, args.limit)
             for name, rs in (
-                ("in place", inplace),
-                ("in place, last_call=0", fast),
-                ("in place, hot_join=1", hot),
+                ("in place (defaults: a hot join)", inplace),
+                ("in place, hot_join=0", cold),
+                ("in place, hot_join=0, last_call=0", fast),
             ):
                 pauses = [f"{r['pause']:.2f}" for r in rs if r.get("pause") is not None]
                 if pauses:

@@ -183,8 +183,8 @@ class Cluster:
         hot_standby: A node that parks starts its workers at once
             (``--rdzv-conf hot_standby=1``).
         hot_join: A node joining a running generation parks and starts its workers,
-            and the generation ends for it once they are ready
-            (``--rdzv-conf hot_join=1``).
+            and the generation ends for it once they are ready (the backend's default);
+            False: it ends as soon as the node joins (``--rdzv-conf hot_join=0``).
         image_size: The side of the example's synthetic images (``--image-size``):
             smaller is a cheaper step, for a machine that runs the whole cluster; None:
             the example's own default.
@@ -212,7 +212,7 @@ class Cluster:
         in_place: bool = False,
         standbys: int = 0,
         hot_standby: bool = False,
-        hot_join: bool = False,
+        hot_join: bool = True,
         image_size: int | None = None,
     ) -> None:
         self.url, self.job, self.workdir = url, job, workdir
@@ -230,8 +230,8 @@ class Cluster:
             self.conf += f",standbys={standbys}"
         if hot_standby:
             self.conf += ",hot_standby=1"
-        if hot_join:
-            self.conf += ",hot_join=1"
+        if not hot_join:
+            self.conf += ",hot_join=0"
         self.imds_url = imds_url
         self.script = (
             list(script)

@@ -1,5 +1,6 @@
-"""Hot joins end to end: real torchrun agents with ``--rdzv-conf hot_join=1``, the DDP
-example regrouping in place with two worker processes a node, a real coordinator.
+"""Hot joins end to end: real torchrun agents with the backend's defaults (``hot_join``
+is on), the DDP example regrouping in place with two worker processes a node, a real
+coordinator.
 
 A newcomer to a running generation with room parks instead of ending it, starts its
 workers at once, and only when every one of them waits in ``ElasticClient.join()``, its
@@ -32,7 +33,6 @@ def test_a_hot_join_ends_the_generation_only_once_its_workers_wait(
         tmp_path,
         nnodes="1:3",
         nproc=NPROC,
-        hot_join=True,
         in_place=True,
         steps=300,
         memory=tmp_path / "memory",
@@ -80,32 +80,37 @@ def test_a_hot_join_ends_the_generation_only_once_its_workers_wait(
     assert codes == {"a": 0, "b": 0, "c": 0}
 
 
-#: Exits with 3 the first time a worker starts parked (a crash before ``join()``), then
-#: runs the example.
-CRASHES_ONCE = """
+#: The first time a worker starts parked, builds its process group before ``join()``, as
+#: a script written for torchrun alone does; then runs the example. The placeholder
+#: master must refuse it: at port 0 it trained alone, in a world of one.
+GROUP_FIRST = """
 import os, runpy, sys
 from pathlib import Path
 
 mark = Path(os.environ["CRASH_MARK"])
 if os.environ.get("RALLYPOINT_STANDBY_ROUND") and not mark.exists():
     mark.touch()
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    print("GROUP BUILT", dist.get_world_size(), flush=True)
     sys.exit(3)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def test_a_hot_join_whose_worker_exits_before_join_goes_in_and_restarts_it(
+def test_a_hot_join_whose_script_builds_its_group_before_join_goes_in_cold(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    """Its join would otherwise wait, parked, for an end nothing else brings: the agent
-    says it is ready, and starts its workers again for the generation it goes into."""
+    """A script that does not call ``join()`` first cannot build a group in the parked
+    node's placeholder world: its worker fails at once. The node's join would otherwise
+    wait, parked, for an end nothing else brings: the agent says it is ready, and starts
+    its workers again, cold, for the generation it goes into."""
     cluster = Cluster(
         coordinator.url,
         "crash",
         tmp_path,
         nnodes="1:3",
-        hot_join=True,
         in_place=True,
         # c joins after a and b's first step, and goes in cold after its worker's crash:
         # at 200 steps a run of cheap steps once ended before that (c then exits 0 as a
@@ -114,8 +119,8 @@ def test_a_hot_join_whose_worker_exits_before_join_goes_in_and_restarts_it(
         memory=tmp_path / "memory",
         image_size=IMAGE_SIZE,
     )
-    wrapper = tmp_path / "crashes_once.py"
-    wrapper.write_text(CRASHES_ONCE)
+    wrapper = tmp_path / "group_first.py"
+    wrapper.write_text(GROUP_FIRST)
     cluster.script = [str(wrapper), *cluster.script]
     mark = tmp_path / "crashed"
     try:
@@ -128,7 +133,10 @@ def test_a_hot_join_whose_worker_exits_before_join_goes_in_and_restarts_it(
     finally:
         cluster.stop()
     assert mark.exists()
-    assert "exited while it parked for round 2" in joiner.log.read_text(errors="replace")
+    log = joiner.log.read_text(errors="replace")
+    assert "GROUP BUILT" not in log
+    assert "port must have value from 0 to 65535 but was 65536" in log
+    assert "exited while it parked for round 2" in log
     history = judged(coordinator, cluster, 400)
     # One end: the node went in with its workers started cold, as a cold join does.
     assert [g["world_size"] for g in history] == [2, 3]

@@ -74,6 +74,8 @@ __all__ = ["BACKEND", "RallypointRendezvousHandler", "RendezvousSettings", "crea
 _ROLE_INFO = "torchelastic/role_info/"
 _ASSIGNED_RANKS = "torchelastic/assigned_ranks/"
 _ROLE = "default"
+#: A parked node's placeholder master port: no port at all (see ``_park_hot``).
+_NO_MASTER_PORT = 2**16
 
 log = logging.getLogger("rallypoint.trainer")
 
@@ -105,7 +107,10 @@ class RendezvousSettings:
     ``hot_join``           1: this node, joining a running generation with room,
                            parks and starts its workers; the generation ends for it
                            only once they wait in ``ElasticClient.join()``, so the
-                           members never wait for its process start (default 0)
+                           members never wait for its process start (default 1; a
+                           script that builds its process group first fails to at
+                           once, and the node goes in cold). 0: the generation ends
+                           as soon as the node joins
     =====================  =========================================================
 
     The job is created by the first node with ``--nnodes MIN:MAX`` and these timeouts;
@@ -121,7 +126,7 @@ class RendezvousSettings:
     heartbeat_interval: timedelta
     store_timeout: timedelta
     hot_standby: bool = False
-    hot_join: bool = False
+    hot_join: bool = True
 
     @classmethod
     def from_parameters(cls, params: RendezvousParameters) -> RendezvousSettings:
@@ -164,7 +169,7 @@ class RendezvousSettings:
             else timedelta(seconds=interval),
             store_timeout=seconds("store_timeout", 300),
             hot_standby=bool(params.get_as_int("hot_standby") or 0),
-            hot_join=bool(params.get_as_int("hot_join") or 0),
+            hot_join=bool(params.get_as_int("hot_join", 1)),
         )
 
 
@@ -339,7 +344,9 @@ class RallypointRendezvousHandler(RendezvousHandler):
                 # else may bring (a standby's waits for a lost slot, as a cold one's).
                 log.warning(
                     "rallypoint: a worker of node %s exited while it parked for round %d; "
-                    "its workers start again when the node goes in",
+                    "its workers start again when the node goes in (a script that builds "
+                    "its process group before ElasticClient.join() fails so while it "
+                    "parks: --rdzv-conf hot_join=0 starts its workers only then)",
                     self.settings.node_id,
                     hot,
                 )
@@ -447,9 +454,14 @@ class RallypointRendezvousHandler(RendezvousHandler):
             self.settings.node_id,
             parked,
         )
-        # A placeholder master (port 0): the workers' join() sets the real one, and
-        # nothing may meet at this one.
-        return RendezvousInfo(self._store, 0, 1, RendezvousStoreInfo(self.settings.addr, 0))
+        # A placeholder master: the workers' join() sets the real one. Its port is out
+        # of range so that nothing can meet at it: a script that builds its process
+        # group before join() fails at once (torch's store refuses a port above 65535
+        # before it connects), and the node goes in cold (next_rendezvous). Port 0 let
+        # such a script's rank 0 bind a free port and, alone on its node, train alone.
+        return RendezvousInfo(
+            self._store, 0, 1, RendezvousStoreInfo(self.settings.addr, _NO_MASTER_PORT)
+        )
 
     def _join_hot(self) -> None:
         """The hot standby's join (see :meth:`_park_hot`)."""

@@ -182,7 +182,8 @@ def main_in_place(args: argparse.Namespace) -> None:
     model = SmallCNN(args.dropout, args.image_size).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     # Under torchrun: the agent's assignment. A hot standby's worker (hot_standby=1)
-    # or a hot join's (hot_join=1) waits here, its model built, until its node goes in.
+    # or a hot join's (a node that joins a running job) waits here, its model built,
+    # until its node goes in.
     if os.environ.get(STANDBY_ROUND_ENV):
         standing_by = events(args.events, generation=0, rank=-1, world_size=0)
         standing_by("standing_by", pid=os.getpid(), node=client.node_id)
