@@ -139,11 +139,21 @@ class Events(L.Callback):
         self.samples = samples
         self.step = 0
         self.final: str | None = None  # the digest when training ended
+        self.path = path
+        self._label()
+        self.loss = float("nan")
+
+    def _label(self) -> None:
+        """Labels the events with the process's rank, world and generation as torchrun's
+        variables say. Read again at ``setup``: a newcomer's worker starts while its node
+        parks (a hot join), with placeholders that the strategy's ``join()`` replaces."""
         self.rank = int(os.environ.get("RANK", "0"))
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         generation = int(os.environ.get("RALLYPOINT_GENERATION", "0"))
-        self.event = events(path, generation=generation, rank=self.rank, world_size=self.world)
-        self.loss = float("nan")
+        self.event = events(self.path, generation=generation, rank=self.rank, world_size=self.world)
+
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        self._label()
 
     def state_digest(self, trainer: L.Trainer) -> str:
         strategy = trainer.strategy
