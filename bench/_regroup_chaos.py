@@ -337,4 +337,17 @@ def _resources(mine: Sequence[Event]) -> list[str]:
         lines.append(
             f"  RSS growth after its second regroup: {grew} KiB over {len(mine) - 3} regroups"
         )
+    # The measure: after the first five regroups (mine[0] is the first
+    # generation, no regroup yet). By world size too: the chaos alternates 3 and 4, and a
+    # world of 4 holds one more peer's connections and buffers.
+    later = mine[6:]
+    for world in [None, *sorted({e["world_size"] for e in later})]:
+        rss = [e["resources"]["rss_kib"] for e in later if world in (None, e["world_size"])]
+        if len(rss) > 1:
+            where = "all worlds" if world is None else f"world {world}"
+            lines.append(
+                f"  RSS after the fifth regroup, {where}: {len(rss)} generations, "
+                f"{min(rss)}-{max(rss)} KiB (range {max(rss) - min(rss)}), "
+                f"first {rss[0]}, last {rss[-1]} (last - first {rss[-1] - rss[0]})"
+            )
     return lines

@@ -175,6 +175,75 @@ def test_a_hot_standbys_worker_waits_built_and_takes_the_lost_rank_in_place(
     }
 
 
+#: A module the standby's warm server imports (``RALLYPOINT_WARM_MODULES``) that holds
+#: it until the test opens the gate: its workers fork only then.
+GATED_IMPORT = """
+import os, time
+deadline = time.monotonic() + 150
+while not os.path.exists(os.environ["WARM_GATE"]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def test_a_hot_standby_whose_workers_fork_after_its_promotion_trains_in_the_lost_rank(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """A hot standby's workers start when its warm server has imported torch: seconds,
+    in which the node may already be promoted. torchrun gave them the placeholder
+    world's variables; they must still wait for the round (it sealed: at once), so that
+    ``join()`` sets the generation's. Told the generation alone, they built their group
+    at the placeholder master and failed, and the node re-joined: one more generation."""
+    cluster = Cluster(
+        coordinator.url,
+        "late",
+        tmp_path,
+        nnodes="1:2",
+        standbys=1,
+        hot_standby=True,
+        steps=400,
+        memory=tmp_path / "memory",
+        image_size=IMAGE_SIZE,
+    )
+    (tmp_path / "gated.py").write_text(GATED_IMPORT)
+    gate = tmp_path / "gate"
+    try:
+        for node in ("a", "b"):
+            cluster.add(node)
+        step_at(cluster, 10, world_size=2)
+        cluster.add(
+            "s",
+            env={
+                "RALLYPOINT_WARM_MODULES": "gated",
+                "PYTHONPATH": str(tmp_path),
+                "WARM_GATE": str(gate),
+            },
+        )
+        status_until(coordinator, "late", lambda body: any(w["standby"] for w in body["waiting"]))
+        before = node_ranks(coordinator, "late")
+        victim = next(n for n, r in before.items() if r == 1)
+        cluster.kill(victim)
+        # Promoted while its warm server still imports: then its workers fork.
+        status_until(coordinator, "late", lambda body: body["generation"] == 2)
+        assert node_ranks(coordinator, "late")["s"] == 1
+        gate.touch()
+        step_at(cluster, 0, generation=2)
+        codes = cluster.wait(timeout=240)
+    finally:
+        cluster.stop()
+    history = judged(coordinator, cluster, 400)
+    assert [g["world_size"] for g in history] == [2, 2], history
+    taken = [
+        e
+        for e in cluster.events()
+        if e["event"] == "resumed" and e["generation"] == 2 and e["rank"] == 1
+    ]
+    assert len(taken) == 1, taken
+    assert {n: c for n, c in codes.items() if n != victim} == {
+        "a" if victim == "b" else "b": 0,
+        "s": 0,
+    }
+
+
 @pytest.mark.parametrize("hot", [False, True], ids=["cold", "hot"])
 def test_a_standby_never_needed_exits_0_when_the_job_finishes(
     coordinator: Coordinator, tmp_path: Path, hot: bool

@@ -59,7 +59,7 @@ from rallypoint.client import (
     TransportError,
     UnknownNode,
 )
-from rallypoint.client.models import FINISHED
+from rallypoint.client.models import FINISHED, JobSummary
 
 from ..memory import MEMORY_ENV, OFF, NodeMemory, ReplicaServer, default_root
 from ._board import REGROUP_ENV, Board, Posted
@@ -171,6 +171,15 @@ class RendezvousSettings:
             hot_standby=bool(params.get_as_int("hot_standby") or 0),
             hot_join=bool(params.get_as_int("hot_join", 1)),
         )
+
+
+def _beside_a_full_generation(job: JobSummary) -> bool:
+    """Whether a node that parked waits as a standby (beside a running generation with
+    ``max_nodes`` members: it goes in when a member is lost) rather than for a hot join
+    (the generation had room, and ends for the node once its workers are ready). The
+    coordinator's own rule for the second is ``seal.warms``; a running generation's
+    members do not change, so what the job says after the park says which it was."""
+    return job.status == "sealed" and job.world_size >= job.spec.max_nodes
 
 
 def _left_job(client: ElasticClient) -> bool:
@@ -413,18 +422,20 @@ class RallypointRendezvousHandler(RendezvousHandler):
         )
 
     def _park_hot(self) -> RendezvousInfo | Assignment:
-        """A hot standby's first rendezvous: joins from a thread, and if the node parks,
-        hands torchrun a one-node world to start its workers in at once. They wait in
-        ``ElasticClient.join()`` for the round the node parks for (``STANDBY_ROUND_ENV``);
-        the thread goes on waiting too, and posts the node's assignment when the node is
-        promoted (:meth:`_promoted`). A node that does not park gets its assignment."""
+        """A hot join's or hot standby's first rendezvous: joins from a thread, and if
+        the node parks (and :meth:`_starts_parked`), hands torchrun a one-node world to
+        start its workers in at once. They wait in ``ElasticClient.join()`` for the round
+        the node parks for (``STANDBY_ROUND_ENV``); the thread goes on waiting too, and
+        posts the node's assignment when the node is promoted (:meth:`_promoted`). A node
+        that does not park, or parks as a cold standby, gets its assignment."""
         joining = threading.Thread(target=self._join_hot, name="rallypoint-standby", daemon=True)
         joining.start()
         while joining.is_alive() and self._client.parked_round is None:
             time.sleep(0.01)
+        start = self._client.parked_round is not None and self._starts_parked()
         with self._hot:
             parked = self._client.parked_round
-            if self._hot_result is None and parked is not None:
+            if self._hot_result is None and parked is not None and start:
                 self._hot_started = True
         if not self._hot_started:
             joining.join()
@@ -463,6 +474,21 @@ class RallypointRendezvousHandler(RendezvousHandler):
             self._store, 0, 1, RendezvousStoreInfo(self.settings.addr, _NO_MASTER_PORT)
         )
 
+    def _starts_parked(self) -> bool:
+        """Whether this node, parked, starts its workers now: always for a hot join (its
+        generation ends for it only once they wait); for a standby only with
+        ``hot_standby``, else at its promotion, as a cold join's."""
+        if self.settings.hot_standby and self.settings.spec.standbys:
+            return True
+        try:
+            job = self._client.membership()
+        except RallypointError as exc:
+            # Starting them is right either way (a standby's then wait hot): a hot join
+            # whose workers did not start would wait for an end nothing brings.
+            log.warning("rallypoint: could not read job %s: %s", self.settings.job_id, exc)
+            return True
+        return not _beside_a_full_generation(job)
+
     def _join_hot(self) -> None:
         """The hot standby's join (see :meth:`_park_hot`)."""
         try:
@@ -473,10 +499,11 @@ class RallypointRendezvousHandler(RendezvousHandler):
             started = self._hot_started and not self._hot_abandoned
             if not started:
                 self._hot_result = result
-            self._hot_round = None
+            round, self._hot_round = self._hot_round, None
         if started:
             if isinstance(result, Assignment):
-                self._promoted(result)
+                assert round is not None
+                self._promoted(result, round)
             elif not isinstance(result, SystemExit):
                 # Its workers' own waits end the same way: they exit, and torchrun with
                 # them. (Released, SystemExit: they exit 0.)
@@ -502,16 +529,16 @@ class RallypointRendezvousHandler(RendezvousHandler):
                     return
             time.sleep(0.01)
 
-    def _promoted(self, assignment: Assignment) -> None:
-        """A hot standby taken into ``assignment``'s generation: its workers, already
-        running, got the same assignment from their own waits."""
+    def _promoted(self, assignment: Assignment, round: int) -> None:
+        """A hot standby taken into ``assignment``'s generation (sealed as ``round``): its
+        workers, already running, got the same assignment from their own waits."""
         assert self._store is not None
         # torchrun assigned its workers' ranks in this process: their number is there.
         local_world = 1
         with contextlib.suppress(Exception):
             raw = self._store.get(f"{_ROLE_INFO}0")
             local_world = int(json.loads(raw)["local_world_size"])
-        self._went_in(assignment, local_world)
+        self._went_in(assignment, local_world, round)
         log.info(
             "rallypoint: generation %d: standby promoted to node rank %d of %d, checkpoint %s",
             assignment.generation,
@@ -727,13 +754,22 @@ class RallypointRendezvousHandler(RendezvousHandler):
             time.monotonic() - started,
         )
 
-    def _went_in(self, assignment: Assignment, local_world: int) -> None:
+    def _went_in(self, assignment: Assignment, local_world: int, parked: int | None = None) -> None:
         """This node is in ``assignment``'s generation while torchrun's agent, unaware,
-        keeps the workers it runs (regrouped in place, or a hot standby's): the workers
-        hear of it on the board, torchrun's exit barrier follows it, and this agent does
-        its part of torchrun's rank assignment for the agents that start workers in it."""
+        keeps the workers it runs (regrouped in place, or a hot standby's, ``parked``
+        for that round): the workers hear of it on the board, torchrun's exit barrier
+        follows it, and this agent does its part of torchrun's rank assignment for the
+        agents that start workers in it."""
         self._assignment = assignment
-        self._export(assignment)
+        if parked is None:
+            self._export(assignment)
+        else:
+            # A parked node's workers may fork only now (the warm server still imports
+            # torch), with torchrun's placeholder variables: they must wait for the round,
+            # as the others did, for join() to set the generation's (the round sealed,
+            # so their wait returns at once). The generation's number alone would let
+            # join() return it and leave them with the placeholders.
+            self._export(None, parked, self._board.folder / f"ready-{parked}")
         self._beats = _Beats(self._client, self.settings.heartbeat_interval)
         if self._store is not None:
             # torchrun's exit barrier runs in the store it was handed, and counts the
