@@ -332,3 +332,10 @@ def test_the_check_sees_test_modules_imported_any_way() -> None:
 
 if __name__ == "__main__":
     print("\n".join(cross_package_private_imports()))
+
+
+def test_the_readme_fits_in_300_lines() -> None:
+    """What it is, the quick starts, the smallest examples and the headline figures; the
+    rest lives in docs/ (issue 37: a README a newcomer reads to the end)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines: move detail to docs/"
