@@ -354,8 +354,9 @@ class RallypointRendezvousHandler(RendezvousHandler):
                 log.warning(
                     "rallypoint: a worker of node %s exited while it parked for round %d; "
                     "its workers start again when the node goes in (a script that builds "
-                    "its process group before ElasticClient.join() fails so while it "
-                    "parks: --rdzv-conf hot_join=0 starts its workers only then)",
+                    "its process group before ElasticClient.join() fails at the parked "
+                    "node's placeholder master; --rdzv-conf hot_join=0 starts its "
+                    "workers only when the node goes in)",
                     self.settings.node_id,
                     hot,
                 )
