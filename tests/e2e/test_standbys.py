@@ -37,13 +37,18 @@ def step_at(cluster: Cluster, step: int, **where: Any) -> dict[str, Any]:
 
 
 def two_and_a_standby(
-    cluster: Cluster, coordinator: Coordinator, step: int, env: dict[str, str] | None = None
+    cluster: Cluster,
+    coordinator: Coordinator,
+    step: int,
+    env: dict[str, str] | None = None,
+    standby_env: dict[str, str] | None = None,
 ) -> None:
-    """Nodes a and b train to ``step``, then s parks beside them."""
+    """Nodes a and b train to ``step``, then s parks beside them (with ``standby_env``
+    added to ``env``)."""
     for node in ("a", "b"):
         cluster.add(node, env=env)
     step_at(cluster, step, world_size=2)
-    cluster.add("s", env=env)
+    cluster.add("s", env={**(env or {}), **(standby_env or {})})
     status_until(coordinator, cluster.job, lambda body: any(w["standby"] for w in body["waiting"]))
 
 
@@ -207,18 +212,16 @@ def test_a_hot_standby_whose_workers_fork_after_its_promotion_trains_in_the_lost
     (tmp_path / "gated.py").write_text(GATED_IMPORT)
     gate = tmp_path / "gate"
     try:
-        for node in ("a", "b"):
-            cluster.add(node)
-        step_at(cluster, 10, world_size=2)
-        cluster.add(
-            "s",
-            env={
+        two_and_a_standby(
+            cluster,
+            coordinator,
+            10,
+            standby_env={
                 "RALLYPOINT_WARM_MODULES": "gated",
                 "PYTHONPATH": str(tmp_path),
                 "WARM_GATE": str(gate),
             },
         )
-        status_until(coordinator, "late", lambda body: any(w["standby"] for w in body["waiting"]))
         before = node_ranks(coordinator, "late")
         victim = next(n for n, r in before.items() if r == 1)
         cluster.kill(victim)

@@ -448,7 +448,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
         assert parked is not None
         self._hot_round = parked
         self._regroup = joining  # torchrun's monitor hears of no waiting node meanwhile
-        ready = self._board.folder / f"ready-{parked}"
+        ready = self._ready_folder(parked)
         shutil.rmtree(ready, ignore_errors=True)
         ready.mkdir(parents=True)
         self._export(None, parked, ready)
@@ -474,6 +474,10 @@ class RallypointRendezvousHandler(RendezvousHandler):
         return RendezvousInfo(
             self._store, 0, 1, RendezvousStoreInfo(self.settings.addr, _NO_MASTER_PORT)
         )
+
+    def _ready_folder(self, round: int) -> Path:
+        """Where the workers of a node parked for ``round`` mark that they wait."""
+        return self._board.folder / f"ready-{round}"
 
     def _starts_parked(self) -> bool:
         """Whether this node, parked, starts its workers now: always for a hot join (its
@@ -770,7 +774,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
             # as the others did, for join() to set the generation's (the round sealed,
             # so their wait returns at once). The generation's number alone would let
             # join() return it and leave them with the placeholders.
-            self._export(None, parked, self._board.folder / f"ready-{parked}")
+            self._export(None, parked, self._ready_folder(parked))
         self._beats = _Beats(self._client, self.settings.heartbeat_interval)
         if self._store is not None:
             # torchrun's exit barrier runs in the store it was handed, and counts the
