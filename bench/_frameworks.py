@@ -1,17 +1,20 @@
 """What the framework benchmarks (``frameworks_lightning.py``,
-``frameworks_hf_deepspeed.py``) share: the model's layers, the coordinator, memory tier
-and one-node jobs their runs save through, and naming the last version as the
-coordinator does at a restart. The command line of a benchmark that measures ``--mib``
-MiB of tensors ``--repeat`` times (these, ``export.py``, ``tiers.py``) is here too.
+``frameworks_hf_deepspeed.py``) share: their command line (``--device``, ``--bf16``),
+the model's layers, the coordinator, memory tier and one-node jobs their runs save
+through, naming the last version as the coordinator does at a restart, and the digest
+that says whether a restore brought back exactly the state saved. The command line of a
+benchmark that measures ``--mib`` MiB of tensors ``--repeat`` times (these,
+``export.py``, ``tiers.py``) is here too.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import torch
 from torch import nn
 
 from bench._joined import joined
-from rallypoint.client import CheckpointPointer, ElasticClient
+from rallypoint.client import CheckpointInfo, CheckpointPointer, ElasticClient
 from rallypoint.trainer import CheckpointManager
 from tests._coordinator import Coordinator
 
@@ -28,10 +31,14 @@ __all__ = [
     "MiB",
     "command_line",
     "coordinator",
+    "described",
+    "digest",
+    "dtype_of",
     "layers",
     "measuring",
     "name_the_last_version",
     "parsed",
+    "synchronize",
 ]
 
 MiB = 1 << 20
@@ -65,20 +72,82 @@ def parsed(parser: argparse.ArgumentParser) -> argparse.Namespace:
 
 
 def command_line(doc: str, mib: int, optimizer: str) -> argparse.Namespace:
-    """Reads ``--mib`` and ``--repeat``, the options every framework benchmark takes
-    (:func:`measuring`, :func:`parsed`).
+    """Reads the options every framework benchmark takes: ``--mib`` and ``--repeat``
+    (:func:`measuring`, :func:`parsed`), ``--device`` and ``--bf16``.
 
     Args:
         doc: The benchmark's docstring; its first paragraph is the description.
         mib: The default ``--mib``.
         optimizer: The name of the optimizer the model trains with, for the help.
     """
-    return parsed(measuring(doc, mib, 5, f"parameters; {optimizer} adds 2x"))
+    parser = measuring(doc, mib, 5, f"parameters, in the dtype trained; {optimizer} adds 2x")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model trains: the CPU, or one GPU",
+    )
+    parser.add_argument(
+        "--bf16", action="store_true", help="bfloat16 parameters and training (else float32)"
+    )
+    args = parsed(parser)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no GPU")
+    return args
 
 
-def layers(mib: int) -> nn.Sequential:
-    """Bias-free ``WIDTH`` x ``WIDTH`` linear layers: ``mib`` MiB of float32 (one at least)."""
-    count = max(1, mib * MiB // (WIDTH * WIDTH * 4))
+def dtype_of(args: argparse.Namespace) -> torch.dtype:
+    """The dtype the model's parameters train in (``--bf16``)."""
+    return torch.bfloat16 if args.bf16 else torch.float32
+
+
+def described(args: argparse.Namespace) -> str:
+    """The device and dtype a run trained on, for its header line."""
+    if args.device == "cuda":
+        where = torch.cuda.get_device_name()
+    else:
+        where = f"CPU ({os.cpu_count()} cores)"
+    return f"{where}, {str(dtype_of(args)).removeprefix('torch.')}"
+
+
+def synchronize(device: str) -> None:
+    """Waits for the GPU's queued work (on ``cuda``), so that a timer or a digest sees
+    only what was asked of it and tensors as they stand."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def digest(*states: object) -> str:
+    """A SHA-256 of every tensor in ``states`` (state dicts, nested in mappings, lists
+    and tuples), in a fixed order (mapping keys sorted): each tensor's place, dtype,
+    shape and bytes, read on the CPU. Equal digests: the same tensors, bit for bit;
+    other values (an optimizer's hyperparameters) are not counted.
+
+    Call :func:`synchronize` first on a GPU.
+    """
+    hashed = hashlib.sha256()
+
+    def walk(place: str, value: object) -> None:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().to("cpu").contiguous().reshape(-1)
+            hashed.update(f"{place} {tensor.dtype} {tuple(value.shape)}\n".encode())
+            hashed.update(tensor.view(torch.uint8).numpy().tobytes())
+        elif isinstance(value, Mapping):
+            for key in sorted(value, key=str):
+                walk(f"{place}/{key}", value[key])
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                walk(f"{place}/{index}", item)
+
+    for index, state in enumerate(states):
+        walk(str(index), state)
+    return hashed.hexdigest()
+
+
+def layers(mib: int, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    """Bias-free ``WIDTH`` x ``WIDTH`` linear layers, made in float32: as many as ``mib``
+    MiB of ``dtype`` holds (one at least), for the run to cast to ``dtype``."""
+    count = max(1, mib * MiB // (WIDTH * WIDTH * dtype.itemsize))
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(count)))
 
 
@@ -110,9 +179,17 @@ def _joined(url: str, job: str) -> ElasticClient:
     return client
 
 
-def name_the_last_version(manager: CheckpointManager) -> None:
-    """As after a restart: the coordinator names the newest version at the seal."""
+def name_the_last_version(manager: CheckpointManager) -> CheckpointInfo:
+    """As after a restart: the coordinator names the newest version at the seal, in the
+    assignment the manager and its client hold alike (the Lightning integration reads a
+    version its client's assignment does not name as one to evaluate, not to resume).
+
+    Returns:
+        The version named: the last save's, committed.
+    """
     info = manager.wait()
     assert info is not None and info.state == "committed", info
     pointer = CheckpointPointer(version=info.version, step=info.step, generation=info.generation)
     manager.assignment = manager.assignment.model_copy(update={"checkpoint": pointer})
+    manager.client.assignment = manager.assignment
+    return info

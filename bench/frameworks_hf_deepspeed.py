@@ -1,11 +1,16 @@
 """The HF Trainer's and DeepSpeed's own checkpointing, side by side with
 rallypoint.trainer.transformers and rallypoint.trainer.deepspeed.
 
-One process (world size 1, CPU, gloo) trains an MLP of ``--mib`` MiB of float32
-parameters with AdamW (the checkpoint is about 3x that: weights and two moments), saving
-after every step, one warm-up and ``--repeat`` timed, through each of:
+One process (world size 1) trains an MLP of ``--mib`` MiB of parameters with AdamW (the
+checkpoint is about 3x that: weights and two moments), saving after every step, one
+warm-up and ``--repeat`` timed, through each of:
 
-HF Trainer (a callback's ``on_step_end``, where the Trainer saves):
+HF Trainer (a callback's ``on_step_end``, where the Trainer saves), on the CPU (gloo) or,
+with ``--device cuda``, on the one GPU the Trainer picks itself (NCCL); in float32 or,
+with ``--bf16``, in bfloat16 throughout (the model cast before the Trainer gets it, so
+the weights, AdamW's moments and the checkpoint are bfloat16, as in most training on
+GPUs today; and ``bf16=True``, the Trainer's own bf16 setting, which it takes on the CPU
+too):
 
 1. ``Trainer._save_checkpoint``: the ``checkpoint-N`` folder (safetensors, ``torch.save``
    of optimizer, scheduler and RNG, ``trainer_state.json``), synchronous. The Trainer has
@@ -13,7 +18,9 @@ HF Trainer (a callback's ``on_step_end``, where the Trainer saves):
 2. ``RallypointTrainer._save_checkpoint``: one version, staged, then uploaded to this
    node's memory tier in the background.
 
-DeepSpeed ZeRO-2 alone (``DS_ACCELERATOR=cpu``):
+DeepSpeed ZeRO-2 alone (``DS_ACCELERATOR=cpu``, set before DeepSpeed is imported, so
+float32 on the CPU only: with ``--device cuda`` or ``--bf16`` these are skipped, and a
+line says so):
 
 3. ``engine.save_checkpoint`` through ``TorchCheckpointEngine`` (the default): synchronous;
 4. through ``DecoupledCheckpointEngine`` (``"checkpoint": {"writer": {"type":
@@ -33,9 +40,17 @@ next (not timed). Restore is the time from nothing in memory to model and optimi
 loaded: the framework's loader of its files on local disk (the page cache warm: they were
 just written) against the integration's load of the version the coordinator names, read
 from the node's memory tier (``/dev/shm``, every item's checksum verified). Medians;
-ratios are printed.
+ratios are printed. On a GPU the timers start and stop with the GPU idle
+(``torch.cuda.synchronize()``), so a save is not charged for training work still queued,
+and a restore is done only once its copies to the GPU are.
+
+A fast restore is worth nothing unless it brings back what was saved: for the HF Trainer
+a SHA-256 of the model's and the optimizer's tensors (dtype, shape, bytes) taken at the
+last save must match the same digest after every restore, of each variant ("restore
+hash-equal"); the script fails if Rallypoint's does not.
 
 Usage: python bench/frameworks_hf_deepspeed.py [--mib 64] [--repeat 5]
+    [--device cpu|cuda] [--bf16]
 """
 
 from __future__ import annotations
@@ -58,26 +73,35 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 for name in ("DeepSpeed", "deepspeed", "transformers", "accelerate", "torch.distributed"):
     logging.getLogger(name).setLevel(logging.ERROR)
 
-import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from _frameworks import WIDTH, MiB, command_line, coordinator, layers, name_the_last_version  # noqa: E402
+from _frameworks import (  # noqa: E402
+    WIDTH,
+    MiB,
+    command_line,
+    coordinator,
+    described,
+    digest,
+    dtype_of,
+    layers,
+    name_the_last_version,
+    synchronize,
+)
 from torch import nn  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-import rallypoint.trainer.deepspeed as rp_deepspeed  # noqa: E402
 from rallypoint.trainer import SavePolicy  # noqa: E402
 from rallypoint.trainer._pack import unpack  # noqa: E402
 from rallypoint.trainer.transformers import RallypointTrainer  # noqa: E402
 
 
 class MLP(nn.Module):
-    def __init__(self, mib: int) -> None:
+    def __init__(self, mib: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.net = layers(mib)
+        self.net = layers(mib, dtype).to(dtype)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
-        loss = self.net(x).pow(2).mean()
+        loss = self.net(x.to(next(self.parameters()).dtype)).pow(2).mean()
         return {"loss": loss}
 
 
@@ -87,16 +111,29 @@ class MLP(nn.Module):
 class Measure(TrainerCallback):
     """Saves after every step, and restores at the end of training (still set up)."""
 
-    def __init__(self, repeat: int) -> None:
-        self.repeat = repeat
+    def __init__(self, repeat: int, device: str) -> None:
+        self.repeat, self.device = repeat, device
         self.blocked: list[float] = []
         self.restored: list[float] = []
+        #: Whether each restore brought back the last save's tensors, bit for bit.
+        self.equal: list[bool] = []
+        self.saved: tuple[int, str] | None = None  # the last save's step and digest
         self.trainer: Trainer | None = None
+
+    def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a restore must bring back: the model's and the optimizer's state dicts."""
+        trainer = self.trainer
+        assert trainer is not None and trainer.optimizer is not None
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        return model.state_dict(), trainer.optimizer.state_dict()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
         assert trainer is not None
-        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # one checkpoint on disk
+        output = trainer.args.output_dir
+        assert output is not None  # TrainingArguments defaults it
+        shutil.rmtree(output, ignore_errors=True)  # one checkpoint on disk
+        synchronize(self.device)  # the step's queued work is training's, not the save's
         start = time.perf_counter()
         trainer._save_checkpoint(trainer.model_wrapped, None)
         blocked = time.perf_counter() - start
@@ -104,18 +141,28 @@ class Measure(TrainerCallback):
             trainer.checkpoints.wait()  # drained, not timed
         if state.global_step > 1:  # the first is a warm-up
             self.blocked.append(blocked)
+        if state.global_step == state.max_steps:  # the last save: the one restored
+            synchronize(self.device)
+            self.saved = (state.global_step, digest(*self.state()))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
-        assert trainer is not None
+        assert trainer is not None and self.saved is not None
+        step, saved = self.saved
+        assert step == state.global_step, "a step trained after the last save"
+        # The only checkpoint-N left: each save removes the one before.
+        assert trainer.args.output_dir is not None
         folder = os.path.join(trainer.args.output_dir, f"checkpoint-{state.global_step}")
         for i in range(self.repeat + 1):
+            synchronize(self.device)
             start = time.perf_counter()
             if isinstance(trainer, RallypointTrainer):
-                name_the_last_version(trainer.checkpoints)
+                named = name_the_last_version(trainer.checkpoints)
+                assert named.step == state.global_step, named
                 scratch = trainer._restore()  # the version: trainer state and RNG files
                 assert scratch is not None and trainer.restored is not None
                 assert trainer.restored.bytes_from["memory"] > 0, trainer.restored
+                assert trainer.restored.version == named.version, trainer.restored
                 trainer._load_from_checkpoint(scratch)  # the model
                 assert trainer.optimizer is not None and trainer.lr_scheduler is not None
                 trainer.optimizer.load_state_dict(unpack(trainer.restored.state["optimizer"]))
@@ -125,16 +172,19 @@ class Measure(TrainerCallback):
                 trainer._load_from_checkpoint(folder)
                 trainer._load_optimizer_and_scheduler(folder)
                 trainer._load_rng_state(folder)
+            synchronize(self.device)
             if i:
                 self.restored.append(time.perf_counter() - start)
+            self.equal.append(digest(*self.state()) == saved)
 
 
 def run_trainer(rallypoint: bool, args: argparse.Namespace, work: Path, client: Any) -> Measure:
     torch.manual_seed(0)
-    measure = Measure(args.repeat)
+    measure = Measure(args.repeat, args.device)
     training = TrainingArguments(
         output_dir=str(work / ("hf-rp" if rallypoint else "hf")),
-        use_cpu=True,
+        use_cpu=args.device == "cpu",  # else the Trainer takes the GPU itself
+        bf16=args.bf16,
         max_steps=args.repeat + 1,
         save_strategy="no",  # the callback saves
         per_device_train_batch_size=4,
@@ -144,7 +194,8 @@ def run_trainer(rallypoint: bool, args: argparse.Namespace, work: Path, client: 
         optim="adamw_torch",
     )
     data = [{"x": torch.randn(WIDTH)} for _ in range(8)]
-    kwargs: dict[str, Any] = {"model": MLP(args.mib), "args": training, "train_dataset": data}
+    model = MLP(args.mib, dtype_of(args))
+    kwargs: dict[str, Any] = {"model": model, "args": training, "train_dataset": data}
     kwargs["callbacks"] = [measure]
     trainer = (
         RallypointTrainer(
@@ -175,6 +226,11 @@ class Result:
 
 
 def run_deepspeed(variant: str, args: argparse.Namespace, work: Path, client: Any) -> Result:
+    # Imported here: a GPU run skips DeepSpeed, and a machine may not have it.
+    import deepspeed
+
+    import rallypoint.trainer.deepspeed as rp_deepspeed
+
     result = Result()
     torch.manual_seed(0)
     model = MLP(args.mib)
@@ -249,6 +305,15 @@ def ms(values: list[float]) -> str:
     return f"{statistics.median(values) * 1000:>9.1f} ms" if values else f"{'-':>12}"
 
 
+def deepspeed_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("deepspeed")
+    except Exception:
+        return "absent"
+
+
 def main() -> None:
     args = command_line(__doc__, mib=64, optimizer="AdamW")
     os.environ.update(
@@ -257,20 +322,28 @@ def main() -> None:
     os.environ.update({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
     # DeepSpeed's checkpoint writers read the machine count its own launcher exports.
     os.environ.update({"CROSS_SIZE": "1", "CROSS_RANK": "0"})
+    # DeepSpeed took its CPU accelerator at import (DS_ACCELERATOR), before the options.
+    skip: list[str] = []
+    if args.device == "cuda":
+        skip.append("--device cuda")
+    if args.bf16:
+        skip.append("--bf16")
     # One job each: a version becomes latest only if its step is newer.
-    with coordinator("bench-hf", "bench-deepspeed") as (work, clients):
+    jobs = ("bench-hf",) if skip else ("bench-hf", "bench-deepspeed")
+    with coordinator(*jobs) as (work, clients):
         hf = {
             "sync": run_trainer(False, args, work, clients["bench-hf"]),
             "rallypoint": run_trainer(True, args, work, clients["bench-hf"]),
         }
         ds = {
             variant: run_deepspeed(variant, args, work, clients["bench-deepspeed"])
-            for variant in ("torch", "decoupled", "fast", "rallypoint")
+            for variant in (() if skip else ("torch", "decoupled", "fast", "rallypoint"))
         }
-    size = sum(p.numel() * 4 for p in MLP(args.mib).parameters()) * 3 // MiB
+    dtype = dtype_of(args)
+    size = sum(p.numel() * dtype.itemsize for p in MLP(args.mib, dtype).parameters()) * 3 // MiB
     print(
-        f"transformers {transformers.__version__}, deepspeed {deepspeed.__version__}, "
-        f"torch {torch.__version__}, {os.cpu_count()} CPUs, checkpoint ~{size} MiB "
+        f"transformers {transformers.__version__}, deepspeed {deepspeed_version()}, "
+        f"torch {torch.__version__}, {described(args)}, checkpoint ~{size} MiB "
         f"(weights + AdamW), median of {args.repeat} after a warm-up"
     )
     print(f"{'':<52}{'blocked per save':>17}{'restore':>12}")
@@ -280,6 +353,13 @@ def main() -> None:
     ]
     for label, blocked, restored in rows:
         print(f"{label:<56}{ms(blocked)}{ms(restored)}")
+    for key, label in (("sync", rows[0][0]), ("rallypoint", rows[1][0])):
+        print(f"{label}: restore hash-equal: {'yes' if all(hf[key].equal) else 'no'}")
+    if skip:
+        print(
+            f"DeepSpeed variants skipped ({' and '.join(skip)}): this script runs DeepSpeed "
+            "in float32 on its CPU accelerator only (DS_ACCELERATOR=cpu, set at import)"
+        )
     labels = {
         "torch": "DeepSpeed TorchCheckpointEngine (sync)",
         "decoupled": "DeepSpeed DecoupledCheckpointEngine: save call",
@@ -287,7 +367,9 @@ def main() -> None:
         "rallypoint": "rallypoint.trainer.deepspeed (memory tier)",
     }
     for key, label in labels.items():
-        r = ds[key]
+        r = ds.get(key)
+        if r is None:
+            continue
         if r.error:
             print(f"{label:<56}  did not run: {r.error}")
             continue
@@ -304,8 +386,8 @@ def main() -> None:
     h = hf["rallypoint"]
     print(f"HF: blocked {ratio(h.blocked, hf['sync'].blocked):.3f}x the sync save (goal <= 0.2x)")
     print(f"HF: restore {ratio(hf['sync'].restored, h.restored):.2f}x faster (goal >= 2x)")
-    r = ds["rallypoint"]
-    if not r.error:
+    r = ds.get("rallypoint")
+    if r is not None and not r.error:
         print(
             f"DS: blocked {ratio(r.blocked, ds['torch'].blocked):.3f}x TorchCheckpointEngine "
             "(goal <= 0.2x)"
@@ -317,6 +399,8 @@ def main() -> None:
             f"DS: restore {ratio(ds['torch'].restored, r.restored):.2f}x faster than "
             "TorchCheckpointEngine from local disk (goal >= 2x)"
         )
+    if not all(h.equal):
+        sys.exit("RallypointTrainer's restore did not bring back the last save's tensors")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Lightning's own checkpointing, side by side with rallypoint.trainer.lightning.
 
-One process trains an MLP of ``--mib`` MiB of float32 parameters with Adam (the
-checkpoint is about 3x that: weights and two moments) under Lightning 2.6, saving after
+One process trains an MLP of ``--mib`` MiB of parameters with Adam (the checkpoint is
+about 3x that: weights and two moments) under Lightning 2.6, on the CPU or one GPU
+(``--device cuda``: ``accelerator="gpu", devices=1``), in float32 or, with ``--bf16``,
+in bfloat16 throughout (``precision="bf16-true"``: parameters and Adam's moments, so
+the checkpoint is bfloat16 too, as in most training on GPUs today), saving after
 every step (a callback's ``on_train_batch_end``, where ``ModelCheckpoint`` saves), one
 warm-up and ``--repeat`` timed, through each of:
 
@@ -20,8 +23,17 @@ time from nothing in memory to the model and optimizer loaded: Lightning's
 plus ``load_state_dict``, against the integration's ``load_checkpoint`` of the version
 the coordinator names, read from the node's memory tier (``/dev/shm``, every item's
 checksum verified), plus the same ``load_state_dict``. Medians; ratios are printed.
+On a GPU the timers start and stop with the GPU idle (``torch.cuda.synchronize()``), so
+a save is not charged for training work still queued, and a restore is done only once
+its copies to the GPU are.
 
-Usage: python bench/frameworks_lightning.py [--mib 128] [--repeat 5]
+A fast restore is worth nothing unless it brings back what was saved: a SHA-256 of the
+model's and the optimizer's tensors (dtype, shape, bytes) taken at the last save must
+match the same digest after every restore, of each variant ("restore hash-equal"); the
+script fails if Rallypoint's does not.
+
+Usage: python bench/frameworks_lightning.py [--mib 128] [--repeat 5] [--device cpu|cuda]
+    [--bf16]
 """
 
 from __future__ import annotations
@@ -45,7 +57,18 @@ logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from _frameworks import WIDTH, MiB, command_line, coordinator, layers, name_the_last_version  # noqa: E402
+from _frameworks import (  # noqa: E402
+    WIDTH,
+    MiB,
+    command_line,
+    coordinator,
+    described,
+    digest,
+    dtype_of,
+    layers,
+    name_the_last_version,
+    synchronize,
+)
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -54,9 +77,9 @@ from rallypoint.trainer.lightning import RallypointDDPStrategy  # noqa: E402
 
 
 class MLP(L.LightningModule):
-    def __init__(self, mib: int) -> None:
+    def __init__(self, mib: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.net = layers(mib)
+        self.net = layers(mib, dtype)  # Lightning casts it (precision="bf16-true")
 
     def training_step(self, batch: tuple[torch.Tensor], index: int) -> torch.Tensor:
         out: torch.Tensor = self.net(batch[0]).pow(2).mean()
@@ -74,14 +97,18 @@ class Measure(L.Callback):
         name: str,
         work: Path,
         repeat: int,
+        device: str,
         drain: Callable[[L.Trainer], None],
         restore: Callable[[L.Trainer, str], None],
     ) -> None:
-        self.name, self.work, self.repeat = name, work, repeat
+        self.name, self.work, self.repeat, self.device = name, work, repeat, device
         self.drain, self.restore = drain, restore
         self.blocked: list[float] = []
         self.restored: list[float] = []
+        #: Whether each restore brought back the last save's tensors, bit for bit.
+        self.equal: list[bool] = []
         self.path: str | None = None
+        self.saved: tuple[int, str] | None = None  # the last save's step and digest
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
@@ -89,26 +116,42 @@ class Measure(L.Callback):
         if self.path is not None and os.path.exists(self.path):
             os.remove(self.path)  # keeps the disk's use to one checkpoint at a time
         self.path = str(self.work / f"{self.name}-{trainer.global_step}.ckpt")
+        synchronize(self.device)  # the step's queued work is training's, not the save's
         start = time.perf_counter()
         trainer.save_checkpoint(self.path)
         blocked = time.perf_counter() - start
         self.drain(trainer)
         if trainer.global_step > 1:  # the first is a warm-up
             self.blocked.append(blocked)
+        if trainer.global_step == trainer.max_steps:  # the last save: the one restored
+            synchronize(self.device)
+            self.saved = (trainer.global_step, digest(*tensors(trainer)))
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        assert self.path is not None
+        assert self.path is not None and self.saved is not None
+        step, saved = self.saved
+        assert step == trainer.global_step, "a step trained after the last save"
         for i in range(self.repeat + 1):
+            synchronize(self.device)
             start = time.perf_counter()
             self.restore(trainer, self.path)
+            synchronize(self.device)
             if i:
                 self.restored.append(time.perf_counter() - start)
+            self.equal.append(digest(*tensors(trainer)) == saved)
         if os.path.exists(self.path):
             os.remove(self.path)
 
 
+def tensors(trainer: L.Trainer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """What a restore must bring back: the model's and the optimizers' state dicts."""
+    return trainer.lightning_module.state_dict(), [o.state_dict() for o in trainer.optimizers]
+
+
 def apply(trainer: L.Trainer, checkpoint: dict[str, Any]) -> None:
     """What Lightning does with a loaded checkpoint's tensors."""
+    # The last save's: nothing trained after it (Measure.on_train_end).
+    assert checkpoint["global_step"] == trainer.global_step, checkpoint["global_step"]
     trainer.lightning_module.load_state_dict(checkpoint["state_dict"])
     for optimizer, state in zip(trainer.optimizers, checkpoint["optimizer_states"], strict=True):
         optimizer.load_state_dict(state)
@@ -121,12 +164,14 @@ def lightning_restore(trainer: L.Trainer, path: str) -> None:
 def rallypoint_restore(trainer: L.Trainer, path: str) -> None:
     strategy = trainer.strategy
     assert isinstance(strategy, RallypointDDPStrategy)
-    name_the_last_version(strategy.session.manager)
+    named = name_the_last_version(strategy.session.manager)
+    assert named.step == trainer.global_step, named
     resume = strategy.session.resume_path()
     assert resume is not None
     apply(trainer, strategy.load_checkpoint(resume))
     restored = strategy.restored
     assert restored is not None and restored.bytes_from["memory"] > 0, restored
+    assert restored.version == named.version, restored
 
 
 def wait_async(trainer: L.Trainer) -> None:
@@ -135,12 +180,13 @@ def wait_async(trainer: L.Trainer) -> None:
 
 def run(name: str, args: argparse.Namespace, work: Path, **trainer_kwargs: Any) -> Measure:
     torch.manual_seed(0)
-    module = MLP(args.mib)
+    module = MLP(args.mib, dtype_of(args))
     rallypoint = name == "rallypoint"
     measure = Measure(
         name,
         work,
         args.repeat,
+        args.device,
         drain=(lambda t: t.strategy.checkpoint_io.teardown())
         if rallypoint
         else wait_async
@@ -149,8 +195,9 @@ def run(name: str, args: argparse.Namespace, work: Path, **trainer_kwargs: Any) 
         restore=rallypoint_restore if rallypoint else lightning_restore,
     )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if args.device == "cuda" else "cpu",
         devices=1,
+        precision="bf16-true" if args.bf16 else "32-true",
         max_steps=args.repeat + 1,
         callbacks=[measure],
         enable_checkpointing=False,
@@ -182,9 +229,10 @@ def main() -> None:
                 strategy=RallypointDDPStrategy(client, policy=SavePolicy(persist_every=1000)),
             ),
         }
-    size = sum(p.numel() * 4 for p in MLP(args.mib).parameters()) * 3 // MiB
+    dtype = dtype_of(args)
+    size = sum(p.numel() * dtype.itemsize for p in MLP(args.mib, dtype).parameters()) * 3 // MiB
     print(
-        f"lightning {L.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"lightning {L.__version__}, torch {torch.__version__}, {described(args)}, "
         f"checkpoint ~{size} MiB (weights + Adam), median of {args.repeat} after a warm-up"
     )
     blocked = {k: statistics.median(m.blocked) for k, m in results.items()}
@@ -197,6 +245,8 @@ def main() -> None:
     }
     for key, label in labels.items():
         print(f"{label:<44}{blocked[key] * 1000:>11.1f} ms{restore[key] * 1000:>9.1f} ms")
+    for key, label in labels.items():
+        print(f"{label}: restore hash-equal: {'yes' if all(results[key].equal) else 'no'}")
     r = blocked["rallypoint"]
     print(f"blocked: {r / blocked['sync']:.3f}x the sync save (goal <= 0.2x)")
     print(f"blocked: {r / blocked['async']:.3f}x AsyncCheckpointIO (goal <= 1.0x)")
@@ -204,6 +254,8 @@ def main() -> None:
         f"restore: {restore['sync'] / restore['rallypoint']:.2f}x faster than Lightning's "
         "from local disk (goal >= 2x)"
     )
+    if not all(results["rallypoint"].equal):
+        sys.exit("Rallypoint's restore did not bring back the last save's tensors")
 
 
 if __name__ == "__main__":
