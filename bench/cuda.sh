@@ -1,17 +1,41 @@
 #!/usr/bin/env bash
-# The CUDA paths in one run, for a machine with one GPU (CI has none): the bit-for-bit
-# round trip through both staging paths, the training loop with overlapped saves beside
-# dcp.async_save, and the single-process save/load figures beside their anchors. Each
-# part has its own time limit, so one that fails or hangs leaves the others' figures.
+# The CUDA paths in one run, for a machine with one GPU (CI has none):
+#   roundtrip  the save path bit for bit on the device (fences, wait_staged, both staging
+#              paths, a restore into another layout by sha256): bench/cuda_roundtrip.py
+#   state4     a save's blocked time and a restore into device memory, 4 GiB of model +
+#              Adam state, beside DCP, torch.save and a pinned copy: bench/cuda_state.py
+#   lightning  Lightning in bf16 on the GPU, its own save beside ours, restores by hash
+#   hf         the HF Trainer likewise
+#   state16    bench/cuda_state.py at 16 GiB
+#   loop       a training loop saving every 5 steps (bench/checkpoint.py --mode loop)
+#   single     the single-process save/load figures (bench/checkpoint.py --mode single)
+# Each part has its own time limit, so one that fails or hangs leaves the others'
+# figures; every part's whole output is in LOG_DIR.
 #
-# Usage: bench/cuda.sh [LOG_DIR]   (DEVICE=cpu runs the same on the CPU, to try it out)
+# Usage: bench/cuda.sh [LOG_DIR]
+#   PARTS="roundtrip state4 ..." picks parts (default: roundtrip state4 lightning hf
+#   state16); DEVICE=cpu runs them on the CPU, at small sizes, to try them out. Without
+#   CUDA (and DEVICE unset) it says CUDA is absent and runs nothing.
 set -u
 cd "$(dirname "$0")/.."
 logs=${1:-build/cuda}
 device=${DEVICE:-cuda}
-mkdir -p "$logs"
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 py=${PYTHON:-python3}
+parts=${PARTS:-roundtrip state4 lightning hf state16}
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+if [ "$device" = cuda ] && ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() else 1)"; then
+    echo "CUDA is absent: nothing measured (DEVICE=cpu bench/cuda.sh runs the parts on the CPU)"
+    exit 0
+fi
+mkdir -p "$logs"
+if [ "$device" = cuda ]; then
+    small=() mib=512 mid=4 big=16
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+else
+    small=(--width 256) mib=8 mid=0.1 big=0.2  # the same paths, sized for a try on the CPU
+fi
+"$py" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"
+df -h "${TMPDIR:-/tmp}" /dev/shm build 2>/dev/null | sed 's/^/  /'
 part() {  # part NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
@@ -19,11 +43,22 @@ part() {  # part NAME SECONDS COMMAND...
     local started=$SECONDS
     timeout "$limit" "$@" > "$logs/$name.log" 2>&1
     local rc=$?
-    grep -v -e "bit for bit" -e "cannot reach" "$logs/$name.log" | tail -40
+    grep -v -e "tensors bit for bit$" -e "cannot reach" "$logs/$name.log" | tail -40
     echo "== $name: rc=$rc in $((SECONDS - started)) s"
 }
-part roundtrip 120 "$py" bench/cuda_roundtrip.py --device "$device"
-part loop 240 "$py" bench/checkpoint.py --mode loop --device "$device" \
-    --mib "${LOOP_MIB:-512}" --steps 20 --repeat 2
-part single 240 "$py" bench/checkpoint.py --mode single --only local --device "$device" \
-    --mib "${SINGLE_MIB:-2048}" --tensors 64 --repeat 2
+for p in $parts; do
+    case $p in
+    roundtrip) part roundtrip 90 "$py" bench/cuda_roundtrip.py --device "$device" ;;
+    state4) part state4 150 "$py" bench/cuda_state.py --device "$device" --gib "$mid" "${small[@]}" ;;
+    lightning) part lightning 100 "$py" bench/frameworks_lightning.py --device "$device" --bf16 \
+        --mib "$mib" --repeat 3 ;;
+    hf) part hf 100 "$py" bench/frameworks_hf_deepspeed.py --device "$device" --bf16 \
+        --mib "$mib" --repeat 3 ;;
+    state16) part state16 240 "$py" bench/cuda_state.py --device "$device" --gib "$big" "${small[@]}" ;;
+    loop) part loop 240 "$py" bench/checkpoint.py --mode loop --device "$device" \
+        --mib "${LOOP_MIB:-512}" --steps 20 --repeat 2 ;;
+    single) part single 240 "$py" bench/checkpoint.py --mode single --only local \
+        --device "$device" --mib "${SINGLE_MIB:-2048}" --tensors 64 --repeat 2 ;;
+    *) echo "unknown part: $p" ;;
+    esac
+done

@@ -13,13 +13,18 @@ state as saved, on the CPU), comparing every tensor's bytes, dtype and shape:
   makes the training stream wait for the side stream's copies (the host does not wait
   for the GPU), and the version must hold the values of when ``save()`` was called;
 - a second save reuses the staging buffers and must hold the changed values;
+- a third is changed by hand right after ``wait_staged()`` (no optimizer step: an update
+  no fence sees), and must hold the values of before;
+- the first version is loaded again into another layout: the model's and Adam's
+  tensors (saved plain) as DTensors sharded on their first dimension over a 1-device
+  mesh, the saved (replicated) DTensor sharded on its second, equal by sha256;
 - a restored state is ordinary tensors: ``torch.save`` of it and
   ``torch.load(weights_only=True)`` give the same bits back.
 
-It runs twice: staging into pinned buffers (no memory tier), and into the memory tier's
-file, mapped shared and registered with CUDA (``cudaHostRegister``), as a node running
-the tier does. Each pass prints how long ``save()`` held the caller and how long the
-first fence waited.
+It runs twice: without a memory tier, and with one, as a node running the tier does
+(CUDA tensors stage into pinned buffers either way; under the tier, the save's writer
+writes the tier's file from them). Each pass prints how long ``save()`` held the
+caller, how long the first fence waited, and ``wait_staged()``.
 
 Usage: python bench/cuda_roundtrip.py [--device cuda|cpu]
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import io
 import os
 import socket
@@ -46,7 +52,7 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
 from bench._joined import joined  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
@@ -173,6 +179,77 @@ def reloads(label: str, state: Any, expected: dict[str, torch.Tensor]) -> int:
     return compare(f"{label}, through torch.save/load", again, expected, None)
 
 
+def digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (a DTensor's whole tensor)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    h = hashlib.sha256(f"{t.dtype} {tuple(t.shape)}".encode())
+    h.update(flat.numpy().tobytes())
+    return h.hexdigest()
+
+
+def relayout(
+    manager: CheckpointManager, version: int, expected: dict[str, torch.Tensor], device: str
+) -> int:
+    """Loads ``version`` into another layout: every tensor of the model and the optimizer
+    (saved plain) as a DTensor sharded on its first dimension over a 1-device mesh, and
+    the saved DTensor (replicated) sharded on its second; equal by sha256."""
+    mesh = init_device_mesh(device, (1,))
+    template = mapped(make_state(device), sentinel)
+
+    def sharded(t: torch.Tensor, dim: int) -> torch.Tensor:
+        if t.dim() <= dim or t.device.type != device:
+            return t
+        return DTensor.from_local(t, mesh, [Shard(dim)])
+
+    template["model"] = {k: sharded(v, 0) for k, v in template["model"].items()}
+    template["optim"]["state"] = {
+        i: {k: sharded(v, 0) for k, v in s.items()} for i, s in template["optim"]["state"].items()
+    }
+    local = template["dtensor"].to_local()
+    template["dtensor"] = DTensor.from_local(local, mesh, [Shard(1)])
+    restored = manager.load(version, template).state
+    if device == "cuda":
+        torch.cuda.synchronize()
+    got = {}
+    for path, t in tensors_kept(restored).items():
+        got[path] = t
+    bad = 0
+    layouts = 0
+    for path, want in expected.items():
+        have = got.get(path)
+        if have is None:
+            print(f"  another layout: {path} missing")
+            bad += 1
+            continue
+        layouts += isinstance(have, DTensor)
+        if digest(have) != digest(want):
+            print(f"  another layout: {path} differs by sha256")
+            bad += 1
+    print(
+        f"v{version} into another layout on {device} ({layouts} DTensors sharded): "
+        f"{len(expected) - bad} of {len(expected)} tensors equal by sha256"
+    )
+    return bad
+
+
+def tensors_kept(value: Any, path: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of ``value`` by its path, DTensors kept as DTensors."""
+    if isinstance(value, torch.Tensor):
+        return {path: value}
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in items:
+        out.update(tensors_kept(v, f"{path}.{k}" if path else str(k)))
+    return out
+
+
 def one_pass(url: str, device: str, tier: Path | None) -> int:
     """Saves and loads twice through one manager; returns the mismatches."""
     label = "memory tier" if tier else "no tier"
@@ -204,11 +281,20 @@ def one_pass(url: str, device: str, tier: Path | None) -> int:
     assert all(not same_bits(first[k], second[k]) for k in first), "change() missed one"
     v2 = manager.save(state, 2, blocking=True)
     assert v2 is not None
+    # By hand: an update no fence sees (an EMA, a copy_ into a parameter) comes after
+    # wait_staged(), and the version holds the values from before it.
+    handle = manager.save(state, 3)
+    assert handle is not None
+    waited = manager.wait_staged()
+    for t in tensors(state).values():
+        change(t)
+    v3 = handle.result().version
     print(
         f"{label}: save() held the caller {held * 1e3:.1f} ms, "
-        f"the optimizer's step (the fence) {fenced * 1e3:.1f} ms"
+        f"the optimizer's step (the fence) {fenced * 1e3:.1f} ms, "
+        f"wait_staged() {waited * 1e3:.1f} ms"
     )
-    for version, expected in ((v1, first), (v2.result().version, second)):
+    for version, expected in ((v1, first), (v2.result().version, second), (v3, second)):
         template = mapped(state, sentinel)
         restored = manager.load(version, template)
         if device == "cuda":
@@ -219,6 +305,7 @@ def one_pass(url: str, device: str, tier: Path | None) -> int:
         bad += compare(f"{where} as saved", as_saved, expected, None)
         bad += reloads(f"{where} into templates", restored.state, expected)
         bad += reloads(f"{where} as saved", as_saved, expected)
+    bad += relayout(manager, v1, first, device)
     manager.close()
     beats.stop()  # before the coordinator goes
     client.close()
