@@ -29,7 +29,7 @@ if [ "$device" = cuda ] && ! "$py" -c "import torch, sys; sys.exit(0 if torch.cu
 fi
 mkdir -p "$logs"
 if [ "$device" = cuda ]; then
-    small=() mib=512 mid=4 big=16
+    small=() mib=256 mid=4 big=16
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 else
     small=(--width 256) mib=8 mid=0.1 big=0.2  # the same paths, sized for a try on the CPU
@@ -48,13 +48,13 @@ part() {  # part NAME SECONDS COMMAND...
 }
 for p in $parts; do
     case $p in
-    roundtrip) part roundtrip 90 "$py" bench/cuda_roundtrip.py --device "$device" ;;
-    state4) part state4 150 "$py" bench/cuda_state.py --device "$device" --gib "$mid" "${small[@]}" ;;
-    lightning) part lightning 100 "$py" bench/frameworks_lightning.py --device "$device" --bf16 \
+    roundtrip) part roundtrip 80 "$py" bench/cuda_roundtrip.py --device "$device" ;;
+    state4) part state4 130 "$py" bench/cuda_state.py --device "$device" --gib "$mid" "${small[@]}" ;;
+    lightning) part lightning 90 "$py" bench/frameworks_lightning.py --device "$device" --bf16 \
         --mib "$mib" --repeat 3 ;;
-    hf) part hf 100 "$py" bench/frameworks_hf_deepspeed.py --device "$device" --bf16 \
+    hf) part hf 90 "$py" bench/frameworks_hf_deepspeed.py --device "$device" --bf16 \
         --mib "$mib" --repeat 3 ;;
-    state16) part state16 240 "$py" bench/cuda_state.py --device "$device" --gib "$big" "${small[@]}" ;;
+    state16) part state16 220 "$py" bench/cuda_state.py --device "$device" --gib "$big" "${small[@]}" ;;
     loop) part loop 240 "$py" bench/checkpoint.py --mode loop --device "$device" \
         --mib "${LOOP_MIB:-512}" --steps 20 --repeat 2 ;;
     single) part single 240 "$py" bench/checkpoint.py --mode single --only local \
