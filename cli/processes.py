@@ -119,7 +119,11 @@ class Coordinator:
                 [sys.executable, "-m", "rallypoint", "serve", "--port", str(self.port), *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
+                # Not the working directory first on sys.path: run from a checkout, its
+                # rallypoint/ folder (the package's top modules, without the
+                # subpackages) hid an installed, non-editable package ("No module named
+                # 'rallypoint.cli'", on the H200). The server runs no code of the user's.
+                env={**os.environ, "PYTHONSAFEPATH": "1", **self.env},
             )
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:

@@ -1,11 +1,15 @@
-"""The test harness's own rules (``rallypoint.cli.processes``), with no process started."""
+"""The test harness's own rules (``rallypoint.cli.processes``): with no process started,
+and the one that starts a coordinator where a checkout's folder could hide the package."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from rallypoint.cli.processes import Cluster
+import httpx
+import pytest
+
+from rallypoint.cli.processes import Cluster, Coordinator
 
 
 def line(step: int) -> str:
@@ -47,3 +51,21 @@ def test_events_follow_the_file_they_are_pointed_at_and_a_file_put_in_its_place(
     assert steps(cluster) == [8, 9]
     other.write_text(line(5))  # emptied and written again, shorter than what was read
     assert steps(cluster) == [5]
+
+
+@pytest.mark.e2e
+def test_a_coordinator_started_beside_a_rallypoint_folder_runs_the_installed_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As in a checkout whose package is installed from a wheel: the folder in the working
+    # directory must not be what `python -m rallypoint` imports.
+    decoy = tmp_path / "rallypoint"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the working directory was imported')\n")
+    (decoy / "__main__.py").write_text("raise SystemExit('the working directory was run')\n")
+    monkeypatch.chdir(tmp_path)
+    coordinator = Coordinator(["--storage", f"local:{tmp_path / 'storage'}"]).start()
+    try:
+        assert httpx.get(f"{coordinator.url}/healthz", timeout=5).status_code == 200
+    finally:
+        coordinator.stop()
