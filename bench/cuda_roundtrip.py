@@ -91,10 +91,11 @@ def make_state(device: str) -> dict[str, Any]:
     }
 
 
-def tensors(value: Any, path: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of ``value`` by its path, DTensors as their local data."""
+def tensors(value: Any, path: str = "", local: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of ``value`` by its path, DTensors as their local data (``local``)
+    or as they are."""
     if isinstance(value, torch.Tensor):
-        return {path: value.to_local() if isinstance(value, DTensor) else value}
+        return {path: value.to_local() if local and isinstance(value, DTensor) else value}
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, (list, tuple)):
@@ -103,7 +104,7 @@ def tensors(value: Any, path: str = "") -> dict[str, torch.Tensor]:
         return {}
     out: dict[str, torch.Tensor] = {}
     for k, v in items:
-        out.update(tensors(v, f"{path}.{k}" if path else str(k)))
+        out.update(tensors(v, f"{path}.{k}" if path else str(k), local))
     return out
 
 
@@ -212,9 +213,7 @@ def relayout(
     restored = manager.load(version, template).state
     if device == "cuda":
         torch.cuda.synchronize()
-    got = {}
-    for path, t in tensors_kept(restored).items():
-        got[path] = t
+    got = tensors(restored, local=False)
     bad = 0
     layouts = 0
     for path, want in expected.items():
@@ -232,22 +231,6 @@ def relayout(
         f"{len(expected) - bad} of {len(expected)} tensors equal by sha256"
     )
     return bad
-
-
-def tensors_kept(value: Any, path: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of ``value`` by its path, DTensors kept as DTensors."""
-    if isinstance(value, torch.Tensor):
-        return {path: value}
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        return {}
-    out: dict[str, torch.Tensor] = {}
-    for k, v in items:
-        out.update(tensors_kept(v, f"{path}.{k}" if path else str(k)))
-    return out
 
 
 def one_pass(url: str, device: str, tier: Path | None) -> int:
