@@ -141,7 +141,8 @@ class Driver:
             last storage pass is added (a beat through another replica waits for one).
         grace: Seconds that :meth:`snapshot` answers with the last job read while
             storage does not answer: nothing can change a job meanwhile, as nobody can
-            write it, so heartbeats go on being answered through a storage outage.
+            write it, so held watches and joins go on through a storage outage (new
+            beats are refused meanwhile: see :meth:`failing`).
     """
 
     def __init__(
@@ -202,6 +203,16 @@ class Driver:
         if generation is not None and generation > state.job.generation:
             await self._catch_up(job_id, state, generation)
         return state.job, state.changed
+
+    def failing(self, job_id: str) -> StorageError | None:
+        """The error this process's passes for the job fail with while storage does not
+        answer it (None once one got through): :meth:`snapshot` still answers, within
+        ``grace``, but a request whose worth is a write (a heartbeat) must not be taken
+        here then."""
+        state = self._states.get(job_id)
+        if state is None or state.failing_since is None:
+            return None
+        return state.error if isinstance(state.error, StorageError) else None
 
     async def _catch_up(self, job_id: str, state: _JobState, generation: int) -> None:
         """Reads the job for a request that named ``generation``, newer than the snapshot.

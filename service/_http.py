@@ -72,8 +72,8 @@ def error_response(
 
 def service_error_response(method: str, path: str, exc: RallypointServiceError) -> JSONResponse:
     """The reply to a domain error, wherever it is raised (routes, the heartbeat fast
-    path); a 5xx is logged."""
-    if exc.status >= 500:
+    path); a 5xx is logged, unless its kind is not (``logged``)."""
+    if exc.status >= 500 and exc.logged:
         log.warning("%s %s: %s", method, path, exc.message)
     return error_response(exc.status, exc.code, exc.message)
 

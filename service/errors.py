@@ -46,6 +46,7 @@ __all__ = [
     "AccessDenied",
     "AlreadyExists",
     "BadRequest",
+    "BeatRefused",
     "CheckpointConflict",
     "Forbidden",
     "IncompleteUpload",
@@ -83,6 +84,9 @@ class RallypointServiceError(Exception):
 
     code = codes.INTERNAL_ERROR
     status = 500
+    #: Whether each reply of this error (a 5xx) is logged: not where something else
+    #: logs its cause once (a storage outage's refused heartbeats).
+    logged = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -262,3 +266,11 @@ class AccessDenied(StorageError):
 class StorageUnavailable(StorageError):
     code = "storage_unavailable"
     status = 503
+
+
+class BeatRefused(StorageUnavailable):
+    """A heartbeat a replica does not take while its storage passes fail: the member
+    retries, through the balancer, on a replica that can write it. The driver logs
+    the outage and its end once; a beat a second per member is not logged."""
+
+    logged = False

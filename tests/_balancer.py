@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from rallypoint.cli.processes import free_port, stop_process
+from rallypoint.client import ElasticClient
 from rallypoint.tls import ssl_context
 
 from ._azurite import Azurite
@@ -160,10 +161,11 @@ class Topology:
         return self.balancer.url
 
     def status(self, job: str) -> dict[str, Any]:
-        reply = httpx.get(f"{self.url}/v1/jobs/{job}", timeout=10, verify=ssl_context())
-        reply.raise_for_status()
-        body: dict[str, Any] = reply.json()
-        return body
+        """The job's status, through the client as a user reads it: a replica whose
+        breaker has yet to see storage come back (seconds after the others, behind a
+        thawed Azurite) answers 503 with Retry-After, which the client waits out."""
+        with ElasticClient(self.url, job, "observer") as client:
+            return client.membership().model_dump(mode="json")
 
     def kill_busiest(self) -> int:
         """SIGKILLs the replica holding the most connections (held long-polls)."""

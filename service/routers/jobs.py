@@ -55,6 +55,7 @@ from ..deps import (
     RdzvDep,
 )
 from ..errors import (
+    BeatRefused,
     JobConflict,
     JobFull,
     JoinTimeout,
@@ -395,6 +396,14 @@ async def answer_heartbeat(
     # A generation newer than this replica's snapshot is read from storage first: a
     # member's first beat may follow the seal, made by another replica, by milliseconds.
     job, changed = await driver.snapshot(job_id, generation)
+    failing = driver.failing(job_id)
+    if failing is not None:
+        # A beat this replica cannot write is not taken: the member's retry (the 503's
+        # Retry-After) goes through the balancer to a replica that can. Replicas find
+        # storage again at different times (8 s apart behind a thawed Azurite), and one
+        # that found it judges silence by what is in storage: a beat held here would be
+        # invisible to it, and a live member declared dead.
+        raise BeatRefused(f"storage does not answer this replica: {failing}")
     action = rdzv.judge_beat(job, node_id, generation)
     if generation is not None:
         await _check_member(rdzv, job, node_id, generation, credential)

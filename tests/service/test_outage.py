@@ -14,9 +14,10 @@ from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 
-from rallypoint.client import ElasticClient
+from rallypoint.client import CREDENTIAL_HEADER, ElasticClient
 from rallypoint.client.models import JobSpec
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import StorageUnavailable
@@ -258,6 +259,49 @@ def test_a_heartbeat_counts_when_it_arrives_though_storage_holds_its_answer(
     finally:
         two.stop()
         one.stop()
+
+
+@pytest.mark.azurite
+def test_a_replica_storage_does_not_answer_takes_no_beat(own_azurite: Azurite) -> None:
+    """Replicas find storage again at different times, and one that found it judges a
+    member's silence by the beats in storage. A beat taken by a replica still cut off
+    would reach storage only once that one finds it too: after the member was declared
+    dead. So a replica whose passes fail answers beats 503 (the member's retry goes
+    through the balancer to another replica) though it stays ready within its grace."""
+    env = {
+        "AZURE_STORAGE_CONNECTION_STRING": own_azurite.connection_string,
+        "RALLYPOINT_STORAGE_PREFIX": "c" + uuid.uuid4().hex[:10],
+    }
+    coordinator = InProcessCoordinator(["--storage", "azure"], env).start()
+    try:
+        base = f"{coordinator.url}/v1/jobs/job"
+        # A 3 s timeout: each try of the replica's passes may take a third of it.
+        spec = {"min_nodes": 1, "max_nodes": 1, "last_call": 0, "heartbeat_timeout": 3}
+        join = {"node_id": "a", "addr": "h", "port": 1, "spec": spec, "wait": 30}
+        joined = httpx.post(f"{base}/join", json=join, timeout=60).json()
+        a = {CREDENTIAL_HEADER: joined["credential"]}
+        generation = joined["assignment"]["generation"]
+        beat = {"generation": generation}
+        assert httpx.post(f"{base}/nodes/a/heartbeat", json=beat, headers=a).status_code == 200
+        with own_azurite.frozen():
+            deadline = time.monotonic() + 5
+            while True:
+                reply = httpx.post(f"{base}/nodes/a/heartbeat", json=beat, headers=a, timeout=10)
+                if reply.status_code != 200:
+                    break
+                assert time.monotonic() < deadline, "beats still taken 5 s into the outage"
+                time.sleep(0.1)
+            assert (reply.status_code, reply.json()["code"]) == (503, "storage_unavailable")
+            assert reply.headers["Retry-After"] == "1"
+            # Still ready: the balancer keeps it, for the beats it can take again soon.
+            ready = httpx.get(f"{coordinator.url}/readyz", timeout=10)
+            assert (ready.status_code, ready.json()["storage_state"]) == (200, "unavailable")
+        deadline = time.monotonic() + 20
+        while httpx.post(f"{base}/nodes/a/heartbeat", json=beat, headers=a).status_code != 200:
+            assert time.monotonic() < deadline, "beats not taken again after the outage"
+            time.sleep(0.1)
+    finally:
+        coordinator.stop()
 
 
 # --- what callers are told -------------------------------------------------------------------
