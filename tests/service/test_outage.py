@@ -120,6 +120,41 @@ def test_the_breaker_lets_one_try_through_per_probe_interval_while_storage_is_do
     assert health.down_for() == 0 and health.admit() and health.admit()
 
 
+class _Account:
+    """Storage as the readiness ping meets it through the Azure adapters: each try asks
+    the breaker first, and one that goes records its own outcome."""
+
+    def __init__(self, health: Health) -> None:
+        self.health = health
+        self.answers = False
+        self.tries = 0
+
+    def ping(self) -> None:
+        if not self.health.admit():
+            raise StorageUnavailable("refused: not retried until a probe gets through")
+        self.tries += 1
+        self.health.record(self.answers)
+        if not self.answers:
+            raise StorageUnavailable("timed out")
+
+
+def test_a_ping_the_breaker_refused_does_not_put_off_the_next_trial() -> None:
+    from rallypoint.service.routers.health import ping
+
+    clock = Clock()
+    account = _Account(Health(probe_every=1.0, clock=clock))
+    ping(account)  # type: ignore[arg-type]  # only ping and health are used
+    assert account.tries == 1 and account.health.down_for() == 0
+    clock.advance(0.6)
+    ping(account)  # type: ignore[arg-type]
+    assert account.tries == 1, "0.6 s after a failed try: refused"
+    clock.advance(0.4)
+    account.answers = True
+    ping(account)  # type: ignore[arg-type]
+    assert account.tries == 2, "a second after the failed try, not after the refusal"
+    assert account.health.down_for() == 0 and account.health.admit()
+
+
 def test_deadlines_nest_to_the_earliest() -> None:
     assert remaining() is None
     with within(10):
