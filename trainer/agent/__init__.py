@@ -7,13 +7,23 @@ generation's assignment for the workers that regroup in place (they read it thro
 """
 
 from ._board import REGROUP_ENV, Board, Posted
-from ._launch import RUN_ENV, WARM_MODULES, WARM_MODULES_ENV, run, torchrun_argv, warm_modules
+from ._launch import (
+    FLIGHT_RECORDER_ENTRIES,
+    RUN_ENV,
+    WARM_MODULES,
+    WARM_MODULES_ENV,
+    run,
+    torchrun_argv,
+    warm_modules,
+    worker_defaults,
+)
 from ._quiet import QUIET_ENV, QUIET_WAIT_ENV, generation_end, install_excepthook
 from ._rendezvous import BACKEND, RallypointRendezvousHandler, RendezvousSettings
 from ._store import CoordinatorStore
 
 __all__ = [
     "BACKEND",
+    "FLIGHT_RECORDER_ENTRIES",
     "QUIET_ENV",
     "QUIET_WAIT_ENV",
     "REGROUP_ENV",
@@ -30,4 +40,5 @@ __all__ = [
     "run",
     "torchrun_argv",
     "warm_modules",
+    "worker_defaults",
 ]

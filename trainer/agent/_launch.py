@@ -17,6 +17,7 @@ from ._quiet import generation_end, stop_quietly
 
 __all__ = [
     "DEFAULT_MAX_RESTARTS",
+    "FLIGHT_RECORDER_ENTRIES",
     "RUN_ENV",
     "WARM_ENV",
     "WARM_MODULES",
@@ -25,12 +26,21 @@ __all__ = [
     "run",
     "torchrun_argv",
     "warm_modules",
+    "worker_defaults",
 ]
 
 #: Workers that fail in a collective when a peer dies count as restarts in torchrun;
 #: membership changes the plugin reports do not. A worker whose generation ended waits to
 #: be stopped for the change (._quiet), so few of the former remain; room for many.
 DEFAULT_MAX_RESTARTS = 100
+#: The collectives torch's flight recorder keeps for its hang dumps, in workers that
+#: ``rallypoint run`` starts, unless ``TORCH_FR_BUFFER_SIZE`` (or its older name,
+#: ``TORCH_NCCL_TRACE_BUFFER_SIZE``) says otherwise. torch keeps 2,000, each with the
+#: Python stack that issued it (gloo's too, from torch 2.13): a worker's memory grew
+#: 2.2 MB as the ring filled, over its first ~20 generations of the regrouping chaos run
+#: (heaptrack: ``c10d::FlightRecorder`` and its captured tracebacks). 256 fill within the
+#: first generation here and still cover a DDP step's buckets many times over.
+FLIGHT_RECORDER_ENTRIES = 256
 #: The variables ``rallypoint run`` reads (besides AzureML's and torchrun's ``PET_*``).
 RUN_ENV = (
     "RALLYPOINT_URL",
@@ -330,6 +340,7 @@ def run(args: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    os.environ.update(worker_defaults(os.environ))  # before any worker or server starts
     print("rallypoint run: torchrun " + " ".join(argv), file=sys.stderr, flush=True)
     try:
         if _warm(argv):
@@ -341,6 +352,14 @@ def run(args: Sequence[str]) -> int:
     except ChildFailedError:
         return 1  # torchrun reported which worker failed, and how
     return 0
+
+
+def worker_defaults(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables ``rallypoint run`` adds to its workers' environment where
+    ``environ`` does not set them: :data:`FLIGHT_RECORDER_ENTRIES`."""
+    if {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & environ.keys():
+        return {}
+    return {"TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES)}
 
 
 def _warm(argv: Sequence[str]) -> bool:

@@ -22,7 +22,12 @@ import pytest
 from rallypoint.cli.processes import free_port, judge
 from rallypoint.client import ElasticClient, RetryPolicy, TransportError
 from rallypoint.trainer import torchrun_argv
-from rallypoint.trainer.agent import WARM_MODULES, warm_modules
+from rallypoint.trainer.agent import (
+    FLIGHT_RECORDER_ENTRIES,
+    WARM_MODULES,
+    warm_modules,
+    worker_defaults,
+)
 
 from ...conftest import Spawn
 
@@ -37,6 +42,43 @@ def flags(argv: list[str]) -> dict[str, str]:
         name, _, value = arg[2:].partition("=")
         out[name] = value
     return out
+
+
+def test_workers_keep_a_short_flight_record_unless_told_otherwise() -> None:
+    assert worker_defaults({}) == {"TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES)}
+    assert worker_defaults({"TORCH_FR_BUFFER_SIZE": "2000"}) == {}
+    assert worker_defaults({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {}
+
+
+@pytest.mark.e2e
+def test_the_flight_record_a_worker_keeps_is_as_long_as_its_variable_says(
+    tmp_path: Path,
+) -> None:
+    """torch reads the variable in the worker (gloo records too): the ring holds what it
+    says, where torch's own default holds 2,000 collectives, each with its stack."""
+    script = tmp_path / "fr.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import json, torch, torch.distributed as dist
+            from torch._C._distributed_c10d import _dump_fr_trace_json
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1)
+            t = torch.ones(2)
+            for _ in range(600):
+                dist.all_reduce(t)
+            print(len(json.loads(_dump_fr_trace_json()).get("entries", [])))
+            dist.destroy_process_group()
+            """
+        )
+    )
+    env = {**os.environ, **worker_defaults({})}
+    env.pop("TORCH_NCCL_TRACE_BUFFER_SIZE", None)
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == FLIGHT_RECORDER_ENTRIES
 
 
 def test_fills_torchrun_flags_from_the_environment() -> None:
