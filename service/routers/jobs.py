@@ -400,7 +400,7 @@ async def answer_heartbeat(
     if failing is not None:
         # A beat this replica cannot write is not taken: the member's retry (the 503's
         # Retry-After) goes through the balancer to a replica that can. Replicas find
-        # storage again at different times (8 s apart behind a thawed Azurite), and one
+        # storage again at different times (docs/OPERATIONS.md#storage-outages), and one
         # that found it judges silence by what is in storage: a beat held here would be
         # invisible to it, and a live member declared dead.
         raise BeatRefused(f"storage does not answer this replica: {failing}")

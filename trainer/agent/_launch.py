@@ -38,8 +38,8 @@ DEFAULT_MAX_RESTARTS = 100
 #: ``TORCH_NCCL_TRACE_BUFFER_SIZE``) says otherwise. torch keeps 2,000, each with the
 #: Python stack that issued it (gloo's too, from torch 2.13): a worker's memory grew
 #: 2.2 MB as the ring filled, over its first ~20 generations of the regrouping chaos run
-#: (heaptrack: ``c10d::FlightRecorder`` and its captured tracebacks). 256 fill within the
-#: first generation here and still cover a DDP step's buckets many times over.
+#: (heaptrack: ``c10d::FlightRecorder`` and its captured tracebacks). That run's worker
+#: issued about 256 collectives a generation: the shorter ring fills in its first.
 FLIGHT_RECORDER_ENTRIES = 256
 #: The variables ``rallypoint run`` reads (besides AzureML's and torchrun's ``PET_*``).
 RUN_ENV = (
