@@ -184,10 +184,7 @@ if a.zero:
           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True}},
           "zero_optimization": {"stage": a.zero}, "steps_per_print": 10**9}
 steps = dict(max_steps=-1, num_train_epochs=a.epochs) if a.epochs else dict(max_steps=a.steps)
-# `rallypoint run` starts this script from a forkserver, which loader workers would
-# inherit: they would run this script again as their __main__.
-context = "fork" if a.workers else None
-args = TrainingArguments(output_dir=a.out, use_cpu=True, save_steps=a.save_steps, per_device_train_batch_size=a.batch, logging_steps=1, report_to=[], learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=a.workers, dataloader_multiprocessing_context=context, deepspeed=ds, remove_unused_columns=False, **steps)
+args = TrainingArguments(output_dir=a.out, use_cpu=True, save_steps=a.save_steps, per_device_train_batch_size=a.batch, logging_steps=1, report_to=[], learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=a.workers, deepspeed=ds, remove_unused_columns=False, **steps)
 
 class Recording(RallypointTrainer):
     # A user's subclass: takes the item indices out of each micro-batch (the model has no

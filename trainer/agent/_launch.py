@@ -5,6 +5,7 @@ environment, for launchers that cannot pass flags (AzureML commands, Kubernetes 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import runpy
 import sys
@@ -286,6 +287,13 @@ def _worker(module: bool, target: str, *args: str) -> None:
                 else:
                     os.environ[name] = value
     sys.argv = [target, *args]
+    # A process that a forkserver started takes "forkserver" as its default start method,
+    # so the script's own processes (a DataLoader's workers) would start from a server of
+    # their own, which imports the script again (5 s of CPU for a Lightning script here)
+    # and outlives this worker when it is killed: its children watch the server, not
+    # this process, and hold it open (pairs of ~180 MB each lingered after the Lightning
+    # tests). Under torchrun a worker is a fresh interpreter with the platform's default.
+    multiprocessing.set_start_method(None, force=True)
     # torch counts a function worker done only when it returns a value: a worker that
     # ends with exit status 0 any other way leaves the agent waiting forever. So
     # sys.exit(0) returns, and so does os._exit(0) from the main thread (as

@@ -327,8 +327,9 @@ def test_rallypoint_run_starts_torchrun_with_the_plugin(
 def test_rallypoint_run_starts_warm_workers_under_another_backend_too(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(
-        "import sys\n"
+        "import multiprocessing, sys\n"
         "print('WARM', 'torch._dynamo' in sys.modules, 'xml.dom.minidom' in sys.modules)\n"
+        "print('STARTS', multiprocessing.get_start_method())\n"
         "sys.exit(0)\n"
     )
     result = subprocess.run(
@@ -355,6 +356,15 @@ def test_rallypoint_run_starts_warm_workers_under_another_backend_too(tmp_path: 
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "WARM True True" in result.stdout
+    # The script's own processes start as under torchrun (the platform's default), not
+    # from a forkserver of their own that would import the script again and outlive it.
+    default = subprocess.run(
+        [sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert f"STARTS {default}" in result.stdout.splitlines(), result.stdout
 
 
 SUPERVISOR = """
