@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -27,6 +28,7 @@ import httpx
 from rallypoint.tls import ssl_context
 
 __all__ = [
+    "CLUSTER_MARK",
     "Agent",
     "Cluster",
     "Coordinator",
@@ -86,6 +88,30 @@ def descendants(pid: int) -> list[int]:
         for child in children.get(todo.pop(), []):
             out.append(child)
             todo.append(child)
+    return out
+
+
+#: Set in the environment of each :class:`Cluster`'s agents, which every process they
+#: start inherits: the way to find those that outlive their agent (reparented to init,
+#: or in sessions of their own, they are no one's descendants then).
+CLUSTER_MARK = "RP_CLUSTER_MARK"
+
+
+def _marked(mark: str) -> list[tuple[int, str]]:
+    """The live processes whose environment has ``CLUSTER_MARK=mark``, with their
+    command lines (Linux ``/proc``; zombies have no environment left to read)."""
+    needle = f"{CLUSTER_MARK}={mark}".encode()
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out.append((int(entry.name), command.strip()))
     return out
 
 
@@ -268,6 +294,7 @@ class Cluster:
             ]
         )
         self.agents: dict[str, Agent] = {}
+        self._mark = uuid.uuid4().hex
 
     def add(
         self, node_id: str, *, nproc: int | None = None, env: Mapping[str, str] | None = None
@@ -284,6 +311,7 @@ class Cluster:
             "RALLYPOINT_NODE": node_id,
             "RALLYPOINT_VM_NAME": node_id,
             "PYTHONWARNINGS": "ignore",
+            CLUSTER_MARK: self._mark,
         }
         if self.imds_url:
             env["RALLYPOINT_IMDS_URL"] = self.imds_url
@@ -368,10 +396,25 @@ class Cluster:
                 raise TimeoutError(f"{node_id} still runs after {timeout} s") from None
         return out
 
+    def lingering(self, timeout: float = 20) -> list[str]:
+        """The command lines of this cluster's processes still running ``timeout`` s
+        after the call (every agent having exited): none, once a job's workers and what
+        they started (a DataLoader's workers, which notice a dead parent within 5 s)
+        are gone. Returns as soon as none is left."""
+        end = time.monotonic() + timeout
+        while (left := _marked(self._mark)) and time.monotonic() < end:
+            time.sleep(0.1)
+        return [command for _, command in left]
+
     def stop(self) -> None:
+        """Kills what still runs: the agents with what they started, and any process
+        of theirs that outlived its parent."""
         for node_id, agent in self.agents.items():
             if agent.proc.poll() is None:
                 self.kill(node_id)
+        for pid, _ in _marked(self._mark):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @dataclass

@@ -296,6 +296,9 @@ def shrink_then_grow(
         cluster.add("d")  # 2 -> 3
         cluster.wait_for(lambda e: e["event"] == "resumed" and e["generation"] == 3)
         codes = cluster.wait(timeout=200)
+        # Nothing of the job outlives it: not the loader workers of the ranks that were
+        # restarted, nor a server started for them.
+        assert cluster.lingering() == []
     finally:
         cluster.stop()
     return cluster.events(), status(coordinator, job)["history"], codes

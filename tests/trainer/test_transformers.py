@@ -310,6 +310,9 @@ def shrink_and_grow(
         cluster.wait_for(lambda e: e["event"] == "saving" and e["world_size"] == 2, timeout=150)
         cluster.add("d", env=ENV)
         codes = cluster.wait(timeout=150)
+        # Nothing of the job outlives it: not the loader workers of the ranks that were
+        # restarted (they once took the worker's way out and waited for its agent).
+        assert cluster.lingering() == []
     finally:
         cluster.stop()
     assert codes["a"] == 0 and codes["b"] == 0 and codes["d"] == 0, codes

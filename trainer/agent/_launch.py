@@ -299,11 +299,16 @@ def _worker(module: bool, target: str, *args: str) -> None:
     # sys.exit(0) returns, and so does os._exit(0) from the main thread (as
     # PreemptionWatcher.finish ends a preempted worker). Nothing is lost by unwinding:
     # the process still ends in os._exit, after multiprocessing has sent the result.
+    # Only in this process: a child forked from it (a DataLoader's worker) inherits the
+    # patch, and its os._exit(0) at its end would unwind into this function's caller and
+    # report to the agent as the worker, then wait for the agent forever (ex-loader
+    # workers of earlier generations lingered so, ~300 MB each, in the HF Trainer tests).
     real_exit = os._exit
     main = threading.main_thread()
+    worker = os.getpid()
 
     def exit_returns(status: int) -> NoReturn:
-        if status == 0 and threading.current_thread() is main:
+        if status == 0 and os.getpid() == worker and threading.current_thread() is main:
             raise SystemExit(0)
         real_exit(status)
 
