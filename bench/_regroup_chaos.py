@@ -266,7 +266,9 @@ def format_chaos(result: dict[str, Any]) -> list[str]:
     verdict = judge(events, generations)
     lines.append(
         f"generations: {len(generations)}, consistent: {verdict.consistent}, "
-        f"steps lost per generation: {sorted(verdict.steps_lost.values())}"
+        # Sorted, not in generation order: a run that looks as if it lost more and more
+        # only lists its restarts from the cheapest up.
+        f"steps lost per generation, sorted: {sorted(verdict.steps_lost.values())}"
     )
     lines.extend(f"  problem: {p}" for p in verdict.problems)
     # A fallback: a worker restarted by its agent instead of regrouping, which ends the
