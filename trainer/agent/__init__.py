@@ -9,6 +9,7 @@ generation's assignment for the workers that regroup in place (they read it thro
 from ._board import REGROUP_ENV, Board, Posted
 from ._launch import (
     FLIGHT_RECORDER_ENTRIES,
+    MALLOC_ARENAS,
     RUN_ENV,
     WARM_MODULES,
     WARM_MODULES_ENV,
@@ -24,6 +25,7 @@ from ._store import CoordinatorStore
 __all__ = [
     "BACKEND",
     "FLIGHT_RECORDER_ENTRIES",
+    "MALLOC_ARENAS",
     "QUIET_ENV",
     "QUIET_WAIT_ENV",
     "REGROUP_ENV",

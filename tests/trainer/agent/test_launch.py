@@ -24,6 +24,7 @@ from rallypoint.client import ElasticClient, RetryPolicy, TransportError
 from rallypoint.trainer import torchrun_argv
 from rallypoint.trainer.agent import (
     FLIGHT_RECORDER_ENTRIES,
+    MALLOC_ARENAS,
     WARM_MODULES,
     warm_modules,
     worker_defaults,
@@ -44,10 +45,57 @@ def flags(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def test_workers_keep_a_short_flight_record_unless_told_otherwise() -> None:
-    assert worker_defaults({}) == {"TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES)}
-    assert worker_defaults({"TORCH_FR_BUFFER_SIZE": "2000"}) == {}
-    assert worker_defaults({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {}
+def test_workers_keep_a_short_flight_record_and_few_arenas_unless_told_otherwise() -> None:
+    record, arenas = str(FLIGHT_RECORDER_ENTRIES), str(MALLOC_ARENAS)
+    assert worker_defaults({}) == {"TORCH_FR_BUFFER_SIZE": record, "MALLOC_ARENA_MAX": arenas}
+    assert worker_defaults({"TORCH_FR_BUFFER_SIZE": "2000"}) == {"MALLOC_ARENA_MAX": arenas}
+    assert worker_defaults({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {"MALLOC_ARENA_MAX": arenas}
+    assert worker_defaults({"MALLOC_ARENA_MAX": "8"}) == {"TORCH_FR_BUFFER_SIZE": record}
+    tunables = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4:glibc.malloc.tcache_count=0"}
+    assert worker_defaults(tunables) == {"TORCH_FR_BUFFER_SIZE": record}
+    other = {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
+    assert worker_defaults(other) == {"TORCH_FR_BUFFER_SIZE": record, "MALLOC_ARENA_MAX": arenas}
+
+
+ARENAS = textwrap.dedent(
+    """
+    import ctypes, sys, threading
+    # Eight threads alive at once, each allocating: glibc gives each its own arena while
+    # it may make more (8 a core by default).
+    gate = threading.Barrier(9)
+    def allocate():
+        kept = [bytearray(4096) for _ in range(64)]
+        gate.wait()
+        gate.wait()
+    threads = [threading.Thread(target=allocate) for _ in range(8)]
+    for t in threads:
+        t.start()
+    gate.wait()
+    ctypes.CDLL(None).malloc_stats()  # to stderr: an "Arena N:" block for each
+    gate.wait()
+    for t in threads:
+        t.join()
+    """
+)
+
+
+@pytest.mark.e2e
+def test_a_worker_makes_no_more_malloc_arenas_than_its_variable_allows(tmp_path: Path) -> None:
+    """glibc reads the variable when the process starts: the warm server and the workers
+    forked from it, and cold workers, start after ``rallypoint run`` sets it."""
+    script = tmp_path / "arenas.py"
+    script.write_text(ARENAS)
+
+    def arenas(env: dict[str, str]) -> int:
+        out = subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        return len(re.findall(r"^Arena \d+:", out.stderr, re.MULTILINE))
+
+    base = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "GLIBC_TUNABLES")}
+    assert arenas({**base, **worker_defaults(base)}) == MALLOC_ARENAS
+    assert arenas(base) > MALLOC_ARENAS  # the limit, not this script, keeps them few
 
 
 @pytest.mark.e2e
