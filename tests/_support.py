@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -42,6 +43,7 @@ __all__ = [
     "run_to_the_end",
     "save_by_hand",
     "saved_since",
+    "small_cluster",
     "spec",
     "standing_still",
     "status",
@@ -58,6 +60,20 @@ TOKEN = "cli-token"
 #: The one file a checkpoint saved by hand holds (DCP's name for a rank's data).
 FILE = "data.distcp"
 COMMAND = [sys.executable, "-m", "rallypoint"]
+
+
+def small_cluster(coordinator: Coordinator, job: str, tmp_path: Path, **options: Any) -> Cluster:
+    """The example's cluster as the standby and hot-join tests run it: images of
+    :data:`IMAGE_SIZE`, and each node with a memory tier of its own under
+    ``tmp_path/memory``, as on separate machines. ``options`` are :class:`Cluster`'s."""
+    return Cluster(
+        coordinator.url,
+        job,
+        tmp_path,
+        memory=tmp_path / "memory",
+        image_size=IMAGE_SIZE,
+        **options,
+    )
 
 
 def spec(min_nodes: int, max_nodes: int, last_call: float = 0.5, timeout: float = 10) -> JobSpec:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.cli.processes import Cluster, Coordinator
+from rallypoint.cli.processes import Coordinator
 
-from .._support import IMAGE_SIZE, judged, status, status_until
+from .._support import judged, small_cluster, status, status_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -27,16 +27,14 @@ NPROC = 2
 def test_a_hot_join_ends_the_generation_only_once_its_workers_wait(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    cluster = Cluster(
-        coordinator.url,
+    cluster = small_cluster(
+        coordinator,
         "warm",
         tmp_path,
         nnodes="1:3",
         nproc=NPROC,
         in_place=True,
         steps=300,
-        memory=tmp_path / "memory",
-        image_size=IMAGE_SIZE,
     )
     try:
         for node in ("a", "b"):
@@ -106,8 +104,8 @@ def test_a_hot_join_whose_script_builds_its_group_before_join_goes_in_cold(
     node's placeholder world: its worker fails at once. The node's join would otherwise
     wait, parked, for an end nothing else brings: the agent says it is ready, and starts
     its workers again, cold, for the generation it goes into."""
-    cluster = Cluster(
-        coordinator.url,
+    cluster = small_cluster(
+        coordinator,
         "crash",
         tmp_path,
         nnodes="1:3",
@@ -116,8 +114,6 @@ def test_a_hot_join_whose_script_builds_its_group_before_join_goes_in_cold(
         # at 200 steps a run of cheap steps once ended before that (c then exits 0 as a
         # standby whose job finished). 400: 20 s of steps at the least.
         steps=400,
-        memory=tmp_path / "memory",
-        image_size=IMAGE_SIZE,
     )
     wrapper = tmp_path / "group_first.py"
     wrapper.write_text(GROUP_FIRST)

@@ -20,7 +20,15 @@ import pytest
 
 from rallypoint.cli.processes import Cluster, Coordinator
 
-from .._support import IMAGE_SIZE, cli, committed, judged, saved_since, status, status_until
+from .._support import (
+    cli,
+    committed,
+    judged,
+    saved_since,
+    small_cluster,
+    status,
+    status_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -59,16 +67,14 @@ def node_ranks(coordinator: Coordinator, job: str) -> dict[str, int]:
 def test_a_standby_takes_a_killed_nodes_ranks_and_the_world_keeps_its_size(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
-    cluster = Cluster(
-        coordinator.url,
+    cluster = small_cluster(
+        coordinator,
         "spare",
         tmp_path,
         nnodes="3:4",
         standbys=1,
         nproc=NPROC,
         steps=120,
-        memory=tmp_path / "memory",
-        image_size=IMAGE_SIZE,
     )
     try:
         for node in ("a", "b", "c", "d"):
@@ -134,8 +140,8 @@ def test_a_hot_standbys_worker_waits_built_and_takes_the_lost_rank_in_place(
     """``hot_standby=1`` and workers that regroup in place: the standby's worker starts
     as soon as it parks and waits in ``join()``, its model built; the kill promotes it,
     and that same process trains in the lost rank from its own memory."""
-    cluster = Cluster(
-        coordinator.url,
+    cluster = small_cluster(
+        coordinator,
         "hot",
         tmp_path,
         nnodes="1:2",
@@ -143,8 +149,6 @@ def test_a_hot_standbys_worker_waits_built_and_takes_the_lost_rank_in_place(
         hot_standby=True,
         in_place=True,
         steps=400,
-        memory=tmp_path / "memory",
-        image_size=IMAGE_SIZE,
     )
     try:
         two_and_a_standby(cluster, coordinator, 10)
@@ -198,16 +202,14 @@ def test_a_hot_standby_whose_workers_fork_after_its_promotion_trains_in_the_lost
     world's variables; they must still wait for the round (it sealed: at once), so that
     ``join()`` sets the generation's. Told the generation alone, they built their group
     at the placeholder master and failed, and the node re-joined: one more generation."""
-    cluster = Cluster(
-        coordinator.url,
+    cluster = small_cluster(
+        coordinator,
         "late",
         tmp_path,
         nnodes="1:2",
         standbys=1,
         hot_standby=True,
         steps=400,
-        memory=tmp_path / "memory",
-        image_size=IMAGE_SIZE,
     )
     (tmp_path / "gated.py").write_text(GATED_IMPORT)
     gate = tmp_path / "gate"
