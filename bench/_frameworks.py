@@ -14,7 +14,8 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from tests._coordinator import Coordinator
 __all__ = [
     "WIDTH",
     "MiB",
+    "Timings",
+    "checkpoint_mib",
     "command_line",
     "coordinator",
     "described",
@@ -144,11 +147,75 @@ def digest(*states: object) -> str:
     return hashed.hexdigest()
 
 
+class Timings:
+    """What a framework benchmark measures of one way to save: how long each save held
+    the training loop, how long each restore took, and whether each restore brought back
+    the last save's tensors, bit for bit (by :func:`digest`).
+
+    Args:
+        repeat: Restores timed after an untimed first one.
+        device: Where the model trains; on ``cuda`` every timer starts and stops with the
+            GPU idle, so a save is not charged for training work still queued.
+    """
+
+    def __init__(self, repeat: int, device: str) -> None:
+        self.repeat, self.device = repeat, device
+        self.blocked: list[float] = []
+        self.restored: list[float] = []
+        #: Whether each restore brought back the last save's tensors, bit for bit.
+        self.equal: list[bool] = []
+        self.saved: tuple[int, str] | None = None  # the last save's step and digest
+
+    def save(
+        self,
+        step: int,
+        last: bool,
+        save: Callable[[], None],
+        drain: Callable[[], None],
+        state: Callable[[], tuple[object, ...]],
+    ) -> None:
+        """Times ``save`` (the first step's, a warm-up, is not kept), then ``drain``s
+        what it left running, untimed; at the ``last`` step, digests ``state``."""
+        synchronize(self.device)  # the step's queued work is training's, not the save's
+        start = time.perf_counter()
+        save()
+        blocked = time.perf_counter() - start
+        drain()
+        if step > 1:
+            self.blocked.append(blocked)
+        if last:  # the last save: the one restored
+            synchronize(self.device)
+            self.saved = (step, digest(*state()))
+
+    def restores(
+        self, step: int, restore: Callable[[], None], state: Callable[[], tuple[object, ...]]
+    ) -> None:
+        """Runs ``restore`` ``repeat`` + 1 times (the first untimed), checking after each
+        that ``state`` is what the last save held; ``step`` is the one training ended at."""
+        assert self.saved is not None
+        saved_step, saved = self.saved
+        assert saved_step == step, "a step trained after the last save"
+        for i in range(self.repeat + 1):
+            synchronize(self.device)
+            start = time.perf_counter()
+            restore()
+            synchronize(self.device)
+            if i:
+                self.restored.append(time.perf_counter() - start)
+            self.equal.append(digest(*state()) == saved)
+
+
 def layers(mib: int, dtype: torch.dtype = torch.float32) -> nn.Sequential:
     """Bias-free ``WIDTH`` x ``WIDTH`` linear layers, made in float32: as many as ``mib``
     MiB of ``dtype`` holds (one at least), for the run to cast to ``dtype``."""
     count = max(1, mib * MiB // (WIDTH * WIDTH * dtype.itemsize))
     return nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(count)))
+
+
+def checkpoint_mib(model: nn.Module, dtype: torch.dtype) -> int:
+    """The MiB a checkpoint of ``model`` trained in ``dtype`` by Adam holds: its
+    parameters and Adam's two moments of each."""
+    return sum(p.numel() * dtype.itemsize for p in model.parameters()) * 3 // MiB
 
 
 @contextmanager

@@ -148,21 +148,35 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(*flat)
 
 
-def compare(label: str, got: Any, expected: dict[str, torch.Tensor], device: str | None) -> int:
-    """Prints each mismatch; returns how many there were."""
-    found = tensors(got)
+def mismatches(
+    label: str,
+    found: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    problem: Callable[[torch.Tensor, torch.Tensor], str | None],
+) -> int:
+    """Prints each tensor of ``expected`` that ``found`` lacks or that ``problem`` (of the
+    tensor found and the one saved) finds fault with; returns how many there were."""
     bad = 0
     for path, want in expected.items():
         have = found.get(path)
-        if have is None:
-            print(f"  {label}: {path} missing")
+        why = "missing" if have is None else problem(have, want)
+        if why is not None:
+            print(f"  {label}: {path} {why}")
             bad += 1
-        elif device is not None and have.device.type != torch.device(want.device).type:
-            print(f"  {label}: {path} on {have.device}, saved from {want.device}")
-            bad += 1
-        elif not same_bits(have, want):
-            print(f"  {label}: {path} differs ({have.dtype} {tuple(have.shape)})")
-            bad += 1
+    return bad
+
+
+def compare(label: str, got: Any, expected: dict[str, torch.Tensor], device: str | None) -> int:
+    """Prints each mismatch; returns how many there were."""
+
+    def problem(have: torch.Tensor, want: torch.Tensor) -> str | None:
+        if device is not None and have.device.type != torch.device(want.device).type:
+            return f"on {have.device}, saved from {want.device}"
+        if not same_bits(have, want):
+            return f"differs ({have.dtype} {tuple(have.shape)})"
+        return None
+
+    bad = mismatches(label, tensors(got), expected, problem)
     print(f"{label}: {len(expected) - bad} of {len(expected)} tensors bit for bit")
     return bad
 
@@ -214,18 +228,13 @@ def relayout(
     if device == "cuda":
         torch.cuda.synchronize()
     got = tensors(restored, local=False)
-    bad = 0
-    layouts = 0
-    for path, want in expected.items():
-        have = got.get(path)
-        if have is None:
-            print(f"  another layout: {path} missing")
-            bad += 1
-            continue
-        layouts += isinstance(have, DTensor)
-        if digest(have) != digest(want):
-            print(f"  another layout: {path} differs by sha256")
-            bad += 1
+    layouts = sum(isinstance(got.get(path), DTensor) for path in expected)
+    bad = mismatches(
+        "another layout",
+        got,
+        expected,
+        lambda have, want: None if digest(have) == digest(want) else "differs by sha256",
+    )
     print(
         f"v{version} into another layout on {device} ({layouts} DTensors sharded): "
         f"{len(expected) - bad} of {len(expected)} tensors equal by sha256"

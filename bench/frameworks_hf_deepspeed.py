@@ -77,15 +77,14 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from _frameworks import (  # noqa: E402
     WIDTH,
-    MiB,
+    Timings,
+    checkpoint_mib,
     command_line,
     coordinator,
     described,
-    digest,
     dtype_of,
     layers,
     name_the_last_version,
-    synchronize,
 )
 from torch import nn  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
@@ -108,16 +107,11 @@ class MLP(nn.Module):
 # --- the HF Trainer ---------------------------------------------------------------------
 
 
-class Measure(TrainerCallback):
+class Measure(TrainerCallback, Timings):
     """Saves after every step, and restores at the end of training (still set up)."""
 
     def __init__(self, repeat: int, device: str) -> None:
-        self.repeat, self.device = repeat, device
-        self.blocked: list[float] = []
-        self.restored: list[float] = []
-        #: Whether each restore brought back the last save's tensors, bit for bit.
-        self.equal: list[bool] = []
-        self.saved: tuple[int, str] | None = None  # the last save's step and digest
+        Timings.__init__(self, repeat, device)
         self.trainer: Trainer | None = None
 
     def state(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -133,29 +127,27 @@ class Measure(TrainerCallback):
         output = trainer.args.output_dir
         assert output is not None  # TrainingArguments defaults it
         shutil.rmtree(output, ignore_errors=True)  # one checkpoint on disk
-        synchronize(self.device)  # the step's queued work is training's, not the save's
-        start = time.perf_counter()
-        trainer._save_checkpoint(trainer.model_wrapped, None)
-        blocked = time.perf_counter() - start
-        if isinstance(trainer, RallypointTrainer):
-            trainer.checkpoints.wait()  # drained, not timed
-        if state.global_step > 1:  # the first is a warm-up
-            self.blocked.append(blocked)
-        if state.global_step == state.max_steps:  # the last save: the one restored
-            synchronize(self.device)
-            self.saved = (state.global_step, digest(*self.state()))
+
+        def drain() -> None:  # what a save left running: not timed
+            if isinstance(trainer, RallypointTrainer):
+                trainer.checkpoints.wait()
+
+        self.save(
+            state.global_step,
+            state.global_step == state.max_steps,
+            lambda: trainer._save_checkpoint(trainer.model_wrapped, None),
+            drain,
+            self.state,
+        )
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
-        assert trainer is not None and self.saved is not None
-        step, saved = self.saved
-        assert step == state.global_step, "a step trained after the last save"
+        assert trainer is not None
         # The only checkpoint-N left: each save removes the one before.
         assert trainer.args.output_dir is not None
         folder = os.path.join(trainer.args.output_dir, f"checkpoint-{state.global_step}")
-        for i in range(self.repeat + 1):
-            synchronize(self.device)
-            start = time.perf_counter()
+
+        def restore() -> None:
             if isinstance(trainer, RallypointTrainer):
                 named = name_the_last_version(trainer.checkpoints)
                 assert named.step == state.global_step, named
@@ -172,10 +164,8 @@ class Measure(TrainerCallback):
                 trainer._load_from_checkpoint(folder)
                 trainer._load_optimizer_and_scheduler(folder)
                 trainer._load_rng_state(folder)
-            synchronize(self.device)
-            if i:
-                self.restored.append(time.perf_counter() - start)
-            self.equal.append(digest(*self.state()) == saved)
+
+        self.restores(state.global_step, restore, self.state)
 
 
 def run_trainer(rallypoint: bool, args: argparse.Namespace, work: Path, client: Any) -> Measure:
@@ -340,7 +330,7 @@ def main() -> None:
             for variant in (() if skip else ("torch", "decoupled", "fast", "rallypoint"))
         }
     dtype = dtype_of(args)
-    size = sum(p.numel() * dtype.itemsize for p in MLP(args.mib, dtype).parameters()) * 3 // MiB
+    size = checkpoint_mib(MLP(args.mib, dtype), dtype)
     print(
         f"transformers {transformers.__version__}, deepspeed {deepspeed_version()}, "
         f"torch {torch.__version__}, {described(args)}, checkpoint ~{size} MiB "

@@ -43,7 +43,6 @@ import logging
 import os
 import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -59,15 +58,14 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from _frameworks import (  # noqa: E402
     WIDTH,
-    MiB,
+    Timings,
+    checkpoint_mib,
     command_line,
     coordinator,
     described,
-    digest,
     dtype_of,
     layers,
     name_the_last_version,
-    synchronize,
 )
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -89,8 +87,9 @@ class MLP(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-4)
 
 
-class Measure(L.Callback):
-    """Saves and restores at the end of training, while the trainer is still set up."""
+class Measure(L.Callback, Timings):
+    """Saves after every step, and restores at the end of training, while the trainer is
+    still set up."""
 
     def __init__(
         self,
@@ -101,46 +100,33 @@ class Measure(L.Callback):
         drain: Callable[[L.Trainer], None],
         restore: Callable[[L.Trainer, str], None],
     ) -> None:
-        self.name, self.work, self.repeat, self.device = name, work, repeat, device
+        Timings.__init__(self, repeat, device)
+        self.name, self.work = name, work
         self.drain, self.restore = drain, restore
-        self.blocked: list[float] = []
-        self.restored: list[float] = []
-        #: Whether each restore brought back the last save's tensors, bit for bit.
-        self.equal: list[bool] = []
         self.path: str | None = None
-        self.saved: tuple[int, str] | None = None  # the last save's step and digest
 
     def on_train_batch_end(
         self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
     ) -> None:
         if self.path is not None and os.path.exists(self.path):
             os.remove(self.path)  # keeps the disk's use to one checkpoint at a time
-        self.path = str(self.work / f"{self.name}-{trainer.global_step}.ckpt")
-        synchronize(self.device)  # the step's queued work is training's, not the save's
-        start = time.perf_counter()
-        trainer.save_checkpoint(self.path)
-        blocked = time.perf_counter() - start
-        self.drain(trainer)
-        if trainer.global_step > 1:  # the first is a warm-up
-            self.blocked.append(blocked)
-        if trainer.global_step == trainer.max_steps:  # the last save: the one restored
-            synchronize(self.device)
-            self.saved = (trainer.global_step, digest(*tensors(trainer)))
+        path = self.path = str(self.work / f"{self.name}-{trainer.global_step}.ckpt")
+        self.save(
+            trainer.global_step,
+            trainer.global_step == trainer.max_steps,
+            lambda: trainer.save_checkpoint(path),
+            lambda: self.drain(trainer),
+            lambda: tensors(trainer),
+        )
 
     def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        assert self.path is not None and self.saved is not None
-        step, saved = self.saved
-        assert step == trainer.global_step, "a step trained after the last save"
-        for i in range(self.repeat + 1):
-            synchronize(self.device)
-            start = time.perf_counter()
-            self.restore(trainer, self.path)
-            synchronize(self.device)
-            if i:
-                self.restored.append(time.perf_counter() - start)
-            self.equal.append(digest(*tensors(trainer)) == saved)
-        if os.path.exists(self.path):
-            os.remove(self.path)
+        path = self.path
+        assert path is not None
+        self.restores(
+            trainer.global_step, lambda: self.restore(trainer, path), lambda: tensors(trainer)
+        )
+        if os.path.exists(path):
+            os.remove(path)
 
 
 def tensors(trainer: L.Trainer) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -230,7 +216,7 @@ def main() -> None:
             ),
         }
     dtype = dtype_of(args)
-    size = sum(p.numel() * dtype.itemsize for p in MLP(args.mib, dtype).parameters()) * 3 // MiB
+    size = checkpoint_mib(MLP(args.mib, dtype), dtype)
     print(
         f"lightning {L.__version__}, torch {torch.__version__}, {described(args)}, "
         f"checkpoint ~{size} MiB (weights + Adam), median of {args.repeat} after a warm-up"
