@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -383,7 +384,9 @@ class Cluster:
             if self.agents and all(a.proc.poll() is not None for a in self.agents.values()):
                 break
             time.sleep(0.05)
-        raise TimeoutError(f"no such event within {timeout} s; logs in {self.workdir}")
+        raise TimeoutError(
+            f"no such event within {timeout} s; logs in {self.workdir}\n{self.stacks()}"
+        )
 
     def wait(self, timeout: float = 180) -> dict[str, int]:
         """Waits for every agent to exit; their exit statuses."""
@@ -393,8 +396,31 @@ class Cluster:
             try:
                 out[node_id] = agent.proc.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise TimeoutError(f"{node_id} still runs after {timeout} s") from None
+                raise TimeoutError(
+                    f"{node_id} still runs after {timeout} s\n{self.stacks()}"
+                ) from None
         return out
+
+    def stacks(self) -> str:
+        """The Python stacks of this cluster's live processes (agents, warm servers,
+        workers), each thread's, by ``py-spy dump`` where py-spy is installed (the dev
+        extra has it) and may trace them: what a run that hangs says of where it hangs
+        (twice a standby test's agents never exited after training, and their logs
+        said nothing)."""
+        spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+        if spy is None:
+            return "(no py-spy installed: no stacks)"
+        out = []
+        for pid, command in _marked(self._mark):
+            try:
+                dump = subprocess.run(
+                    [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+                )
+                text = dump.stdout or dump.stderr
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                text = f"py-spy failed: {exc}"
+            out.append(f"--- {pid}: {command[:200]}\n{text.strip()}")
+        return "\n".join(out) or "(no process of the cluster left)"
 
     def lingering(self, timeout: float = 20) -> list[str]:
         """The command lines of this cluster's processes still running ``timeout`` s

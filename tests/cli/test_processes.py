@@ -1,5 +1,6 @@
 """The test harness's own rules (``rallypoint.cli.processes``): with no process started,
-and the one that starts a coordinator where a checkout's folder could hide the package."""
+the one that starts a coordinator where a checkout's folder could hide the package, and
+what a cluster that never ends says of where it waits."""
 
 from __future__ import annotations
 
@@ -69,3 +70,40 @@ def test_a_coordinator_started_beside_a_rallypoint_folder_runs_the_installed_pac
         assert httpx.get(f"{coordinator.url}/healthz", timeout=5).status_code == 200
     finally:
         coordinator.stop()
+
+
+#: A worker that says it is there, then waits where a hung job's worker would.
+HANGS = """
+import json, sys, time
+
+def stuck_after_training():
+    time.sleep(600)
+
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"event": "stuck"}) + "\\n")
+stuck_after_training()
+"""
+
+
+@pytest.mark.e2e
+def test_a_cluster_that_does_not_end_says_where_each_of_its_processes_waits(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS)
+    events = tmp_path / "hangs.events.jsonl"
+    cluster = Cluster(
+        coordinator.url, "hangs", tmp_path, nnodes="1", script=[str(script), str(events)]
+    )
+    cluster.events_file = events
+    try:
+        cluster.add("a")
+        cluster.wait_for(lambda e: e["event"] == "stuck", timeout=120)
+        with pytest.raises(TimeoutError, match="a still runs after 1 s") as raised:
+            cluster.wait(timeout=1)
+    finally:
+        cluster.stop()
+    said = str(raised.value)
+    # The worker's stack, and its agent's (torchrun's monitor loop).
+    assert "stuck_after_training (hangs.py:5)" in said, said
+    assert "_invoke_run" in said, said
