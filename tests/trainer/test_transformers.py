@@ -127,7 +127,12 @@ def test_job_batch_plan_keeps_the_first_generations_global_batch() -> None:
 # --- under torchrun -------------------------------------------------------------------------
 
 #: DeepSpeed on CPU: its accelerator, and gloo under it; one thread per process.
-ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+ENV = {
+    "DS_ACCELERATOR": "cpu",
+    "OMP_NUM_THREADS": "1",
+    # What docs/TRAINING.md has an HF Trainer job import once per node, not per worker.
+    "RALLYPOINT_WARM_MODULES": "transformers,rallypoint.trainer.transformers",
+}
 
 WORKER = (
     r"""
