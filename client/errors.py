@@ -28,6 +28,8 @@ Hierarchy::
 
 from __future__ import annotations
 
+from rallypoint.coded import CodedError
+
 from . import codes
 
 __all__ = [
@@ -56,14 +58,10 @@ __all__ = [
 ]
 
 
-class RallypointError(Exception):
+class RallypointError(CodedError):
     """Base of every error the client raises; ``code`` is machine-readable."""
 
     code: str = "error"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 class TransportError(RallypointError):

@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from rallypoint.client import codes
+from rallypoint.coded import CodedError
 
 __all__ = [
     "AccessDenied",
@@ -75,7 +76,7 @@ __all__ = [
 ]
 
 
-class RallypointServiceError(Exception):
+class RallypointServiceError(CodedError):
     """Base of every error the coordinator raises on purpose; ``status`` is its HTTP one.
 
     ``code`` must be one of :data:`rallypoint.client.codes.CODES`, the list the client
@@ -92,10 +93,6 @@ class RallypointServiceError(Exception):
         super().__init_subclass__(**kwargs)
         if cls.code not in codes.CODES:
             raise TypeError(f"{cls.__name__}.code {cls.code!r} is not in rallypoint.client.codes")
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 class RequestError(RallypointServiceError):

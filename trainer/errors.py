@@ -14,6 +14,8 @@ Hierarchy::
 
 from __future__ import annotations
 
+from rallypoint.coded import CodedError
+
 __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
@@ -28,14 +30,10 @@ __all__ = [
 ]
 
 
-class RallypointTrainerError(Exception):
+class RallypointTrainerError(CodedError):
     """Base of every error the trainer helpers raise; ``code`` is machine-readable."""
 
     code = "trainer_error"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 class TransferError(RallypointTrainerError):
