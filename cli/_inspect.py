@@ -33,7 +33,7 @@ from rallypoint.client import (
     RetryPolicy,
     Timeline,
 )
-from rallypoint.times import utc
+from rallypoint.times import span, utc
 
 __all__ = ["add_commands", "ask", "client_for", "connection_options"]
 
@@ -182,14 +182,6 @@ def print_status(status: JobStatus, out: TextIO) -> None:
     )
 
 
-def _offset(seconds: float) -> str:
-    if seconds < 600:
-        return f"+{seconds:.1f}s"
-    if seconds < 36000:
-        return f"+{int(seconds // 60)}m{int(seconds % 60):02d}s"
-    return f"+{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
-
-
 def print_timeline(timeline: Timeline, out: TextIO) -> None:
     """The job's history, one line per event in time order: generations sealed (world
     size, the version resumed from) and ended (the cause in brackets, then the recorded
@@ -247,7 +239,7 @@ def print_timeline(timeline: Timeline, out: TextIO) -> None:
         [
             (
                 utc(at, "%H:%M:%S", zone=False),
-                _offset(at - start),
+                "+" + span(at - start),
                 text,
             )
             for at, _, text in events

@@ -36,7 +36,7 @@ from rallypoint.client.models import (
     TimelineGeneration,
     TimelineVersion,
 )
-from rallypoint.times import utc
+from rallypoint.times import span, utc
 
 __all__ = ["CAUSE_COLOURS", "HEIGHT", "WIDTH", "Recorded", "as_entry", "cause", "svg", "timeline"]
 
@@ -217,14 +217,6 @@ def _clock(epoch: float, span: float) -> str:
     return utc(epoch, "%H:%M:%S" if span < _DAY else "%m-%d %H:%M", zone=False)
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
 def _a(**attrs: object) -> str:
     """Attributes, escaped; ``data_x`` becomes ``data-x``; None leaves one out."""
     return "".join(
@@ -294,7 +286,7 @@ def _generations(t: Timeline, scale: _Scale, top: int) -> list[str]:
         )
         hover = (
             f"generation {g.generation}: world size {g.world_size}, sealed "
-            f"{utc(g.sealed_at)}, {_duration(end - g.sealed_at)}, resumed {resumed}; {ended}"
+            f"{utc(g.sealed_at)}, {span(end - g.sealed_at)}, resumed {resumed}; {ended}"
         )
         fill = "#5b8fd9" if running else ("#8fb3e8" if g.generation % 2 else "#a7c4ee")
         label = (

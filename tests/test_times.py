@@ -1,6 +1,7 @@
 """How a moment reads wherever people read one (the CLI, the status page, the timeline):
-UTC to the second, whatever the machine's time zone, and ``-`` for one not yet come; and
-the marks on a version built from it, one text for the CLI's listing and the page."""
+UTC to the second, whatever the machine's time zone, and ``-`` for one not yet come; a
+span of time in its largest two units, without spaces; and the marks on a version built
+from them, one text for the CLI's listing and the page."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from rallypoint.client.models import CheckpointInfo
-from rallypoint.times import utc
+from rallypoint.times import span, utc
 
 # 2026-11-28 03:29:19.5 UTC
 MOMENT = 1795836559.5
@@ -26,6 +27,23 @@ def test_a_moment_reads_in_utc_whatever_the_local_zone(monkeypatch: pytest.Monke
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0.0s"),
+        (4.25, "4.2s"),
+        (599.94, "599.9s"),
+        (600, "10m00s"),
+        (3599, "59m59s"),
+        (35999, "599m59s"),
+        (36000, "10h00m"),
+        (90061, "25h01m"),
+    ],
+)
+def test_a_span_reads_in_its_largest_two_units(seconds: float, text: str) -> None:
+    assert span(seconds) == text
 
 
 def test_a_versions_marks_say_when_and_why() -> None:
