@@ -324,8 +324,10 @@ class PreemptionWatcher:
 
         Waits until every rank has saved (a barrier: the version is committed), then
         the node that got the notice leaves the job and acknowledges the event, and
-        exits 0. The others exit :data:`RESTART_EXIT_CODE` for their supervisor, or,
-        under torchrun, wait for their agent to restart them at the new world size.
+        exits 0; under torchrun, a process that got SIGTERM ends by that signal instead
+        (see :func:`_end_by_sigterm`). The others exit :data:`RESTART_EXIT_CODE` for
+        their supervisor, or, under torchrun, wait for their agent to restart them at
+        the new world size.
         """
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
@@ -342,6 +344,8 @@ class PreemptionWatcher:
             self.acknowledge()
             self.stop()
             sys.stdout.flush()
+            if self._notice.kind == "SIGTERM" and "TORCHELASTIC_RUN_ID" in os.environ:
+                _end_by_sigterm()
             os._exit(0)  # not sys.exit: process-group teardown could block on departed peers
         if "TORCHELASTIC_RUN_ID" in os.environ:
             # The agent restarts this worker within a heartbeat interval of the departure;
@@ -349,3 +353,20 @@ class PreemptionWatcher:
             self._stop.wait(self.grace.total_seconds())
         sys.stdout.flush()
         os._exit(RESTART_EXIT_CODE)
+
+
+def _end_by_sigterm() -> NoReturn:
+    """Ends this process as SIGTERM would have, with status 143, once its emergency
+    checkpoint is saved.
+
+    Under torchrun, a worker's SIGTERM comes from its agent stopping its workers (for a
+    membership change, or because the agent itself was told to stop): the agent waits
+    for them to exit and reads nothing they return. A worker that torch started as a
+    function (``rallypoint run``'s warm start) and that exits 0 waits for its agent to
+    read its result first, so a node stopped with SIGTERM held its agent 30 s, until
+    torch's SIGKILL ("Unable to shutdown process ... via 15, forcefully exiting via 9").
+    Ended so, the worker is gone at once, however it was started; an agent that did not
+    send the signal (someone signalled the worker alone) counts the worker failed and
+    restarts it, where after an exit 0 it would wait for it forever.
+    """
+    os._exit(_SIGTERM_EXIT)

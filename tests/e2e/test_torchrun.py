@@ -7,6 +7,7 @@ every generation loaded the checkpoint the coordinator named for that generation
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,13 @@ def test_a_preemption_notice_and_a_sigterm_lose_no_steps(
         finally:
             cluster.stop()
     assert codes["b"] == 0  # the preempted node left cleanly
+    # The evicted one too: its worker ended after its emergency checkpoint, as SIGTERM
+    # would have, and its agent said so in a line (its worker, exiting 0, once waited
+    # for the stopping agent to read its result: 30 s, until torch's SIGKILL).
+    assert codes["c"] == 128 + signal.SIGTERM, codes
+    log = cluster.agents["c"].log.read_text()
+    assert "rallypoint run: stopped by SIGTERM; its workers ended" in log, log[-3000:]
+    assert "forcefully exiting" not in log and "Traceback" not in log, log[-3000:]
     assert [g["world_size"] for g in history] == [3, 2, 1]
     assert "preempted (Preempt)" in history[0]["ended_reason"]
     assert "preempted (SIGTERM)" in history[1]["ended_reason"]

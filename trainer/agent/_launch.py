@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import runpy
+import signal
 import sys
 import tempfile
 import threading
@@ -361,6 +362,7 @@ def run(args: Sequence[str]) -> int:
     except ValueError as exc:
         print(f"rallypoint run: {exc}", file=sys.stderr)
         return 2
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
@@ -375,6 +377,12 @@ def run(args: Sequence[str]) -> int:
         return exc.code if isinstance(exc.code, int) else 1
     except ChildFailedError:
         return 1  # torchrun reported which worker failed, and how
+    except SignalException as exc:
+        # A node being stopped (a pod deleted, a VM evicted): torchrun stopped the
+        # workers already, and its traceback says nothing more than this line.
+        name = signal.Signals(exc.sigval).name
+        print(f"rallypoint run: stopped by {name}; its workers ended", file=sys.stderr)
+        return 128 + exc.sigval
     return 0
 
 
