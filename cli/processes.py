@@ -30,6 +30,7 @@ from rallypoint.tls import ssl_context
 
 __all__ = [
     "CLUSTER_MARK",
+    "FINISHING_STEP_TIME",
     "Agent",
     "Cluster",
     "Coordinator",
@@ -186,6 +187,12 @@ class Agent:
     log: Path
 
 
+#: The example's extra seconds per step once a test waits for its job's end
+#: (:meth:`Cluster.wait`): not none, so that a rank's step still leaves the machine's
+#: other processes (agents' heartbeats, the coordinator) time on a loaded machine.
+FINISHING_STEP_TIME = 0.01
+
+
 class Cluster:
     """torchrun agents (``--rdzv-backend=rallypoint``) running the example, one per node.
 
@@ -250,6 +257,8 @@ class Cluster:
         self.nproc = nproc
         self.memory = memory
         self.events_file = workdir / f"{job}.events.jsonl"
+        #: The example's ``--step-time-file``: :meth:`pace` writes it.
+        self.step_time_file = workdir / f"{job}.step-time"
         #: Which file events() read (its path and inode), and how far.
         self._read_from: tuple[tuple[Path, int] | None, int] = (None, 0)
         self._events: list[Event] = []
@@ -279,6 +288,8 @@ class Cluster:
                 str(persist_every),
                 "--events",
                 str(self.events_file),
+                "--step-time-file",
+                str(self.step_time_file),
                 *(["--in-place"] if in_place else []),
                 *(["--image-size", str(image_size)] if image_size is not None else []),
             ]
@@ -388,8 +399,25 @@ class Cluster:
             f"no such event within {timeout} s; logs in {self.workdir}\n{self.stacks()}"
         )
 
-    def wait(self, timeout: float = 180) -> dict[str, int]:
-        """Waits for every agent to exit; their exit statuses."""
+    def pace(self, step_time: float) -> None:
+        """Sets the example's extra seconds per step, from each rank's next step on."""
+        written = self.step_time_file.with_suffix(".tmp")
+        written.write_text(str(step_time))
+        written.replace(self.step_time_file)  # whole, or not yet: never half a number
+
+    def wait(
+        self, timeout: float = 180, *, step_time: float | None = FINISHING_STEP_TIME
+    ) -> dict[str, int]:
+        """Waits for every agent to exit; their exit statuses.
+
+        Args:
+            timeout: Seconds for all of them.
+            step_time: The example's extra seconds per step from now on: a test has done
+                what it paced the run for, and waits for its end (a paced tail was up to
+                20 s of idle steps in a standby test); None: the pace stays.
+        """
+        if step_time is not None:
+            self.pace(step_time)
         end = time.monotonic() + timeout
         out: dict[str, int] = {}
         for node_id, agent in self.agents.items():

@@ -149,6 +149,7 @@ def lightning_cluster(
         *extra,
     ]
     cluster = Cluster(coordinator.url, job, tmp_path, nnodes="2:3", script=script, **kw)
+    cluster.script += ["--step-time-file", str(cluster.step_time_file)]  # cluster.wait's
     cluster.events_file = events
     return cluster
 
@@ -259,6 +260,7 @@ def elastic_cluster(
         *("--events", str(events), "--digests", "--log-samples", *extra),
     ]
     cluster = Cluster(coordinator.url, job, tmp_path, nnodes=nnodes, script=script)
+    cluster.script += ["--step-time-file", str(cluster.step_time_file)]  # cluster.wait's
     cluster.events_file = events
     return cluster
 

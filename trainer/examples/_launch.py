@@ -4,7 +4,10 @@ group of a worker that torchrun restarts on every membership change."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,9 +22,9 @@ def _image_size(value: str) -> int:
 
 def arguments(description: str) -> argparse.ArgumentParser:
     """A parser with the options every torchrun example takes: how long it trains
-    (``--steps``, ``--step-time``), how often it saves (``--checkpoint-every``,
-    ``--persist-every``) and where its events go (``--events``). Each example adds its
-    own."""
+    (``--steps``, ``--step-time``, ``--step-time-file``), how often it saves
+    (``--checkpoint-every``, ``--persist-every``) and where its events go (``--events``).
+    Each example adds its own."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=200, help="train until this step")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps")
@@ -32,6 +35,11 @@ def arguments(description: str) -> argparse.ArgumentParser:
         help="every Nth checkpoint goes to blob storage; the rest stay in nodes' memory",
     )
     parser.add_argument("--step-time", type=float, default=0.0, help="extra s per step")
+    parser.add_argument(
+        "--step-time-file",
+        help="once this file exists, the number in it replaces --step-time (read at each "
+        "step): a test paces a run while it acts on it, then lets it finish sooner",
+    )
     parser.add_argument("--events", help="append JSON lines of what happened to this file")
     return parser
 
@@ -56,3 +64,14 @@ def start_process_group() -> torch.device:
         torch.set_num_threads(1)  # several ranks share a CPU machine's cores
     dist.init_process_group("nccl" if cuda else "gloo")
     return torch.device("cuda" if cuda else "cpu")
+
+
+def pause(args: argparse.Namespace) -> None:
+    """Waits the extra time of a step: ``--step-time``, or the number in
+    ``--step-time-file`` once that file exists (read at every step)."""
+    seconds = args.step_time
+    if args.step_time_file:
+        with contextlib.suppress(OSError, ValueError):
+            seconds = float(Path(args.step_time_file).read_text())
+    if seconds > 0:
+        time.sleep(seconds)

@@ -65,7 +65,12 @@ from rallypoint.trainer import (
     plan_batch,
 )
 from rallypoint.trainer.examples._events import Event, events, process_started, resources
-from rallypoint.trainer.examples._launch import add_image_size, arguments, start_process_group
+from rallypoint.trainer.examples._launch import (
+    add_image_size,
+    arguments,
+    pause,
+    start_process_group,
+)
 
 # One optimizer step's batches on one rank: (images, labels, indices), one per
 # accumulation step.
@@ -297,9 +302,8 @@ class Loop:
         for batches in optimizer_steps(self.loader, self.sampler, self.plan, whole=whole):
             if self.step >= args.steps:
                 break
-            self.loss = train_step(
-                self.ddp, self.optimizer, self.sampler, batches, self.device, args.step_time
-            )
+            self.loss = train_step(self.ddp, self.optimizer, self.sampler, batches, self.device)
+            pause(args)
             if args.log_items:
                 self.event(
                     "items",
@@ -442,7 +446,6 @@ def train_step(
     sampler: ElasticSampler,
     batches: Step,
     device: torch.device,
-    step_time: float,
 ) -> torch.Tensor:
     """One optimizer step over this rank's batches, gradients averaged over all of them
     (synchronized across ranks with the last); its loss, the mean over the batches."""
@@ -457,8 +460,6 @@ def train_step(
         loss += part.detach()
     optimizer.step()
     sampler.advance(len(batches))
-    if step_time:
-        time.sleep(step_time)
     return loss
 
 

@@ -16,7 +16,6 @@ a fixed stride, so the loss has somewhere to go and nothing is downloaded.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import CheckpointManager, PreemptionWatcher
 from rallypoint.trainer.examples._events import events
-from rallypoint.trainer.examples._launch import arguments, start_process_group
+from rallypoint.trainer.examples._launch import arguments, pause, start_process_group
 
 
 class Block(nn.Module):
@@ -160,8 +159,7 @@ def main() -> None:
             optimizer.zero_grad()
             torch.autograd.backward(loss)
             optimizer.step()
-            if args.step_time:
-                time.sleep(args.step_time)
+            pause(args)
             if rank == 0:
                 event("step", step=step, loss=round(loss.item(), 4))
             stop = watcher.should_stop()  # a collective: every rank stops at the same step

@@ -19,10 +19,10 @@ sampler with an ``ElasticSampler`` and keeps the global batch (``--batch-size`` 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import io
 import os
-import time
 from typing import Any
 
 import lightning as L
@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from rallypoint.trainer import SavePolicy
 from rallypoint.trainer.examples._events import events
-from rallypoint.trainer.examples._launch import add_image_size, arguments
+from rallypoint.trainer.examples._launch import add_image_size, arguments, pause
 from rallypoint.trainer.examples.train_ddp import SmallCNN, synthetic_cifar
 from rallypoint.trainer.lightning import RallypointDDPStrategy, RallypointModelParallelStrategy
 
@@ -134,8 +134,10 @@ def saves_back(state: Any) -> bool:
 class Events(L.Callback):
     """Appends what happened to a JSON-lines file (the tests' ``judge`` reads it)."""
 
-    def __init__(self, path: str | None, digests: bool, step_time: float, samples: bool) -> None:
-        self.digests, self.step_time = digests, step_time
+    def __init__(
+        self, path: str | None, digests: bool, pace: argparse.Namespace, samples: bool
+    ) -> None:
+        self.digests, self.pace = digests, pace
         self.samples = samples
         self.step = 0
         self.final: str | None = None  # the digest when training ended
@@ -213,8 +215,7 @@ class Events(L.Callback):
                 accumulation=trainer.accumulate_grad_batches,
                 loss=loss.hex(),  # exact, for bit-for-bit comparisons
             )
-        if self.step_time:
-            time.sleep(self.step_time)  # paces a tiny model so that a test can act mid-run
+        pause(self.pace)  # paces a tiny model so that a test can act mid-run
         if self.rank == 0:
             self.event("step", step=trainer.global_step - 1, loss=self.loss)
 
@@ -270,7 +271,7 @@ def main() -> None:
         strategy = RallypointModelParallelStrategy(
             policy=policy, elastic_data=elastic, keep_global_batch=keep
         )
-    events = Events(args.events, args.digests, args.step_time, args.log_samples)
+    events = Events(args.events, args.digests, args, args.log_samples)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
