@@ -36,6 +36,7 @@ import xxhash
 import deepspeed
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import ElasticSampler, PreemptionWatcher, SavePolicy
+from rallypoint.trainer.examples._launch import pause
 import rallypoint.trainer.deepspeed as rp_deepspeed
 
 p = argparse.ArgumentParser()
@@ -43,6 +44,7 @@ p.add_argument("--stage", type=int, default=3)
 p.add_argument("--steps", type=int, default=40)
 p.add_argument("--every", type=int, default=5)
 p.add_argument("--step-time", type=float, default=0.0)
+p.add_argument("--step-time-file")
 p.add_argument("--events", required=True)
 p.add_argument("--items", type=int, default=120, help="an epoch's items")
 p.add_argument("--micro", type=int, default=2, help="per-device batch")
@@ -120,8 +122,7 @@ def train_step(s, indices):
     assert engine.global_steps == s
     sampler.advance(accumulation)  # after the optimizer step, on every rank
     event("trained", step=s, epoch=sampler.epoch, indices=[i for b in indices for i in b.tolist()])
-    if args.step_time:
-        time.sleep(args.step_time)
+    pause(args)
     if rank == 0:
         event("step", step=s, loss=round(loss.item(), 5))
     stop = watcher.should_stop()
@@ -192,6 +193,7 @@ def zero_cluster(
         script=[str(script), *args, "--events", str(events)],
         **kw,
     )
+    cluster.script += ["--step-time-file", str(cluster.step_time_file)]  # cluster.wait's
     cluster.events_file = events
     return cluster
 
@@ -328,6 +330,11 @@ def test_zero_resumes_at_another_world_size_shrunk_and_grown(
                 timeout=60,
             )
             add("d")
+            # Before the end, which cluster.wait hastens: the two train on while d starts.
+            cluster.wait_for(
+                lambda e: e["event"] == "resumed" and e["world_size"] == 3 and e["generation"] > 1,
+                timeout=150,
+            )
         codes = cluster.wait(timeout=300)
     finally:
         cluster.stop()

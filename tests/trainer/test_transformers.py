@@ -142,6 +142,7 @@ import xxhash
 from transformers import TrainingArguments, TrainerCallback
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import SavePolicy
+from rallypoint.trainer.examples._launch import pause
 from rallypoint.trainer.transformers import RallypointTrainer
 
 p = argparse.ArgumentParser()
@@ -150,6 +151,7 @@ p.add_argument("--out", required=True)
 p.add_argument("--steps", type=int, default=24)
 p.add_argument("--save-steps", type=int, default=4)
 p.add_argument("--step-time", type=float, default=0.0)
+p.add_argument("--step-time-file")
 p.add_argument("--zero", type=int, default=0, help="DeepSpeed ZeRO stage; 0: DDP")
 p.add_argument("--model", choices=("llama", "bert"), default="llama")
 p.add_argument("--persist-every", type=int, default=1)
@@ -230,7 +232,7 @@ class Log(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs: self.loss = round(float(logs["loss"]), 5)
     def on_step_end(self, args, state, control, **kw):
-        if a.step_time: time.sleep(a.step_time)  # paces a tiny model so that a test can act mid-run
+        pause(a)  # paces a tiny model so that a test can act mid-run
         self.ev("trained", step=state.global_step, indices=trainer.trained, losses=trainer.losses, micro=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps)
         trainer.trained, trainer.losses = [], []
         if dist.get_rank() == 0: self.ev("step", step=state.global_step, loss=self.loss)
@@ -278,6 +280,7 @@ def hf_cluster(
     cluster = Cluster(
         coordinator.url, job, tmp_path, nnodes=nnodes, memory=tmp_path / "memory", script=argv, **kw
     )
+    cluster.script += ["--step-time-file", str(cluster.step_time_file)]  # cluster.wait's
     cluster.events_file = events
     return cluster, out
 
@@ -314,6 +317,8 @@ def shrink_and_grow(
         cluster.kill("c")
         cluster.wait_for(lambda e: e["event"] == "saving" and e["world_size"] == 2, timeout=150)
         cluster.add("d", env=ENV)
+        # Before the end, which cluster.wait hastens: the two train on while d starts.
+        cluster.wait_for(lambda e: e["event"] == "resumed" and e["generation"] == 3, 150)
         codes = cluster.wait(timeout=150)
         # Nothing of the job outlives it: not the loader workers of the ranks that were
         # restarted (they once took the worker's way out and waited for its agent).
