@@ -213,8 +213,9 @@ def timeline(
 # --- drawing ------------------------------------------------------------------------------
 
 
-def _clock(epoch: float, span: float) -> str:
-    return utc(epoch, "%H:%M:%S" if span < _DAY else "%m-%d %H:%M", zone=False)
+def _clock(epoch: float, shown: float) -> str:
+    """A tick's label on an axis that shows ``shown`` seconds."""
+    return utc(epoch, "%H:%M:%S" if shown < _DAY else "%m-%d %H:%M", zone=False)
 
 
 def _a(**attrs: object) -> str:
@@ -442,10 +443,10 @@ def _pointers(t: Timeline, places: dict[int, float]) -> list[str]:
 
 def _axis(scale: _Scale) -> list[str]:
     """The time axis, with ticks at round clock times (UTC)."""
-    span = scale.span
-    step = next((s for s in _STEPS if span / s <= 8), None)
+    shown = scale.span
+    step = next((s for s in _STEPS if shown / s <= 8), None)
     if step is None:
-        step = _DAY * max(1, math.ceil(span / _DAY / 8))
+        step = _DAY * max(1, math.ceil(shown / _DAY / 8))
     first = math.ceil(scale.t0 / step) * step
     out = [
         f"<line{_a(x1=_LEFT, y1=_AXIS_Y, x2=WIDTH - _RIGHT, y2=_AXIS_Y, stroke='#999')}/>",
@@ -459,7 +460,7 @@ def _axis(scale: _Scale) -> list[str]:
         out.append(
             f"<g class='tick'><line{_a(x1=x, y1=_AXIS_Y, x2=x, y2=_AXIS_Y + 4, stroke='#999')}/>"
             f"<text{_a(x=x, y=_AXIS_Y + 15, text_anchor='middle', fill='#555')}>"
-            f"{escape(_clock(tick, span))}</text></g>"
+            f"{escape(_clock(tick, shown))}</text></g>"
         )
         tick += step
     return out
