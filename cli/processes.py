@@ -487,6 +487,11 @@ def judge(events: Sequence[Event], history: Sequence[dict[str, Any]]) -> Verdict
     """Checks that every rank of every generation resumed from the checkpoint the
     coordinator named for it, and counts the steps lost at each restart.
 
+    A generation that trained no step may show fewer ranks resumed: a membership change
+    that ended it while its workers started stops those that had not resumed yet (a
+    node that joins while the others load, often on a busy machine). One that trained a
+    step must show each of its ranks once: a step is a collective of all of them.
+
     Args:
         events: The example's events (``--events``).
         history: The job's generation history (``GET /v1/jobs/JOB``).
@@ -497,6 +502,7 @@ def judge(events: Sequence[Event], history: Sequence[dict[str, Any]]) -> Verdict
     for e in events:
         if e["event"] == "resumed":
             resumed.setdefault(e["generation"], []).append(e)
+    trained = {e["generation"] for e in events if e["event"] == "step"}
     for generation, group in sorted(resumed.items()):
         versions = {e["version"] for e in group}
         ranks = sorted(e["rank"] for e in group)
@@ -507,7 +513,9 @@ def judge(events: Sequence[Event], history: Sequence[dict[str, Any]]) -> Verdict
                 f"generation {generation}: loaded {sorted(versions, key=str)}, "
                 f"the coordinator named {pointers.get(generation)}"
             )
-        if ranks != list(range(group[0]["world_size"])):
+        every = list(range(group[0]["world_size"]))
+        cut_short = generation not in trained and set(ranks) < set(every)
+        if ranks != every and not (cut_short and len(set(ranks)) == len(ranks)):
             problems.append(f"generation {generation}: ranks {ranks} resumed")
     steps = [e for e in events if e["event"] == "step"]
     last_step: dict[int, int] = {}

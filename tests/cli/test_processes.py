@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rallypoint.cli.processes import Cluster, Coordinator
+from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 
 
 def line(step: int) -> str:
@@ -19,6 +19,53 @@ def line(step: int) -> str:
 
 def steps(cluster: Cluster) -> list[int]:
     return [e["step"] for e in cluster.events()]
+
+
+def resumed(generation: int, rank: int, world: int, version: str | None = "v1") -> Event:
+    return {
+        "event": "resumed",
+        "generation": generation,
+        "rank": rank,
+        "world_size": world,
+        "version": version,
+        "step": 6,
+    }
+
+
+def step(generation: int, number: int) -> Event:
+    return {"event": "step", "generation": generation, "step": number, "loss": 0.5}
+
+
+HISTORY = [{"generation": g, "checkpoint": {"version": "v1"}} for g in (1, 2)]
+
+
+def test_judge_wants_every_rank_resumed_in_a_generation_that_trained() -> None:
+    whole = [resumed(1, 0, 2), resumed(1, 1, 2), step(1, 6)]
+    assert judge(whole, HISTORY).consistent
+    verdict = judge([resumed(1, 0, 2), step(1, 6)], HISTORY)
+    assert verdict.problems == ["generation 1: ranks [0] resumed"]
+
+
+def test_judge_takes_fewer_ranks_where_a_change_ended_the_generation_before_a_step() -> None:
+    # Generation 1 ended (a node joined) while rank 1 still loaded; 2 trained whole.
+    log = [resumed(1, 0, 2), *(resumed(2, r, 3) for r in range(3)), step(2, 6)]
+    assert judge(log, HISTORY).consistent
+
+
+@pytest.mark.parametrize(
+    "ranks", [[0, 0], [0, 2], [0, 1, 2]], ids=["twice", "beyond-the-world", "too-many"]
+)
+def test_judge_refuses_ranks_that_cannot_be_even_where_no_step_trained(ranks: list[int]) -> None:
+    log = [resumed(1, r, 2) for r in ranks]
+    assert judge(log, HISTORY).problems == [f"generation 1: ranks {ranks} resumed"]
+
+
+def test_judge_wants_the_version_the_coordinator_named_from_each_rank_that_resumed() -> None:
+    log = [resumed(1, 0, 2), resumed(1, 1, 2, "v0"), step(1, 6)]
+    assert judge(log, HISTORY).problems == [
+        "generation 1: ranks loaded versions ['v0', 'v1']",
+        "generation 1: loaded ['v0', 'v1'], the coordinator named v1",
+    ]
 
 
 def test_events_are_read_on_from_the_last_call_a_whole_line_at_a_time(tmp_path: Path) -> None:
