@@ -514,8 +514,8 @@ def judge(events: Sequence[Event], history: Sequence[dict[str, Any]]) -> Verdict
                 f"the coordinator named {pointers.get(generation)}"
             )
         every = list(range(group[0]["world_size"]))
-        cut_short = generation not in trained and set(ranks) < set(every)
-        if ranks != every and not (cut_short and len(set(ranks)) == len(ranks)):
+        fits = len(set(ranks)) == len(ranks) and set(ranks) <= set(every)
+        if ranks != every and (generation in trained or not fits):
             problems.append(f"generation {generation}: ranks {ranks} resumed")
     steps = [e for e in events if e["event"] == "step"]
     last_step: dict[int, int] = {}
