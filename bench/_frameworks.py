@@ -18,16 +18,19 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from bench._joined import joined
+from bench._smoke import parse
 from rallypoint.client import CheckpointInfo, CheckpointPointer, ElasticClient
 from rallypoint.trainer import CheckpointManager
 from tests._coordinator import Coordinator
 
 __all__ = [
+    "SMOKE",
     "WIDTH",
     "MiB",
     "Timings",
@@ -67,16 +70,23 @@ def measuring(
     return parser
 
 
-def parsed(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """The options read, and torch left one thread (as each measurement here runs)."""
-    args = parser.parse_args()
+#: What ``--smoke`` sets (``bench/_smoke.py``) in a benchmark of ``--mib`` and ``--repeat``.
+SMOKE = {"mib": 1, "repeat": 1}
+
+
+def parsed(
+    parser: argparse.ArgumentParser, smoke: Mapping[str, Any] | None = None
+) -> argparse.Namespace:
+    """The options read (``--smoke`` among them: :data:`SMOKE` and ``smoke``), and torch
+    left one thread (as each measurement here runs)."""
+    args = parse(parser, {**SMOKE, **(smoke or {})})
     torch.set_num_threads(1)
     return args
 
 
 def command_line(doc: str, mib: int, optimizer: str) -> argparse.Namespace:
     """Reads the options every framework benchmark takes: ``--mib`` and ``--repeat``
-    (:func:`measuring`, :func:`parsed`), ``--device`` and ``--bf16``.
+    (:func:`measuring`, :func:`parsed`, with ``--smoke``), ``--device`` and ``--bf16``.
 
     Args:
         doc: The benchmark's docstring; its first paragraph is the description.

@@ -1,12 +1,15 @@
 """Simulated nodes for the rendezvous bench: N nodes in one asyncio process.
 
 Each node keeps one HTTP/1.1 connection open and writes on it the bytes an
-``ElasticClient`` writes (httpx's request line and headers, in its order; the same JSON
-bodies, checked against the client's own models): ``join`` with the job's spec, ``wait``
-long-polls until the seal, then heartbeats with the credential the join returned. It
-reads only the status, ``content-length`` and the JSON it needs, so a request costs this
-process a fraction of what it costs the coordinator (``bench/rendezvous.py --only
-transports`` measures it beside httpx's ``AsyncClient``).
+``ElasticClient`` writes: ``join`` with the job's spec, ``wait`` long-polls until the
+seal, then heartbeats with the credential the join returned. Those bytes are the
+client's own: a real ``ElasticClient`` builds each request (on a transport that keeps it
+instead of sending it) and h11 writes it as httpx's connection would, so a field or a
+header the client adds is on the wire here too. (Hand-written bodies drifted once: the
+client's ``warm`` and ``ready`` fields left every round refused, "bodies differ from the
+client's".) It reads only the status, ``content-length`` and the JSON it needs, so a
+request costs this process a fraction of what it costs the coordinator
+(``bench/rendezvous.py --only transports`` measures it beside httpx's ``AsyncClient``).
 """
 
 from __future__ import annotations
@@ -17,16 +20,17 @@ import random
 import re
 import resource
 import time
-import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import h11
 import httpx
+from pydantic import BaseModel
 
-from rallypoint.client import CREDENTIAL_HEADER, JobSpec
-from rallypoint.client.models import HeartbeatRequest, JoinRequest, WaitRequest
+from rallypoint.client import CREDENTIAL_HEADER, ElasticClient, JobSpec
+from rallypoint.client.models import Assignment, HeartbeatRequest, JoinReply, RankProgress
 
 __all__ = [
     "Beats",
@@ -41,7 +45,6 @@ _T = TypeVar("_T")
 _CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
 _RETRY_AFTER = re.compile(rb"(?i)\r\nretry-after: *(\d+(?:\.\d*)?)\r\n")
 _RETRY_STATUS = {429, 502, 503, 504}  # as ElasticClient retries them
-_POLL = 30.0  # ElasticClient's long-poll hold
 _CONNECTING = 256  # connections opened at once: uvicorn's listen backlog is 2,048
 
 
@@ -120,20 +123,144 @@ class _Connection:
             self.writer.close()
 
 
-class _Node:
-    """A simulated node: its connection, its requests' fixed parts, what it was told."""
+class _Captured(Exception):
+    """Ends a client's call once it built the request the load generator wants."""
 
-    def __init__(self, host: str, port: int, job: str, node_id: str) -> None:
+
+class _Scripted(httpx.BaseTransport):
+    """Answers a client's requests with ``replies`` in turn and keeps every request; the
+    first request past them raises :class:`_Captured` (the client does not retry it)."""
+
+    def __init__(self, *replies: BaseModel) -> None:
+        self.replies = list(replies)
+        self.requests: list[httpx.Request] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.read()
+        self.requests.append(request)
+        if len(self.requests) > len(self.replies):
+            raise _Captured
+        reply = self.replies[len(self.requests) - 1]
+        return httpx.Response(200, content=reply.model_dump_json(exclude_none=True))
+
+
+def _wire(request: httpx.Request) -> tuple[bytes, bytes]:
+    """The head and the body httpx's HTTP/1.1 connection writes for ``request``: h11's
+    bytes for it, as httpcore hands it over (the target is the URL's raw path)."""
+    conn = h11.Connection(our_role=h11.CLIENT)
+    head = conn.send(
+        h11.Request(method=request.method, target=request.url.raw_path, headers=request.headers.raw)
+    )
+    body = conn.send(h11.Data(data=request.content))
+    assert head is not None and body is not None
+    return head, body
+
+
+# What the client is given where a request's head holds a node's own value, replaced in
+# the bytes it built by each node's: the id in the path, the credential in its header.
+_NODE = "loadgen-node-sentinel"
+_CREDENTIAL = "loadgen-credential-sentinel"
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A request the client built for the node :data:`_NODE` with the credential
+    :data:`_CREDENTIAL`, each of which its head holds once and its body never."""
+
+    head: bytes
+    body: bytes
+
+    @classmethod
+    def of(cls, request: httpx.Request) -> _Template:
+        head, body = _wire(request)
+        for value in (_NODE, _CREDENTIAL):
+            if head.count(value.encode()) != 1 or value.encode() in body:
+                raise LoadgenError(
+                    f"the client's request holds {value!r} other than once: {head!r}"
+                )
+        return cls(head, body)
+
+    def head_for(self, node_id: bytes, credential: bytes) -> bytes:
+        return self.head.replace(_NODE.encode(), node_id).replace(_CREDENTIAL.encode(), credential)
+
+
+def _client(
+    url: str, job: str, node_id: str, *replies: BaseModel
+) -> tuple[ElasticClient, _Scripted]:
+    transport = _Scripted(*replies)
+    return ElasticClient(url, job, node_id, http_transport=transport), transport
+
+
+def _captured(call: Callable[[], object], transport: _Scripted) -> list[httpx.Request]:
+    """The requests ``call`` made, the last one kept from the wire."""
+    try:
+        call()
+    except _Captured:
+        return transport.requests
+    raise LoadgenError("the client's call ended without the request expected")
+
+
+def _join(url: str, job: str, node_id: str, port: int, spec: JobSpec) -> tuple[bytes, bytes]:
+    """``ElasticClient.join(spec=spec)``'s first request, as the client writes it."""
+    client, transport = _client(url, job, node_id)
+    try:
+        (join,) = _captured(lambda: client.join("127.0.0.1", port, spec=spec), transport)
+    finally:
+        client.close()
+    return _wire(join)
+
+
+def _wait(url: str, job: str, round: int) -> _Template:
+    """The long-poll ``ElasticClient.join`` sends after a reply of ``waiting`` for
+    ``round``."""
+    waiting = JoinReply(status="waiting", round=round, credential=_CREDENTIAL)
+    client, transport = _client(url, job, _NODE, waiting)
+    try:
+        _, wait = _captured(lambda: client.join("127.0.0.1", 20000), transport)
+    finally:
+        client.close()
+    return _Template.of(wait)
+
+
+def _heartbeat(
+    url: str,
+    job: str,
+    generation: int,
+    hold: timedelta,
+    progress: Sequence[RankProgress] = (),
+) -> _Template:
+    """``ElasticClient.heartbeat(hold, progress=progress)`` of a member of ``generation``
+    (no ``progress``: a beat that carries none, as a node whose workers report none)."""
+    assignment = Assignment(
+        job_id=job,
+        node_id=_NODE,
+        generation=generation,
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=29500,
+    )
+    sealed = JoinReply(status="sealed", round=1, assignment=assignment, credential=_CREDENTIAL)
+    client, transport = _client(url, job, _NODE, sealed)
+    try:
+        _, beat = _captured(
+            lambda: (
+                client.join("127.0.0.1", 20000),
+                client.heartbeat(hold, progress=list(progress) or None),
+            ),
+            transport,
+        )
+    finally:
+        client.close()
+    return _Template.of(beat)
+
+
+class _Node:
+    """A simulated node: its connection and what it was told."""
+
+    def __init__(self, host: str, port: int, node_id: str) -> None:
         self.node_id = node_id
         self.conn = _Connection(host, port)
-        # httpx's request head, header for header (Host, its defaults, then ours).
-        self._common = (
-            f"HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: */*\r\n"
-            f"Accept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\n"
-            f"User-Agent: python-httpx/{httpx.__version__}\r\n"
-        ).encode()
-        self._job = f"/v1/jobs/{job}".encode()
-        self._node = f"/v1/jobs/{job}/nodes/{node_id}".encode()
         self.credential = b""
         self.generation = 0
         self.rank = -1
@@ -142,21 +269,16 @@ class _Node:
         self.retries = 0
         self.retried = ""  # the first answer retried
 
-    def _head(self, path: bytes, body: bytes) -> bytes:
-        credential = b"%s: %s\r\n" % (CREDENTIAL_HEADER.encode(), self.credential)
-        return b"POST %s %s%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
-            path,
-            self._common,
-            credential if self.credential else b"",
-            len(body),
-        )
+    async def send(self, template: _Template) -> tuple[int, bytes]:
+        """One request of ``template``'s, as this node's."""
+        head = template.head_for(self.node_id.encode(), self.credential)
+        return await self.call(head, template.body)
 
-    async def call(self, path: bytes, body: bytes) -> tuple[int, bytes]:
+    async def call(self, head: bytes, body: bytes) -> tuple[int, bytes]:
         """One request, retried on 429/5xx as ElasticClient's default RetryPolicy does
         (full jitter, from 0.2 s doubling to 10 s, no later than a ``Retry-After``, for
         120 s); raises on other errors."""
         cap, end = 0.2, time.monotonic() + 120.0
-        head = self._head(path, body)
         while True:
             status, reply_head, reply = await self.conn.request(head, body)
             if status < 400:
@@ -210,18 +332,6 @@ class Beats:
     restarts: int = 0
 
 
-def _check_bodies(node_id: str, spec: JobSpec, join_id: str) -> tuple[bytes, bytes]:
-    """The join and the first wait body, as ElasticClient serialises them."""
-    join = JoinRequest(
-        node_id=node_id, addr="127.0.0.1", port=20000, spec=spec, wait=_POLL, join_id=join_id
-    )
-    wait = WaitRequest(round=1, wait=_POLL)
-    return (
-        join.model_dump_json(exclude_none=True).encode(),
-        wait.model_dump_json(exclude_none=True).encode(),
-    )
-
-
 class Loadgen:
     """N simulated nodes of one job on one coordinator (see the module docstring).
 
@@ -233,7 +343,14 @@ class Loadgen:
 
     def __init__(self, host: str, port: int, job: str, n: int) -> None:
         self.job = job
-        self.nodes = [_Node(host, port, job, f"n{i:05d}") for i in range(n)]
+        self.url = f"http://{host}:{port}"
+        self.nodes = [_Node(host, port, f"n{i:05d}") for i in range(n)]
+        self._waits: dict[int, _Template] = {}
+
+    def _wait(self, round: int) -> _Template:
+        if round not in self._waits:
+            self._waits[round] = _wait(self.url, self.job, round)
+        return self._waits[round]
 
     async def connect(self) -> float:
         """Opens every node's connection (at most 256 at a time); returns the seconds."""
@@ -269,32 +386,27 @@ class Loadgen:
             LoadgenError: A request was refused, or the ranks are not 0..N-1.
         """
         n = len(self.nodes)
-        join_ids = [uuid.uuid4().hex for _ in self.nodes]
-        spec_json = spec.model_dump_json().encode()
         joins = [
-            b'{"node_id":"%s","addr":"127.0.0.1","port":%d,"spec":%s,"wait":%r,"join_id":"%s"}'
-            % (node.node_id.encode(), 20000 + i % 40000, spec_json, _POLL, join_ids[i].encode())
+            _join(self.url, self.job, node.node_id, 20000 + i % 40000, spec)
             for i, node in enumerate(self.nodes)
         ]
-        expected = _check_bodies(self.nodes[0].node_id, spec, join_ids[0])
-        if (joins[0], self._wait_body(1)) != expected:
-            raise LoadgenError(f"bodies differ from the client's: {joins[0]!r} {expected!r}")
+        self._wait(1)  # a new job's first round: built before the clock starts
         for node in self.nodes:
             node.conn.sent = node.conn.received = 0
         requests = 0
         loop = asyncio.get_running_loop()
 
-        async def one(i: int, node: _Node, body: bytes) -> None:
+        async def one(i: int, node: _Node, join: tuple[bytes, bytes]) -> None:
             nonlocal requests
             if waves is not None:
                 await asyncio.sleep(i // waves[0] * waves[1])
             requests += 1
-            _, reply = await node.call(self._join_path, body)
+            _, reply = await node.call(*join)
             data = json.loads(reply)
             node.credential = data["credential"].encode()
             while data["status"] != "sealed":
                 requests += 1
-                _, reply = await node.call(node._node + b"/wait", self._wait_body(data["round"]))
+                _, reply = await node.send(self._wait(data["round"]))
                 data = json.loads(reply)
             node.assigned_at = loop.time()
             node.assignment_bytes = len(reply)
@@ -320,41 +432,34 @@ class Loadgen:
             retried=next((node.retried for node in self.nodes if node.retried), ""),
         )
 
-    @property
-    def _join_path(self) -> bytes:
-        return self.nodes[0]._job + b"/join"
-
-    @staticmethod
-    def _wait_body(round: int) -> bytes:
-        return b'{"round":%d,"wait":%r}' % (round, _POLL)
-
     async def heartbeats(
         self,
         seconds: float,
         interval: timedelta = timedelta(seconds=1),
         hold: timedelta = timedelta(0),
+        progress: Sequence[RankProgress] = (),
     ) -> Beats:
         """Every node heartbeats for ``seconds`` as ``ElasticClient.heartbeats(interval)``
         does: a beat asks the coordinator to hold it ``hold`` (the client's thread holds
         each for ``interval``; 0 is a plain ``heartbeat()``), and the next one starts an
         ``interval`` after the last one started, or at once if the reply came later.
-        The nodes' first beats are spread evenly over one interval.
+        The nodes' first beats are spread evenly over one interval. Each beat carries
+        ``progress`` (an agent's beat carries its workers', one per process), the same
+        for every node: what it costs the coordinator does not depend on the values.
         """
         every, held = interval.total_seconds(), hold.total_seconds()
-        body = HeartbeatRequest(generation=self.nodes[0].generation, wait=held)
-        data = body.model_dump_json(exclude_none=True).encode()
+        beat = _heartbeat(self.url, self.job, self.nodes[0].generation, hold, progress)
         loop = asyncio.get_running_loop()
         beats = Beats()
         start = loop.time() + 0.5
         end = start + seconds
-        path = b"/heartbeat"
 
         async def one(i: int, node: _Node) -> None:
             at = start + every * i / len(self.nodes)
             await asyncio.sleep(at - loop.time())
             while at < end:
                 sent = loop.time()
-                _, reply = await node.call(node._node + path, data)
+                _, reply = await node.send(beat)
                 now = loop.time()
                 beats.samples.append((sent - start, now - sent - held))
                 if b'"restart"' in reply:
@@ -372,12 +477,11 @@ class Loadgen:
         """The first ``nodes`` nodes each send ``beats`` plain heartbeats, one after the
         other, on their connections; returns this process's CPU seconds (beside
         :meth:`beat_httpx`, to show which is cheaper per request)."""
-        body = HeartbeatRequest(generation=self.nodes[0].generation).model_dump_json()
+        beat = _heartbeat(self.url, self.job, self.nodes[0].generation, timedelta(0))
 
         async def one(node: _Node) -> None:
-            path = node._node + b"/heartbeat"
             for _ in range(beats):
-                _, reply = await node.call(path, body.encode())
+                _, reply = await node.send(beat)
                 json.loads(reply)
 
         cpu = time.process_time()
@@ -391,7 +495,7 @@ class Loadgen:
         async with httpx.AsyncClient(base_url=url, limits=limits) as client:
 
             async def one(node: _Node) -> None:
-                path = node._node.decode() + "/heartbeat"
+                path = f"/v1/jobs/{self.job}/nodes/{node.node_id}/heartbeat"
                 headers = {
                     CREDENTIAL_HEADER: node.credential.decode(),
                     "Content-Type": "application/json",

@@ -139,13 +139,20 @@ def _worker_pid(cluster: Cluster, node: str) -> int | None:
 
 
 def chaos(
-    workdir: Path, limit: float, *, rounds: int, seed: int, step_time: float
+    workdir: Path,
+    limit: float,
+    *,
+    rounds: int,
+    seed: int,
+    step_time: float,
+    nodes: int = 4,
+    warm: int = 30,
 ) -> dict[str, Any]:
-    """Four nodes regrouping in place; ``rounds`` times a random node other than n0 is
-    SIGKILLed (the clock runs to a step at world 3), then a new node joins (to a step at
-    world 4). n0's worker never dies, so its ``resources`` across the run are the leak
-    check: a process that regroups must not keep the threads, sockets and memory of
-    each group it leaves."""
+    """Four nodes (``nodes``) regrouping in place, trained to step 30 (``warm``);
+    ``rounds`` times a random node other than n0 is SIGKILLed (the clock runs to a step
+    at world 3), then a new node joins (to a step at world 4). n0's worker never dies, so
+    its ``resources`` across the run are the leak check: a process that regroups must
+    not keep the threads, sockets and memory of each group it leaves."""
     coordinator = Coordinator(
         ["--storage", f"local:{workdir / 'storage'}"], log=workdir / "coordinator.log"
     )
@@ -154,7 +161,7 @@ def chaos(
         coordinator.url,
         "rp-chaos",
         workdir,
-        nnodes="3:4",
+        nnodes=f"{nodes - 1}:{nodes}",
         steps=10**6,
         step_time=step_time,
         heartbeat_timeout=3,
@@ -165,15 +172,14 @@ def chaos(
         in_place=True,
     )
     rng = random.Random(seed)  # the same victims run after run
-    live = ["n0", "n1", "n2", "n3"]
+    live = [f"n{i}" for i in range(nodes)]
     done: list[dict[str, Any]] = []
     failure = None
     keeper: tuple[int | None, int | None] = (None, None)
     try:
-        for node in live:
-            cluster.add(node)
+        cluster.start(*live)
         cluster.wait_for(
-            lambda e: e["event"] == "step" and e["world_size"] == 4 and e["step"] >= 30,
+            lambda e: e["event"] == "step" and e["world_size"] == nodes and e["step"] >= warm,
             timeout=180,
         )
         first_pid = _worker_pid(cluster, "n0")
@@ -184,10 +190,11 @@ def chaos(
             cluster.kill(victim)
             live.remove(victim)
             try:
-                at3 = cluster.wait_for(_step(3, killed, generation), timeout=limit)
+                at3 = cluster.wait_for(_step(nodes - 1, killed, generation), timeout=limit)
             except TimeoutError:
                 failure = (
-                    f"round {i + 1}: no step at world 3 within {limit:.0f} s of {victim}'s kill"
+                    f"round {i + 1}: no step at world {nodes - 1} within {limit:.0f} s of "
+                    f"{victim}'s kill"
                 )
                 break
             newcomer = f"r{i + 1}"
@@ -195,9 +202,11 @@ def chaos(
             cluster.add(newcomer)
             live.append(newcomer)
             try:
-                at4 = cluster.wait_for(_step(4, added), timeout=limit)
+                at4 = cluster.wait_for(_step(nodes, added), timeout=limit)
             except TimeoutError:
-                failure = f"round {i + 1}: no step at world 4 within {limit:.0f} s of {newcomer}"
+                failure = (
+                    f"round {i + 1}: no step at world {nodes} within {limit:.0f} s of {newcomer}"
+                )
                 done.append({"victim": victim, "killed": killed, "at3": at3, "newcomer": newcomer})
                 break
             done.append(

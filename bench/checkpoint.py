@@ -44,9 +44,12 @@ The training loop (``--mode loop``, local only; see ``bench/_loop.py``): what sa
 every 5 steps costs an MLP's training loop with Adam, ``--mib`` MiB of state, beside no
 saves and ``dcp.async_save``: time waited per save against a plain copy, and steps/s.
 
+``--mode all`` runs every mode; ``--smoke`` runs them all at tiny sizes, the sharded
+run on 2 processes (``--world``) restored on 1.
+
 Usage: python bench/checkpoint.py [--mib 1024] [--tensors 64] [--repeat 3]
-       [--only local|azurite] [--mode single|sharded|both|formats|loop] [--device cpu|cuda]
-       [--steps 30]
+       [--only local|azurite] [--mode single|sharded|both|formats|loop|all]
+       [--device cpu|cuda] [--steps 30] [--world 4] [--smoke]
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -72,8 +76,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 import torch  # noqa: E402
 
 from bench._joined import joined  # noqa: E402
+from bench._smoke import azurite, parse  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
-from tests._azurite import running_azurite  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
 from tests._ranks import run_ranks  # noqa: E402
 
@@ -354,7 +358,7 @@ def bench(
         print(f"blocked     {blocked:8.3f} s")
 
 
-SHARDED_WORLD = 4
+SHARDED_WORLD = 4  # processes of the sharded run (--world)
 
 _FORMAT_RUN = """
 import json, os, sys, time, warnings
@@ -393,7 +397,8 @@ def formats(url: str, work: Path, args: argparse.Namespace) -> None:
         "TORCH_SAVE": [],
         "SAFETENSORS": [],
     }
-    for i in range(args.repeat + 1):
+    warm = 0 if args.smoke else 1  # a smoke run's figures need no warm page cache
+    for i in range(args.repeat + warm):
         for kind, results in runs.items():
             target = work / f"fmt-{kind}"
             subprocess.run(["rm", "-rf", str(target)], check=True)
@@ -409,7 +414,7 @@ def formats(url: str, work: Path, args: argparse.Namespace) -> None:
             done = subprocess.run(
                 [sys.executable, "-c", code], capture_output=True, text=True, check=True
             )
-            if i:  # the first round warms the page cache and the disk's blocks
+            if i >= warm:  # the first round warms the page cache and the disk's blocks
                 results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     print(f"\n== file format: {args.mib} MiB in {args.tensors} tensors, one process ==")
     ours = statistics.median(r["s"] for r in runs["rallypoint"])
@@ -423,7 +428,8 @@ def formats(url: str, work: Path, args: argparse.Namespace) -> None:
 
 
 def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str | None) -> None:
-    """The 4-process DTensor run (see the module's docstring)."""
+    """The ``--world``-process DTensor run (see the module's docstring)."""
+    world = args.world
     body = (ROOT / "bench" / "_sharded_body.py").read_text()
     params: dict[str, object] = {
         "rows": args.mib * MiB // 4 // 1024 // 16,
@@ -453,16 +459,16 @@ def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str
         out["bytes_read_mib"] = max(float(r.get("bytes_read_mib", 0.0)) for r in results)
         return out
 
-    saved = phase("save", [f"s{i}" for i in range(SHARDED_WORLD)])
+    saved = phase("save", [f"s{i}" for i in range(world)])
     # Peak memory in fresh processes that only save, as a trainer does: the save phase
     # also holds the anchors' buffers and the gathered state.
     memory = (
-        phase("memory", [f"m{i}" for i in range(SHARDED_WORLD)], job=f"memory-{kind}")
+        phase("memory", [f"m{i}" for i in range(world)], job=f"memory-{kind}")
         if conn is None
         else None
     )
     total = saved["total_mib"]
-    print(f"\n== {kind}, sharded: {total:.0f} MiB of DTensors over {SHARDED_WORLD} processes ==")
+    print(f"\n== {kind}, sharded: {total:.0f} MiB of DTensors over {world} processes ==")
     ours_b, copy = saved["ours_blocked"], saved["copy"]
     print(
         f"blocked     {ours_b:8.3f} s      copy into preallocated buffers {copy:.3f} s"
@@ -497,12 +503,13 @@ def sharded(kind: str, url: str, work: Path, args: argparse.Namespace, conn: str
         print(f"peak memory {memory['peak_rss_x']:.2f}x a rank's state, 3 saves (worst rank)")
     version = int(saved["version"])
     anchor = "FileSystemReader" if conn is None else "download_blob"
-    for world in (SHARDED_WORLD, SHARDED_WORLD // 2):
-        nodes = [f"w{world}-{i}" for i in range(world)]
-        loaded = phase("load", nodes, version=version, total_mib=total, saved_by=SHARDED_WORLD)
+    # The smoke run restores at the other world only: the same path, in fewer processes.
+    for at in (world // 2,) if args.smoke else (world, world // 2):
+        nodes = [f"w{at}-{i}" for i in range(at)]
+        loaded = phase("load", nodes, version=version, total_mib=total, saved_by=world)
         ours_l, theirs_l = loaded["ours_load_mibs"], loaded["anchor_load_mibs"]
         print(
-            f"restore @{world} {ours_l:7.0f} MiB/s   {anchor} {theirs_l:6.0f} MiB/s"
+            f"restore @{at} {ours_l:7.0f} MiB/s   {anchor} {theirs_l:6.0f} MiB/s"
             f"   ratio {ours_l / theirs_l:.2f}"
             f"   read per process {loaded['bytes_read_mib']:.0f} MiB"
         )
@@ -515,16 +522,21 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--only", choices=["local", "azurite"])
     parser.add_argument(
-        "--mode", choices=["single", "sharded", "both", "formats", "loop"], default="both"
+        "--mode", choices=["single", "sharded", "both", "formats", "loop", "all"], default="both"
     )
     parser.add_argument("--steps", type=int, default=30, help="loop mode: steps per round")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="where the state lives"
     )
-    args = parser.parse_args()
+    parser.add_argument("--world", type=int, default=SHARDED_WORLD, help="sharded: processes")
+    smoke = {"mib": 1, "tensors": 4, "repeat": 1, "steps": 5, "mode": "all", "world": 2}
+    args = parse(parser, smoke)
     if args.device != "cpu" and args.mode not in ("single", "loop"):
         parser.error("--device cuda runs in one process only: add --mode single or --mode loop")
-    single, shard = args.mode in ("single", "both"), args.mode in ("sharded", "both")
+    every = args.mode == "all"
+    single = every or args.mode in ("single", "both")
+    shard = every or args.mode in ("sharded", "both")
+    formats_, loop_ = every or args.mode == "formats", every or args.mode == "loop"
     if args.mode in ("formats", "loop"):
         args.only = "local"
     state = make_state(args.mib, args.tensors, args.device) if args.mode != "loop" else {}
@@ -545,9 +557,9 @@ def main() -> None:
                     bench("local", coordinator.url, state, work, args.repeat, None, root)
                 if shard:
                     sharded("local", coordinator.url, work, args, None)
-                if args.mode == "formats":
+                if formats_:
                     formats(coordinator.url, work, args)
-                if args.mode == "loop":
+                if loop_:
                     from bench._loop import run as loop
 
                     loop(coordinator.url, work, args.mib, args.steps, args.repeat, args.device)
@@ -558,10 +570,11 @@ def main() -> None:
         for run in ("single", "sharded") if args.only in (None, "azurite") else ():
             if not {"single": single, "sharded": shard}[run]:
                 continue
-            with running_azurite() as conn:
+            with azurite() as conn:
+                prefix = "bench" + uuid.uuid4().hex[:8]  # an Azurite of the tests' is shared
                 coordinator = Coordinator(
                     ["--storage", "azure"],
-                    {"AZURE_STORAGE_CONNECTION_STRING": conn, "RALLYPOINT_STORAGE_PREFIX": "bench"},
+                    {"AZURE_STORAGE_CONNECTION_STRING": conn, "RALLYPOINT_STORAGE_PREFIX": prefix},
                 ).start()
                 try:
                     if run == "single":

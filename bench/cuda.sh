@@ -15,13 +15,19 @@
 # Usage: bench/cuda.sh [LOG_DIR]
 #   PARTS="roundtrip state4 ..." picks parts (default: roundtrip state4 lightning hf
 #   state16); DEVICE=cpu runs them on the CPU, at small sizes, to try them out. Without
-#   CUDA (and DEVICE unset) it says CUDA is absent and runs nothing.
+#   CUDA (and DEVICE unset) it says CUDA is absent and runs nothing. SMOKE=1 (what the
+#   test suite runs) is DEVICE=cpu and the roundtrip part (PARTS picks others), each part
+#   at its --smoke sizes. It exits 1 if a part failed.
 set -u
 cd "$(dirname "$0")/.."
 logs=${1:-build/cuda}
-device=${DEVICE:-cuda}
+smoke=${SMOKE:-0}
+if [ "$smoke" = 1 ]; then
+    device=${DEVICE:-cpu} parts=${PARTS:-roundtrip} extra=(--smoke)
+else
+    device=${DEVICE:-cuda} parts=${PARTS:-roundtrip state4 lightning hf state16} extra=()
+fi
 py=${PYTHON:-python3}
-parts=${PARTS:-roundtrip state4 lightning hf state16}
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 if [ "$device" = cuda ] && ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() else 1)"; then
     echo "CUDA is absent: nothing measured (DEVICE=cpu bench/cuda.sh runs the parts on the CPU)"
@@ -31,18 +37,22 @@ mkdir -p "$logs"
 if [ "$device" = cuda ]; then
     small=() mib=256 mid=4 big=16
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+elif [ "$smoke" = 1 ]; then
+    small=(--width 128) mib=1 mid=0.02 big=0.02  # the sizes of each bench's --smoke
 else
     small=(--width 256) mib=8 mid=0.1 big=0.2  # the same paths, sized for a try on the CPU
 fi
+failed=0
 "$py" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"
 df -h "${TMPDIR:-/tmp}" /dev/shm build 2>/dev/null | sed 's/^/  /'
 part() {  # part NAME SECONDS COMMAND...
     local name=$1 limit=$2
     shift 2
-    echo "== $name: $*"
+    echo "== $name: $* ${extra[*]}"
     local started=$SECONDS
-    timeout "$limit" "$@" > "$logs/$name.log" 2>&1
+    timeout "$limit" "$@" "${extra[@]}" > "$logs/$name.log" 2>&1
     local rc=$?
+    [ "$rc" = 0 ] || failed=1
     grep -v -e "tensors bit for bit$" -e "cannot reach" "$logs/$name.log" | tail -40
     echo "== $name: rc=$rc in $((SECONDS - started)) s"
 }
@@ -59,6 +69,7 @@ for p in $parts; do
         --mib "${LOOP_MIB:-512}" --steps 20 --repeat 2 ;;
     single) part single 240 "$py" bench/checkpoint.py --mode single --only local \
         --device "$device" --mib "${SINGLE_MIB:-2048}" --tensors 64 --repeat 2 ;;
-    *) echo "unknown part: $p" ;;
+    *) echo "unknown part: $p"; failed=1 ;;
     esac
 done
+exit "$failed"

@@ -26,7 +26,7 @@ It runs twice: without a memory tier, and with one, as a node running the tier d
 writes the tier's file from them). Each pass prints how long ``save()`` held the
 caller, how long the first fence waited, and ``wait_staged()``.
 
-Usage: python bench/cuda_roundtrip.py [--device cuda|cpu]
+Usage: python bench/cuda_roundtrip.py [--device cuda|cpu] [--big-mib 64] [--smoke]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
 from bench._joined import joined  # noqa: E402
+from bench._smoke import parse  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
 from rallypoint.trainer.memory import MEMORY_ENV  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
@@ -62,7 +63,7 @@ from tests._coordinator import Coordinator  # noqa: E402
 MiB = 1 << 20
 
 
-def make_state(device: str) -> dict[str, Any]:
+def make_state(device: str, big_mib: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
@@ -86,7 +87,7 @@ def make_state(device: str) -> dict[str, Any]:
         "transposed": torch.randn(300, 17, device=device).t(),
         "param": torch.nn.Parameter(torch.randn(128, 64, device=device)),
         "dtensor": DTensor.from_local(torch.randn(96, 40, device=device), mesh, [Replicate()]),
-        "big": [torch.randn(16 * MiB, device=device) for _ in range(2)],
+        "big": [torch.randn(big_mib * MiB // 4, device=device) for _ in range(2)],
         "extra": {"epoch": 3, "name": "cuda", "lr": [0.1, 0.01]},
     }
 
@@ -205,13 +206,17 @@ def digest(t: torch.Tensor) -> str:
 
 
 def relayout(
-    manager: CheckpointManager, version: int, expected: dict[str, torch.Tensor], device: str
+    manager: CheckpointManager,
+    version: int,
+    expected: dict[str, torch.Tensor],
+    device: str,
+    big_mib: int,
 ) -> int:
     """Loads ``version`` into another layout: every tensor of the model and the optimizer
     (saved plain) as a DTensor sharded on its first dimension over a 1-device mesh, and
     the saved DTensor (replicated) sharded on its second; equal by sha256."""
     mesh = init_device_mesh(device, (1,))
-    template = mapped(make_state(device), sentinel)
+    template = mapped(make_state(device, big_mib), sentinel)
 
     def sharded(t: torch.Tensor, dim: int) -> torch.Tensor:
         if t.dim() <= dim or t.device.type != device:
@@ -242,7 +247,7 @@ def relayout(
     return bad
 
 
-def one_pass(url: str, device: str, tier: Path | None) -> int:
+def one_pass(url: str, device: str, tier: Path | None, big_mib: int) -> int:
     """Saves and loads twice through one manager; returns the mismatches."""
     label = "memory tier" if tier else "no tier"
     client, beats = joined(url, "bench")
@@ -253,7 +258,7 @@ def one_pass(url: str, device: str, tier: Path | None) -> int:
     finally:
         os.environ.pop(MEMORY_ENV, None)
     bad = 0
-    state = make_state(device)
+    state = make_state(device, big_mib)
     first = {k: v.clone() for k, v in tensors(state).items()}
     if device == "cuda":
         torch.cuda.synchronize()
@@ -297,7 +302,7 @@ def one_pass(url: str, device: str, tier: Path | None) -> int:
         bad += compare(f"{where} as saved", as_saved, expected, None)
         bad += reloads(f"{where} into templates", restored.state, expected)
         bad += reloads(f"{where} as saved", as_saved, expected)
-    bad += relayout(manager, v1, first, device)
+    bad += relayout(manager, v1, first, device, big_mib)
     manager.close()
     beats.stop()  # before the coordinator goes
     client.close()
@@ -307,7 +312,8 @@ def one_pass(url: str, device: str, tier: Path | None) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    args = parser.parse_args()
+    parser.add_argument("--big-mib", type=int, default=64, help="each of the two large tensors")
+    args = parse(parser, {"device": "cpu", "big_mib": 1})
     device = args.device
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -323,7 +329,7 @@ def main() -> int:
             coordinator = Coordinator(["--storage", f"local:{tmp}/storage"], {}).start()
             try:
                 tier = Path(tmp) / "tier" if tiered else None
-                bad += one_pass(coordinator.url, device, tier)
+                bad += one_pass(coordinator.url, device, tier, args.big_mib)
             finally:
                 coordinator.stop()
     dist.destroy_process_group()

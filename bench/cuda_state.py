@@ -39,7 +39,7 @@ saying so. Without CUDA the script says CUDA is absent and measures nothing;
 ``--device cpu`` runs the same paths on the CPU, to try them out.
 
 Usage: python bench/cuda_state.py [--gib 4,16] [--repeat 2] [--width 4096]
-       [--device cuda|cpu] [--work DIR]
+       [--device cuda|cpu] [--work DIR] [--smoke]
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 
 from bench._joined import joined  # noqa: E402
+from bench._smoke import parse  # noqa: E402
 from rallypoint.trainer import CheckpointManager  # noqa: E402
 from rallypoint.trainer.memory import KEEP_ENV, MEMORY_ENV  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
@@ -447,7 +448,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--work", type=Path, default=ROOT / "build", help="local disk")
-    args = parser.parse_args()
+    args = parse(parser, {"device": "cpu", "gib": "0.02", "width": 128, "repeat": 1})
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print(

@@ -15,7 +15,7 @@ A state of ``--mib`` MiB in 64 float32 tensors is saved once through a Checkpoin
 For each: MiB/s (state bytes over wall time) and the process's peak memory growth over
 the run, as a multiple of the state's size.
 
-    python bench/export.py [--mib 512] [--buffer-mib 64] [--repeat 3]
+    python bench/export.py [--mib 512] [--buffer-mib 64] [--repeat 3] [--smoke]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def probe(kind: str, source: str, out: Path, buffer: int) -> dict[str, float]:
 def main() -> None:
     parser = measuring(__doc__, mib=512, repeat=3)
     parser.add_argument("--buffer-mib", type=int, default=64)
-    args = parsed(parser)
+    args = parsed(parser, {"buffer_mib": 1})
     import torch.distributed.checkpoint as dcp
 
     from rallypoint.trainer import CheckpointManager

@@ -50,7 +50,7 @@ last save must match the same digest after every restore, of each variant ("rest
 hash-equal"); the script fails if Rallypoint's does not.
 
 Usage: python bench/frameworks_hf_deepspeed.py [--mib 64] [--repeat 5]
-    [--device cpu|cuda] [--bf16]
+    [--device cpu|cuda] [--bf16] [--smoke]
 """
 
 from __future__ import annotations
@@ -306,9 +306,8 @@ def deepspeed_version() -> str:
 
 def main() -> None:
     args = command_line(__doc__, mib=64, optimizer="AdamW")
-    os.environ.update(
-        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29519", "RANK": "0", "LOCAL_RANK": "0"}
-    )
+    os.environ.setdefault("MASTER_PORT", "29519")  # the test suite's run picks a free one
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0"})
     os.environ.update({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"})
     # DeepSpeed's checkpoint writers read the machine count its own launcher exports.
     os.environ.update({"CROSS_SIZE": "1", "CROSS_RANK": "0"})

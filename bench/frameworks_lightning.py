@@ -33,7 +33,7 @@ match the same digest after every restore, of each variant ("restore hash-equal"
 script fails if Rallypoint's does not.
 
 Usage: python bench/frameworks_lightning.py [--mib 128] [--repeat 5] [--device cpu|cuda]
-    [--bf16]
+    [--bf16] [--smoke]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ranks stop: as a worker regrouping in place stopped before (``leave``), and as it stops
 now (``agree``).
 
-Three processes train a small DDP model on gloo, round after round; each round ends at
+Three processes (``--ranks``) train a small DDP model on gloo, round after round; each round ends at
 a time every rank knows (the same seed), seen by each rank's watcher thread up to 10 ms
 apart, as workers see their agent's board.
 
@@ -20,7 +20,7 @@ waits in the ring all-reduce's ``UnboundBuffer::waitSend`` (gdb): a send that gl
 begun writing on a connection that then closed is not failed, and waits the whole
 timeout.
 
-    .venv/bin/python bench/gloo_end.py --rounds 60
+    .venv/bin/python bench/gloo_end.py --rounds 60 [--smoke]
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-RANKS = 3
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # last, as in the other benches
+from bench._smoke import parse
+from rallypoint.cli.processes import free_port
+
+RANKS = 3  # the default of --ranks
 
 # One rank: rounds of training, each ended at a shared time; one JSON line per round.
 _RANK = r"""
@@ -98,10 +102,9 @@ for round_ in range(rounds):
 """
 
 
-def run(
-    mode: str, rounds: int, port: int, timeout: int, seed: int, folder: Path, train_s: float
-) -> list[dict[str, Any]]:
+def run(mode: str, args: argparse.Namespace, port: int, folder: Path) -> list[dict[str, Any]]:
     """One mode's rounds: the ranks' lines."""
+    rounds, timeout = args.rounds, args.timeout
     script = folder / "rank.py"
     script.write_text(_RANK)
     procs = [
@@ -110,19 +113,19 @@ def run(
                 sys.executable,
                 str(script),
                 str(rank),
-                str(RANKS),
+                str(args.ranks),
                 str(rounds),
                 str(port),
                 mode,
                 str(timeout),
-                str(seed),
-                str(train_s),
+                str(args.seed),
+                str(args.train_s),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        for rank in range(RANKS)
+        for rank in range(args.ranks)
     ]
     lines: list[dict[str, Any]] = []
     for proc in procs:
@@ -136,12 +139,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--timeout", type=int, default=10, help="the group's timeout, s")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--port", type=int, default=38500)
+    parser.add_argument(
+        "--port", type=int, help="round r's store listens at PORT + r (default: a free port on)"
+    )
     parser.add_argument("--only", choices=("leave", "agree"), help="one way to stop")
     parser.add_argument(
         "--train-s", type=float, default=0.3, help="each round trains this long, and up to 0.5 s"
     )
-    args = parser.parse_args()
+    parser.add_argument("--ranks", type=int, default=RANKS)
+    args = parse(parser, {"rounds": 1, "timeout": 3, "train_s": 0.1, "ranks": 2})
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,8 +155,10 @@ def main() -> None:
             if args.only not in (None, mode):
                 continue
             started = time.monotonic()
-            port = args.port + i * 1000
-            lines = run(mode, args.rounds, port, args.timeout, args.seed, Path(tmp), args.train_s)
+            port = args.port + i * 1000 if args.port else free_port()
+            lines = run(mode, args, port, Path(tmp))
+            if len(lines) != args.rounds * args.ranks:
+                sys.exit(f"{mode}: {len(lines)} of {args.rounds * args.ranks} rank ends reported")
             stalled = [x for x in lines if x["left_s"] > 1.0]
             ends = sorted(x["left_s"] for x in lines)
             # A step with its check, the ranks' steps until the end (no stalled ranks).

@@ -7,7 +7,7 @@ thread allocates and frees buffers as a worker's heartbeat and I/O threads do, s
 the training thread and it share an arena under the limit. The two settings run
 alternately, ``--runs`` times each; the medians and their ratio are printed.
 
-    .venv/bin/python bench/malloc_arenas.py --runs 5
+    .venv/bin/python bench/malloc_arenas.py --runs 5 [--smoke]
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from rallypoint.trainer.agent import MALLOC_ARENAS
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # last, as in the other benches
+from bench._smoke import parse
 
 CODE = r"""
 import sys, threading, time, torch
@@ -73,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="processes for each setting")
     parser.add_argument("--steps", type=int, default=150, help="timed steps a process")
-    args = parser.parse_args()
+    args = parse(parser, {"runs": 1, "steps": 1})
     default: list[float] = []
     limited: list[float] = []
     for _ in range(args.runs):

@@ -11,7 +11,7 @@ what the members saw during the outage, and the seconds from Azurite's resumptio
 checkpoint commits again (goal 5 s).
 
 Usage: python bench/outage.py [--nodes 256] [--replicas 2] [--outage 30]
-       [--before 15] [--after 30]
+       [--before 15] [--after 30] [--smoke]
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ import _loadgen  # noqa: E402
 import httpx  # noqa: E402
 from _loadgen import Beats, Loadgen  # noqa: E402
 
-from rallypoint.cli.processes import Coordinator  # noqa: E402
+from bench._smoke import parse  # noqa: E402
 from rallypoint.client import ElasticClient, JobSpec, ShardFile  # noqa: E402
 from rallypoint.trainer import upload  # noqa: E402
 from tests._azurite import Azurite  # noqa: E402
 from tests._balancer import Balancer  # noqa: E402
+from tests._coordinator import Coordinator  # noqa: E402
 
 FILE = "shard.safetensors"
 
@@ -201,6 +202,11 @@ def bench_outage(
     return figures
 
 
+#: What ``--smoke`` sets (``bench/_smoke.py``): a few members, one replica behind the
+#: balancer, a second of each phase.
+SMOKE = {"nodes": 4, "replicas": 1, "outage": 1.0, "before": 1.0, "after": 1.0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=256)
@@ -208,7 +214,7 @@ def main() -> None:
     parser.add_argument("--outage", type=float, default=30)
     parser.add_argument("--before", type=float, default=15)
     parser.add_argument("--after", type=float, default=30)
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     bench_outage(args.nodes, args.replicas, args.outage, args.before, args.after)
 
 

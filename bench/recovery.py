@@ -55,11 +55,17 @@ Both sides use ``--nnodes=3:4`` and ``--max-restarts=100``. rallypoint runs with
 workers train the same model on the same data without checkpoints (it has no
 authoritative checkpoint to resume from); "steps lost" is rallypoint's only.
 
+``--smoke`` runs the same paths on two nodes (``--nodes 2``: rank 0 is the one lost),
+each trained to step 5 (``--warm``): a node's kill in place and under stock c10d (given
+10 s: it may not recover, as above, and that does not fail the run), then one round of
+chaos.
+
 Usage::
 
     python bench/recovery.py [--limit 100] [--only rallypoint|rallypoint-in-place|c10d]
-        [--kind worker|kill|preempt|join|standby] [--repeat 1]
+        [--kind worker|kill|preempt|join|standby] [--repeat 1] [--nodes 4] [--warm 30]
     python bench/recovery.py --kind chaos [--rounds 10] [--seed 0]
+    python bench/recovery.py --smoke
 """
 
 from __future__ import annotations
@@ -74,18 +80,46 @@ import tempfile
 import textwrap
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _c10d import anchor_cluster, listening
 from _regroup_chaos import chaos, format_chaos, format_regroup, log_lines, regroup
+from _smoke import parse
 
 from rallypoint.cli.fake_imds import FakeImds
-from rallypoint.cli.processes import Cluster, Coordinator, descendants, free_port, judge
+from rallypoint.cli.processes import Cluster, Coordinator, descendants, judge
 from rallypoint.trainer.memory import MEMORY_ENV
 
 STEP_TIME = 0.05
-AGENTS = ("n0", "n1", "n2", "n3")
 STANDBY = "s0"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How large a run is: ``nodes`` agents (``--nnodes=nodes-1:nodes``), trained to
+    step ``warm`` before the event; the node lost is rank ``nodes - 2``'s."""
+
+    nodes: int = 4
+    warm: int = 30
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        return tuple(f"n{i}" for i in range(self.nodes))
+
+    @property
+    def nnodes(self) -> str:
+        return f"{self.nodes - 1}:{self.nodes}"
+
+    @property
+    def lost_rank(self) -> int:
+        return self.nodes - 2
+
+    def world_after(self, kind: str) -> int:
+        """The world size the clock stops at."""
+        return self.nodes - 1 if kind in ("kill", "preempt") else self.nodes
+
 
 # The anchor's worker: the example's model and data, plain DDP, events like the example's.
 ANCHOR = textwrap.dedent(
@@ -132,6 +166,7 @@ def rallypoint(
     kind: str,
     workdir: Path,
     limit: float,
+    shape: Shape,
     memory: bool = True,
     in_place: bool = False,
     last_call: int = 2,
@@ -146,7 +181,7 @@ def rallypoint(
             coordinator.url,
             f"rp-{kind}",
             workdir,
-            nnodes="3:4",
+            nnodes=shape.nnodes,
             steps=10**6,
             step_time=STEP_TIME,
             heartbeat_timeout=3,
@@ -163,9 +198,10 @@ def rallypoint(
         first: dict[str, Any] | None = None
         try:
             # A join starts with three nodes (``3:4``: the job runs without the fourth).
-            for node in AGENTS[:3] if kind == "join" else AGENTS:
-                cluster.add(node)
-            cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
+            cluster.start(*(shape.agents[:-1] if kind == "join" else shape.agents))
+            cluster.wait_for(
+                lambda e: e["event"] == "step" and e["step"] >= shape.warm, timeout=120
+            )
             if kind == "standby":
                 cluster.add(STANDBY)
                 _parked(coordinator.url, cluster.job, limit)
@@ -174,16 +210,16 @@ def rallypoint(
                 # imported torch (a standby waits for minutes in a real job; here four
                 # training nodes take both CPUs, and the import takes seconds).
                 _saved_since(coordinator.url, cluster.job, time.time() + STANDBY_SOAK, limit)
-            world = 3 if kind in ("kill", "preempt") else 4
+            world = shape.world_after(kind)
             generation = max(e["generation"] for e in cluster.events())
             if kind == "join":
                 started = time.time()
-                cluster.add(AGENTS[3])
+                cluster.add(shape.agents[-1])
             else:
-                victim = _member_of_rank(coordinator.url, cluster.job, 2)
+                victim = _member_of_rank(coordinator.url, cluster.job, shape.lost_rank)
                 started = time.time()
                 if kind == "worker":
-                    os.kill(_worker_of_rank(cluster, 2), signal.SIGKILL)
+                    os.kill(_worker_of_rank(cluster, shape.lost_rank), signal.SIGKILL)
                 elif kind in ("kill", "standby"):
                     cluster.kill(victim)
                 else:
@@ -209,7 +245,7 @@ def rallypoint(
         e["started"] - started for e in resumed if e.get("started") and not e.get("in_place")
     ]
     # The lost node's rank (2; one worker a node): for a standby, what it read, by source.
-    taken = [e.get("bytes_from") or {} for e in resumed if e["rank"] == 2]
+    taken = [e.get("bytes_from") or {} for e in resumed if e["rank"] == shape.lost_rank]
     storage = [(e.get("bytes_from") or {}).get("storage", 0) for e in resumed]
     peer = [(e.get("bytes_from") or {}).get("peer", 0) for e in resumed]
     return {
@@ -230,37 +266,30 @@ def rallypoint(
     }
 
 
-def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
+def c10d(kind: str, workdir: Path, limit: float, shape: Shape) -> dict[str, Any]:
     script = workdir / "anchor.py"
     script.write_text(ANCHOR)
     events = workdir / f"c10d-{kind}.events.jsonl"
-    port = free_port()
-    cluster = Cluster(
-        "",
-        f"c10d-{kind}",
-        workdir,
-        nnodes="3:4",
-        script=[str(script), str(events), str(STEP_TIME)],
-        rdzv=[
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id=c10d-{kind}",
-        ],
+    cluster, port = anchor_cluster(
+        workdir, f"c10d-{kind}", shape.nnodes, [str(script), str(events), str(STEP_TIME)], events
     )
-    cluster.events_file = events
     first: dict[str, Any] | None = None
     try:
-        for node in AGENTS[:3] if kind == "join" else AGENTS:
+        for node in shape.agents[:-1] if kind == "join" else shape.agents:
             cluster.add(node)
+            if node == shape.agents[0]:
+                # Every agent tries to host the store at the endpoint and the first to bind
+                # it does: n0, once it listens, so that the node lost is never the host.
+                listening(port, limit)
         # c10d's first round waits out its last call (30 s) for the fourth node of 3:4.
-        cluster.wait_for(step_with(3 if kind == "join" else 4), timeout=120)
-        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 30, timeout=120)
+        cluster.wait_for(step_with(shape.nodes - (kind == "join")), timeout=120)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= shape.warm, timeout=120)
         if kind == "standby":
             # c10d's spare: a node beyond max_nodes waits in its wait list.
             cluster.add(STANDBY)
             spare_at = time.time()
             cluster.wait_for(lambda e: e["event"] == "step" and e["t"] > spare_at + 5, timeout=120)
-        victim = AGENTS[-1]  # not the store's host: that one takes the job down with it
+        victim = shape.agents[-1]  # not the store's host: that one takes the job down with it
         at_kill = max(e["step"] for e in cluster.events() if e["event"] == "step")
         started = time.time()
         if kind == "join":
@@ -277,7 +306,7 @@ def c10d(kind: str, workdir: Path, limit: float) -> dict[str, Any]:
             cluster.kill(victim)
         else:
             cluster.terminate(victim)
-        world = 3 if kind in ("kill", "preempt") else 4
+        world = shape.world_after(kind)
         try:
             # The anchor keeps no checkpoint: restarted workers count their steps from 0.
             later = restarted(world, started, lambda e: e["step"] < at_kill)
@@ -448,9 +477,17 @@ def _chaos(args: argparse.Namespace) -> int:
     os.environ[MEMORY_ENV] = ""
     with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
         result = chaos(
-            Path(tmp), args.limit, rounds=args.rounds, seed=args.seed, step_time=STEP_TIME
+            Path(tmp),
+            args.limit,
+            rounds=args.rounds,
+            seed=args.seed,
+            step_time=STEP_TIME,
+            nodes=args.nodes,
+            warm=args.warm,
         )
-        kept = _keep(Path(tmp), "chaos")  # ten rounds of logs: kept whatever the outcome
+        # Ten rounds of logs: kept whatever the outcome (a smoke run's only if it failed,
+        # or every run of the suite would leave its own).
+        kept = _keep(Path(tmp), "chaos") if result["failure"] or not args.smoke else None
     print(f"\nchaos, in place: {args.rounds} rounds, seed {args.seed} (logs kept in {kept})")
     for line in format_chaos(result):
         print(line)
@@ -467,43 +504,58 @@ def main() -> int:
     )
     parser.add_argument("--rounds", type=int, default=10, help="chaos: kills and joins")
     parser.add_argument("--seed", type=int, default=0, help="chaos: which nodes die")
-    args = parser.parse_args()
+    parser.add_argument("--nodes", type=int, default=4, help="agents (--nnodes=NODES-1:NODES)")
+    parser.add_argument("--warm", type=int, default=30, help="steps trained before the event")
+    smoke = {"nodes": 2, "warm": 5, "rounds": 1, "limit": 60}
+    args = parse(parser, smoke)
     # CPU workers, as above, on a machine with a GPU too: there the example would train on
     # it with NCCL, which refuses four ranks on one device.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.kind == "chaos":
         return _chaos(args)
-    runners: dict[str, Callable[[str, Path, float], dict[str, Any]]] = {
-        "rallypoint-in-place": lambda k, w, limit: rallypoint(k, w, limit, in_place=True),
-        "rallypoint-in-place-cold": lambda k, w, limit: rallypoint(
-            k, w, limit, in_place=True, hot_join=False
+    shape = Shape(args.nodes, args.warm)
+    runners: dict[str, Callable[[str, Path, float, Shape], dict[str, Any]]] = {
+        "rallypoint-in-place": lambda k, w, limit, s: rallypoint(k, w, limit, s, in_place=True),
+        "rallypoint-in-place-cold": lambda k, w, limit, s: rallypoint(
+            k, w, limit, s, in_place=True, hot_join=False
         ),
-        "rallypoint-in-place-lc0": lambda k, w, limit: rallypoint(
-            k, w, limit, in_place=True, last_call=0, hot_join=False
+        "rallypoint-in-place-lc0": lambda k, w, limit, s: rallypoint(
+            k, w, limit, s, in_place=True, last_call=0, hot_join=False
         ),
-        "rallypoint-in-place-hot": lambda k, w, limit: rallypoint(
-            k, w, limit, in_place=True, hot_standby=True
+        "rallypoint-in-place-hot": lambda k, w, limit, s: rallypoint(
+            k, w, limit, s, in_place=True, hot_standby=True
         ),
         "rallypoint": rallypoint,
-        "rallypoint-blob": lambda k, w, limit: rallypoint(k, w, limit, memory=False),
+        "rallypoint-blob": lambda k, w, limit, s: rallypoint(k, w, limit, s, memory=False),
         "c10d": c10d,
     }
     if args.only:
         runners = {k: v for k, v in runners.items() if k in FAMILIES[args.only]}
+    runs = [
+        (kind, name)
+        for kind in ([args.kind] if args.kind else list(LABELS))
+        for name in runners
+        if kind in KINDS[name]
+    ]
+    if args.smoke and not (args.only or args.kind):
+        # Rallypoint's path (in place) and the anchor's; the others are variants of these.
+        runs = [("kill", "rallypoint-in-place"), ("kill", "c10d")]
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    failed = False
     for _ in range(args.repeat):
-        for kind in [args.kind] if args.kind else list(LABELS):
-            for name, run in runners.items():
-                if kind not in KINDS[name]:
-                    continue
-                # Blob storage only: the agents give their workers no memory tier.
-                os.environ[MEMORY_ENV] = "none" if name == "rallypoint-blob" else ""
-                with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
-                    result = run(kind, Path(tmp), args.limit)
-                    if _failed(result):
-                        result["evidence"] = str(_keep(Path(tmp), f"{name}-{kind}"))
-                results.setdefault((kind, name), []).append(result)
-                print(f"{kind:8} {name:10} {result}", file=sys.stderr, flush=True)
+        for kind, name in runs:
+            # Blob storage only: the agents give their workers no memory tier.
+            os.environ[MEMORY_ENV] = "none" if name == "rallypoint-blob" else ""
+            # A smoke run does not wait for the anchor, which may never recover.
+            limit = min(args.limit, 10) if args.smoke and name == "c10d" else args.limit
+            with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+                result = runners[name](kind, Path(tmp), limit, shape)
+                # (In a smoke run the anchor's not recovering is no failure: see above.)
+                if _failed(result) and not (args.smoke and name == "c10d"):
+                    failed = True
+                    result["evidence"] = str(_keep(Path(tmp), f"{name}-{kind}"))
+            results.setdefault((kind, name), []).append(result)
+            print(f"{kind:8} {name:10} {result}", file=sys.stderr, flush=True)
 
     print(
         f"\n{'event':30} {'in place':>18} {'rallypoint':>18} {'stock c10d':>18} {'steps lost':>11}"
@@ -579,15 +631,17 @@ def main() -> int:
         for r in theirs:
             if r.get("why"):
                 print(
-                    f"  c10d: no step at world {3 if kind in ('kill', 'preempt') else 4}, "
-                    "each agent's last error:"
+                    f"  c10d: no step at world {shape.world_after(kind)}, each agent's last error:"
                 )
                 for line in r["why"]:
                     print(f"    {line}")
         kept = [r["evidence"] for r in inplace + ours + theirs + blob if r.get("evidence")]
         if kept:
             print(f"  logs of failed runs: {', '.join(kept)}")
-    return 0
+    if not args.smoke:
+        return 0  # a setup that did not recover is a finding, shown above
+    # The smoke run fails on any: there each setup recovers, or the bench broke.
+    return max(1 if failed else 0, _chaos(args))
 
 
 if __name__ == "__main__":

@@ -25,10 +25,13 @@ The bench raises RLIMIT_NOFILE for a connection per node if it must (the coordin
 inherits it). ``--profile`` records the coordinator with py-spy in each loadgen round
 and heartbeat run (build/profile-*.txt) and prints the functions with the most samples.
 
+``--smoke`` runs every part but the outage (``bench/outage.py --smoke`` runs that) with a
+few nodes, and fails if a round fails.
+
 Usage: python bench/rendezvous.py [--sizes 256,1024,4096,10000]
        [--client-sizes 8,32,64,256] [--torch-sizes 8,32,64] [--storages local,azurite]
        [--beat-nodes 2048] [--beat-seconds 30] [--beat-holds 1,0] [--profile]
-       [--only rounds|transports|heartbeats|detection|outage]
+       [--only rounds|transports|heartbeats|detection|outage] [--smoke]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import argparse
 import contextlib
 import multiprocessing
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -58,11 +62,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 import _loadgen  # noqa: E402
 import httpx  # noqa: E402
 from _loadgen import Beats, Loadgen, LoadgenError, Round  # noqa: E402
+from _smoke import azurite, parse  # noqa: E402
 
-from rallypoint.cli.processes import descendants  # noqa: E402
+from rallypoint.cli.processes import descendants, free_port  # noqa: E402
 from rallypoint.client import ElasticClient, JobSpec  # noqa: E402
 from rallypoint.client.models import MAX_NODES_LIMIT  # noqa: E402
-from tests._azurite import free_port, running_azurite  # noqa: E402
 from tests._coordinator import Coordinator  # noqa: E402
 
 TORCH_LIMIT_S = 120.0
@@ -427,7 +431,16 @@ def running(coordinator: Coordinator) -> Iterator[tuple[Coordinator, int]]:
         assert coordinator.proc is not None
         yield coordinator, coordinator.proc.pid
     finally:
-        coordinator.stop()
+        stopped(coordinator)
+
+
+def stopped(coordinator: Coordinator) -> None:
+    """Stops ``coordinator`` and removes its local storage, if it has one (under build/:
+    each measurement has its own, which no later one reads)."""
+    coordinator.stop()
+    for arg in coordinator.args:
+        if arg.startswith("local:"):
+            shutil.rmtree(arg.removeprefix("local:"), ignore_errors=True)
 
 
 def bench_rounds(
@@ -437,10 +450,12 @@ def bench_rounds(
     storages: list[str],
     azurite: str,
     profile: bool,
-) -> None:
+) -> bool:
+    """Prints the rounds' table; whether every round ran."""
     print("\n## One rendezvous round: N nodes join (min = max = N), until all are assigned")
     print(ROW_HEAD)
     local_clients: dict[int, float] = {}
+    ran = True
     for n in sorted(set(sizes) | set(client_sizes)):
         for storage in storages:
             if n in client_sizes:
@@ -452,6 +467,7 @@ def bench_rounds(
                 try:
                     loadgen_row(storage, n, azurite, profile).print()
                 except LoadgenError as exc:
+                    ran = False
                     print(f"{n:>6} {storage:>8} {'loadgen':>13}  failed: {exc}"[:200], flush=True)
     for n in torch_sizes:
         anchor = torch_round(n)
@@ -463,6 +479,7 @@ def bench_rounds(
             f" ({anchor / ours:.1f}x ElasticClients on local storage)" if anchor and ours else ""
         )
         print(f"torch c10d, {n} nodes: {text}{ratio}", flush=True)
+    return ran
 
 
 def bench_transports(nodes: int, beats: int) -> None:
@@ -531,6 +548,8 @@ def report_beats(beats: Beats, seconds: float, hold: float, cpu: float, own: flo
     # The first seconds hold a thousand connections' first beats: shown apart.
     for label, since in (("all", 0.0), (f"after the first {WARM_S:.0f} s", WARM_S)):
         window = [latency for at, latency in beats.samples if at >= since]
+        if len(window) < 2:  # a run shorter than the warm-up (--smoke)
+            continue
         q = statistics.quantiles(window, n=100)
         print(
             f"  latency{' beyond the hold' if hold else ''} ms, {label}: p50 {q[49] * 1e3:.1f},"
@@ -590,11 +609,24 @@ def bench_detection(repeats: int, nodes: int = 4) -> None:
                 f"round {r + 1}: every survivor told to restart after {max(told):.2f} s", flush=True
             )
     finally:
-        coordinator.stop()
+        stopped(coordinator)
     print(f"median {statistics.median(results):.2f} s, max {max(results):.2f} s")
 
 
-def main() -> None:
+#: What ``--smoke`` sets (``bench/_smoke.py``): a few nodes and seconds for every part.
+SMOKE = {
+    "sizes": "8",
+    "client_sizes": "4",
+    "torch_sizes": "2",
+    "transport_nodes": 4,
+    "transport_beats": 5,
+    "beat_nodes": 8,
+    "beat_seconds": 2.0,
+    "detect_repeats": 1,
+}
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="256,1024,4096,10000")
     parser.add_argument("--client-sizes", default="8,32,64,256")
@@ -611,7 +643,7 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=["rounds", "transports", "heartbeats", "detection", "outage"]
     )
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
 
     def ints(text: str) -> list[int]:
         return [int(s) for s in text.split(",") if s]
@@ -623,14 +655,15 @@ def main() -> None:
         f"{os.cpu_count()} CPUs; coordinator, Azurite and the nodes share them; "
         f"RLIMIT_NOFILE {soft}/{hard}"
     )
-    with running_azurite() as azurite:
+    ran = True
+    with azurite() as conn:
         if args.only in (None, "rounds"):
-            bench_rounds(
+            ran = bench_rounds(
                 ints(args.sizes),
                 ints(args.client_sizes),
                 ints(args.torch_sizes),
                 args.storages.split(","),
-                azurite,
+                conn,
                 args.profile,
             )
         if args.only in (None, "transports"):
@@ -641,17 +674,19 @@ def main() -> None:
                 args.beat_seconds,
                 [float(h) for h in args.beat_holds.split(",")],
                 args.beat_storage,
-                azurite,
+                conn,
                 args.profile,
             )
     if args.only in (None, "detection"):
         bench_detection(args.detect_repeats)
-    if args.only in (None, "outage"):
+    if args.only == "outage" or (args.only is None and not args.smoke):
         # 256 members through HAProxy, storage frozen 30 s, beside a run without it.
+        from outage import SMOKE as OUTAGE_SMOKE
         from outage import bench_outage
 
-        bench_outage()
+        bench_outage(**(OUTAGE_SMOKE if args.smoke else {}))
+    return 0 if ran else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

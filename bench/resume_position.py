@@ -19,15 +19,17 @@ shuffled, one process, ``num_workers=0``:
 
 Each figure is the median of ``--repeat`` rounds; the ratios are to ours.
 
-    python bench/resume_position.py [--batches 100000] [--batch 8] [--repeat 3]
+    python bench/resume_position.py [--batches 100000] [--batch 8] [--repeat 3] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from accelerate import skip_first_batches
@@ -35,6 +37,9 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
 
 from rallypoint.trainer import ElasticSampler
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # last, as in the other benches
+from bench._smoke import parse
 
 
 class Items(Dataset[dict[str, torch.Tensor]]):
@@ -65,7 +70,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="samples per batch")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--discard-limit", type=int, default=10_000)
-    args = parser.parse_args()
+    args = parse(parser, {"batches": 100, "repeat": 1, "discard_limit": 10})
     torch.set_num_threads(1)
     dataset = Items(args.batches * args.batch * 2)
     consumed = args.batches * args.batch

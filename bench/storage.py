@@ -14,7 +14,7 @@ each next to the same work done without Rallypoint:
   counted: on Azure it is not the coordinator's)
 
 Usage: python bench/storage.py [--ops 2000] [--mib 256] [--repeat 5]
-                               [--parts local,azure,batch]
+                               [--parts local,azure,batch] [--smoke]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from azure.storage.blob import BlobServiceClient
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))  # last: its rallypoint/ folder must not hide an installed package
 
+from bench._smoke import azurite, parse  # noqa: E402
 from rallypoint.service.storage import (  # noqa: E402
     AzureStorage,
     BatchOp,
@@ -51,7 +52,6 @@ from rallypoint.service.storage import (  # noqa: E402
     use_batch_path,
 )
 from rallypoint.service.storage._azure_blob import PARALLEL_TRANSFERS  # noqa: E402
-from tests._azurite import running_azurite  # noqa: E402
 
 MiB = 1 << 20
 
@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument(
         "--parts", default="local,azure,batch", help="comma-separated: local, azure, batch"
     )
-    args = parser.parse_args()
+    args = parse(parser, {"ops": 5, "mib": 1, "repeat": 1})
     parts = set(args.parts.split(","))
     if not parts <= {"local", "azure", "batch"}:
         parser.error(f"unknown parts: {', '.join(sorted(parts - {'local', 'azure', 'batch'}))}")
@@ -351,7 +351,7 @@ def main() -> None:
             )
             local.close()
         if parts & {"azure", "batch"}:
-            with running_azurite() as conn:
+            with azurite() as conn:
                 if "azure" in parts:
                     use_batch_path()  # as `rallypoint serve` runs
                     azure = AzureStorage("bench", connection_string=conn)

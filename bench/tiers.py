@@ -11,7 +11,7 @@
 
 Each figure is the median of ``--repeat`` rounds after one warm-up.
 
-Usage: python bench/tiers.py [--mib 512] [--tensors 32] [--repeat 5]
+Usage: python bench/tiers.py [--mib 512] [--tensors 32] [--repeat 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def copies(url: str, shm: Path, mib: int, tensors: int, repeat: int) -> dict[str
 def main() -> int:
     parser = measuring(__doc__, mib=512, repeat=5)
     parser.add_argument("--tensors", type=int, default=32)
-    args = parsed(parser)
+    args = parsed(parser, {"tensors": 4})
     shm_root = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
     with (
         tempfile.TemporaryDirectory(prefix="bench-tiers-") as tmp,

@@ -18,6 +18,7 @@ It also prints which of torch's device queries, called in a parent before a plai
 ``fork``, leave CUDA usable in the child: what an agent may ask before it forks.
 
 Usage: python bench/warm_cuda.py [--device cuda|cpu]   (cpu: the imports' figures only)
+       [--sets base,lightning,transformers] [--smoke]
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # last, as in the other benches
+from bench._smoke import parse
 
 #: What a worker of each set imports at its start (what its script would); the server
 #: preloads these on top of ``WARM_MODULES``.
@@ -181,17 +186,25 @@ def _fresh(function: str, *args: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    args = parser.parse_args()
-    preloads = {kind: _preloads(kind) for kind in FRAMEWORK}
+    parser.add_argument("--sets", default=",".join(FRAMEWORK), help="preload sets measured")
+    # Lightning's set is the one with a path of its own (a Trainer.fit in the worker).
+    args = parse(parser, {"device": "cpu", "sets": "base,lightning"})
+    preloads = {kind: _preloads(kind) for kind in args.sets.split(",")}
+    results = []
     for kind, modules in preloads.items():
-        print(f"{kind:12} imports: {json.dumps(_fresh('_imports', modules))}", flush=True)
+        results.append(_fresh("_imports", modules))
+        print(f"{kind:12} imports: {json.dumps(results[-1])}", flush=True)
     for kind, modules in preloads.items():
-        forked = _fresh("_forked", kind, args.device, modules)
-        print(f"{kind:12} forked:  {json.dumps(forked)}", flush=True)
+        results.append(_fresh("_forked", kind, args.device, modules))
+        print(f"{kind:12} forked:  {json.dumps(results[-1])}", flush=True)
     if args.device == "cuda":
         for query in ("device_count", "is_available"):
-            result = _fresh("_fork_after", query, args.device)
-            print(f"fork after torch.cuda.{query}(): {json.dumps(result)}", flush=True)
+            results.append(_fresh("_fork_after", query, args.device))
+            print(f"fork after torch.cuda.{query}(): {json.dumps(results[-1])}", flush=True)
+    # A finding (a worker that cannot use CUDA) is printed; a process that died is the
+    # bench's own failure.
+    if any("failed" in result for result in results):
+        sys.exit("a measuring process failed")
 
 
 if __name__ == "__main__":

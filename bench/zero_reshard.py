@@ -20,7 +20,7 @@ Rallypoint's own extra, reading every old rank's partitions from the version, is
 here (``reshard_seconds`` in the e2e test's events has it, for its tiny model).
 
 Usage: DS_ACCELERATOR=cpu python bench/zero_reshard.py [--stage 3] [--mib 32]
-[--src 3] [--dst 2]
+[--src 3] [--dst 2] [--smoke]
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # last, as in the other benches
+from bench._smoke import parse
 
 TAG = "bench"
 
@@ -161,7 +164,7 @@ def main() -> None:
     parser.add_argument("--role", choices=("save", "load", "load-universal"))
     parser.add_argument("--dir")
     parser.add_argument("--out")
-    args = parser.parse_args()
+    args = parse(parser, {"mib": 1, "src": 2, "dst": 1})
     if args.role:
         worker(args)
         return

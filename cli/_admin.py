@@ -1,5 +1,6 @@
 """``rallypoint token create|list|revoke``: job-scoped tokens, made with the admin token;
-``rallypoint nodes quarantine|unquarantine``: the nodes a job does not admit.
+``rallypoint nodes quarantine|unquarantine``: the nodes a job does not admit;
+``rallypoint jobs unblock``: a job that stopped restarting restarts again.
 
 Like the inspection commands they need only the client, so they run from any laptop.
 """
@@ -14,12 +15,12 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TextIO
 
-from rallypoint.client import QuarantinedNode, TokenInfo
+from rallypoint.client import ElasticClient, JobSummary, QuarantinedNode, TokenInfo
 from rallypoint.times import utc
 
 from ._inspect import _table, ask, connection_options
 
-__all__ = ["add_commands", "parse_duration"]
+__all__ = ["add_commands", "parse_duration", "unblock"]
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -131,8 +132,34 @@ def _nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def unblock(args: argparse.Namespace, job: str) -> int:
+    """``rallypoint jobs unblock JOB``: lets a job that stopped restarting restart again
+    (``DELETE /v1/jobs/{job}/blocked``, the admin token) and says what held it."""
+
+    def act(client: ElasticClient) -> tuple[str | None, JobSummary]:
+        return client.membership().blocked, client.unblock()
+
+    done = ask(args, job, "jobs unblock", act)
+    if done is None:
+        return 1
+    before, after = done
+    if args.json:
+        sys.stdout.write(after.model_dump_json() + "\n")
+        return 0
+    if before is None:
+        print(f"job {job} was not blocked")
+    else:
+        print(f"job {job} unblocked; it was {before}")
+    if after.blocked:
+        # What an unblock does not clear: the world sizes its nodes make.
+        print(f"job {job} still waits: {after.blocked}")
+    return 0
+
+
 def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Adds ``token`` and ``nodes`` to the ``rallypoint`` command."""
+    """Adds ``token`` and ``nodes`` to the ``rallypoint`` command, and ``unblock`` to its
+    ``jobs`` (which ``_inspect`` adds first)."""
+    commands.choices["jobs"].set_defaults(unblock=unblock)
     common = connection_options()
     token = commands.add_parser(
         "token",
@@ -163,9 +190,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
         help="keep a node out of a job, or let it back (needs the admin token)",
         description="quarantine: the job refuses the node's joins (node_quarantined) and "
         "no round seals it; if it is a member, its generation ends. The coordinator "
-        "quarantines a node lost RALLYPOINT_NODE_LOSSES times within "
-        "RALLYPOINT_NODE_LOSS_WINDOW seconds itself, where that is set. unquarantine "
-        "admits it again. rallypoint status JOB lists them.",
+        "quarantines a node itself when it hung twice within an hour (by: hangs), when the "
+        "job's straggler policy (replace, drop) takes it out (by: straggler), and when it "
+        "was lost RALLYPOINT_NODE_LOSSES times within RALLYPOINT_NODE_LOSS_WINDOW seconds, "
+        "where that is set (by: losses). unquarantine admits it again. rallypoint status "
+        "JOB lists them.",
     )
     acts = nodes.add_subparsers(dest="action", required=True)
     quarantine = acts.add_parser("quarantine", parents=[common], help="keep a node out")

@@ -1,7 +1,9 @@
 """``rallypoint jobs``, ``rallypoint status`` and ``rallypoint checkpoints``: a job's
-membership and checkpoints from a running coordinator, as tables or JSON;
-``rallypoint jobs show JOB --timeline``: its history, one line per event; and
-``rallypoint checkpoints quarantine|unquarantine JOB VERSION`` for the operator.
+membership, health and checkpoints from a running coordinator, as tables or JSON;
+``rallypoint jobs show JOB --timeline``: its history, one line per event; ``rallypoint
+jobs hangs JOB [GENERATION]``: its hangs, one with its stacks; and ``rallypoint
+checkpoints quarantine|unquarantine JOB VERSION`` for the operator (``jobs unblock`` is
+``_admin``'s).
 
 They need only the client (httpx and pydantic), so they run from any laptop.
 """
@@ -27,8 +29,10 @@ from rallypoint.client import (
     CheckpointInfo,
     CheckpointPointer,
     ElasticClient,
+    HangReport,
     JobStatus,
     JobSummary,
+    MemberStatus,
     RallypointError,
     RetryPolicy,
     Timeline,
@@ -115,17 +119,50 @@ def print_jobs(jobs: Sequence[JobSummary], out: TextIO) -> None:
     _table(["JOB", "NODES", "GENERATION", "STATUS", "WORLD", "CHECKPOINT", "CREATED"], rows, out)
 
 
+def _sizes(sizes: Sequence[int]) -> str:
+    return "/".join(map(str, sizes)) or "none"
+
+
+def _score(member: MemberStatus) -> str | None:
+    """A member's straggler score (its slowest process's), marked if it is one."""
+    if member.score is None:
+        return "straggler" if member.straggler else None
+    return f"{member.score:.2f}" + (" straggler" if member.straggler else "")
+
+
+def _health(status: JobStatus) -> str:
+    """The health line: the hang limit and where it comes from, the stragglers named
+    now, the hangs so far and the generations in a row without progress."""
+    h = status.health
+    assert h is not None
+    named = ", ".join(f"{s.node_id} (rank {s.rank}, score {s.score:.2f})" for s in h.stragglers)
+    return (
+        f"health: hang limit {h.limit()}, phase limit {h.phase_limit:g}s; "
+        f"stragglers: {named or 'none'}; hangs so far: {h.hangs}"
+        + (f" (rallypoint jobs hangs {status.job_id})" if h.hangs else "")
+        + (f"; generations without progress: {h.stalled}" if h.stalled else "")
+    )
+
+
 def print_status(status: JobStatus, out: TextIO) -> None:
     spec = status.spec
     latest = status.checkpoint
     out.write(
         f"job {status.job_id}: generation {status.generation} {status.status}, "
         f"world size {status.world_size} (nodes {spec.min_nodes}:{spec.max_nodes}, "
-        f"heartbeat timeout {spec.heartbeat_timeout.total_seconds():g}s)\n"
+        + ("" if status.world_sizes is None else f"sizes {_sizes(status.world_sizes)}, ")
+        + f"heartbeat timeout {spec.heartbeat_timeout.total_seconds():g}s)\n"
         f"latest checkpoint: {_pointer(latest)}\n"
     )
     if latest is not None and not latest.durable:
         out.write(f"newest durable: {_pointer(status.durable)}\n")
+    if status.stale():
+        out.write(
+            f"as of {utc(status.as_of)} ({status.age:.0f} s ago): the coordinator has not "
+            "read storage since\n"
+        )
+    if status.health is not None:
+        out.write(_health(status) + "\n")
     if status.blocked:
         out.write(f"{status.blocked}\n")
     elif status.load_failure is not None:
@@ -134,10 +171,23 @@ def print_status(status: JobStatus, out: TextIO) -> None:
     out.write("\nmembers\n")
     members = sorted(status.members, key=lambda m: m.rank)
     _table(
-        ["RANK", "NODE", "ADDRESS", "HEARTBEAT", "STATE"],
-        [(m.rank, m.node_id, m.addr, _age(m.heartbeat_age), m.state) for m in members],
+        ["RANK", "NODE", "ADDRESS", "HEARTBEAT", "STATE", "STEP", "PHASE", "IDLE", "SCORE"],
+        [
+            (m.rank, m.node_id, m.addr, _age(m.heartbeat_age), m.state, *m.shown(), _score(m))
+            for m in members
+        ],
         out,
     )
+    if status.health is not None and status.health.stragglers:
+        out.write("\nstragglers\n")
+        _table(
+            ["NODE", "RANK", "SCORE", "WINDOWS", "SINCE"],
+            [
+                (s.node_id, s.rank, f"{s.score:.2f}", s.windows, utc(s.since, zone=False))
+                for s in status.health.stragglers
+            ],
+            out,
+        )
     if status.quarantined_nodes:
         out.write("\nquarantined (not admitted)\n")
         _table(
@@ -151,7 +201,7 @@ def print_status(status: JobStatus, out: TextIO) -> None:
     if status.waiting:
         out.write("\nwaiting\n")
         _table(
-            ["NODE", "ADDRESS", "ROUND", "WAITING", "HEARTBEAT", "AS"],
+            ["NODE", "ADDRESS", "ROUND", "WAITING", "HEARTBEAT", "AS", "WHY"],
             [
                 (
                     w.node_id,
@@ -160,6 +210,7 @@ def print_status(status: JobStatus, out: TextIO) -> None:
                     _age(w.waiting_for),
                     _age(w.heartbeat_age),
                     "standby" if w.standby else "joiner",
+                    w.reason,
                 )
                 for w in status.waiting
             ],
@@ -248,6 +299,56 @@ def print_timeline(timeline: Timeline, out: TextIO) -> None:
     )
 
 
+def print_hangs(reports: Sequence[HangReport], out: TextIO) -> None:
+    """One row per hang the job keeps a report of (the last 20), oldest first: the
+    generation it ended, the node and rank, what the rank did and at which step, how
+    long it showed no progress against its limit, when it was found, and what became
+    of its stacks (``rallypoint jobs hangs JOB GENERATION`` prints them)."""
+    if not reports:
+        out.write("no hangs\n")
+        return
+    _table(
+        ["GEN", "NODE", "RANK", "PHASE", "STEP", "IDLE", "LIMIT", "FOUND", "STACKS"],
+        [
+            (
+                h.generation,
+                h.node_id,
+                h.rank,
+                h.phase,
+                h.step,
+                f"{h.idle:.1f}s",
+                f"{h.limit:.1f}s",
+                utc(h.at, zone=False),
+                h.stacks_state(),
+            )
+            for h in reports
+        ],
+        out,
+    )
+
+
+def print_hang(report: HangReport, out: TextIO) -> None:
+    """One hang: why its generation ended, when, the process and the tool its stacks
+    were taken with, then the stacks as the tool wrote them (or why there are none)."""
+    h = report
+    out.write(
+        f"generation {h.generation} ended: {h.reason}\n"
+        f"found: {utc(h.at)}\n"
+        f"process: {'-' if h.pid is None else h.pid} (rank {h.rank} on node {h.node_id})\n"
+    )
+    if h.stacks is not None:
+        out.write(f"stacks, taken by {h.taken_by or 'its agent'}:\n\n{h.stacks.rstrip()}\n")
+        if h.stacks_error:
+            out.write(f"\n(before that: {h.stacks_error})\n")
+    elif h.stacks_error is not None:
+        out.write(f"no stacks: the process could not give them: {h.stacks_error}\n")
+    else:
+        out.write(
+            "no stacks yet: the node's agent sends them once it has stopped the process "
+            "(never, if the node went down with it)\n"
+        )
+
+
 def _pointers(v: CheckpointInfo) -> str | None:
     names = [
         *(["latest"] if v.latest else []),
@@ -333,19 +434,43 @@ def _render(
 
 
 def _jobs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    # ``jobs`` lists; ``jobs show JOB`` is one job's status, ``--timeline`` its history.
+    # ``jobs`` lists; ``jobs show JOB`` is one job's status, ``--timeline`` its history;
+    # ``jobs hangs JOB [GENERATION]`` its hangs, or one with its stacks; ``jobs unblock
+    # JOB`` lets a blocked job restart (the admin token).
     words = args.words
+    if args.timeline and words[:1] != ["show"]:
+        parser.error("--timeline goes with show JOB")
     if not words:
-        if args.timeline:
-            parser.error("--timeline goes with show JOB")
         with client_for(args) as client:
             return _show(args, lambda: _render(args, client.jobs(), print_jobs))
+    if len(words) in (2, 3) and words[0] == "hangs":
+        return _hangs(args, parser, words[1], words[2] if len(words) == 3 else None)
+    if len(words) == 2 and words[0] == "unblock":
+        if args.watch:
+            parser.error("--watch does not go with unblock")
+        # An admin command: ``_admin`` adds it to this parser (it imports this module).
+        act: Callable[[argparse.Namespace, str], int] = args.unblock
+        return act(args, words[1])
     if len(words) != 2 or words[0] != "show":
-        parser.error("give nothing (every job), or show JOB")
+        parser.error("give nothing (every job), show JOB, hangs JOB [GENERATION] or unblock JOB")
     with client_for(args, words[1]) as client:
         if args.timeline:
             return _show(args, lambda: _render(args, client.timeline(), print_timeline))
         return _show(args, lambda: _render(args, client.membership(), print_status))
+
+
+def _hangs(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, job: str, generation: str | None
+) -> int:
+    """The job's hang reports, or with ``generation`` the one that ended it, stacks
+    included."""
+    if generation is None:
+        with client_for(args, job) as client:
+            return _show(args, lambda: _render(args, client.hangs(), print_hangs))
+    if not generation.isdigit() or int(generation) < 1:
+        parser.error(f"GENERATION must be a generation number, not {generation!r}")
+    with client_for(args, job) as client:
+        return _show(args, lambda: _render(args, client.hang(int(generation)), print_hang))
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -493,19 +618,41 @@ def add_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     jobs = commands.add_parser(
         "jobs",
         parents=[common],
-        help="the coordinator's jobs; show one, or its timeline",
-        usage="rallypoint jobs [options]\n       rallypoint jobs [options] show JOB [--timeline]",
+        help="the coordinator's jobs; show one, its timeline or its hangs; unblock one",
+        usage="rallypoint jobs [options]\n"
+        "       rallypoint jobs [options] show JOB [--timeline]\n"
+        "       rallypoint jobs [options] hangs JOB [GENERATION]\n"
+        "       rallypoint jobs [options] unblock JOB",
         description="Lists the jobs. show JOB prints one job as status JOB does; with "
         "--timeline, its history instead: each generation sealed and ended (and why), each "
-        "checkpoint committed (tier, pointers) and marked bad, with times.",
+        "checkpoint committed (tier, pointers) and marked bad, with times. hangs JOB lists "
+        "the ranks found hung (the last 20: node, rank, phase, step, how long without "
+        "progress against the limit, and whether their stacks came); hangs JOB GENERATION "
+        "prints the one that ended that generation with its process's stacks. unblock JOB "
+        "(the admin token) lets a job that stopped restarting restart again: one whose "
+        "generations made no progress several times in a row, or whose world size kept "
+        "failing to load its checkpoint.",
     )
-    jobs.add_argument("words", nargs="*", metavar="show JOB", help="one job (show JOB)")
+    jobs.add_argument(
+        "words",
+        nargs="*",
+        metavar="ACTION JOB",
+        help="show JOB, hangs JOB [GENERATION] or unblock JOB",
+    )
     jobs.add_argument("--timeline", action="store_true", help="show JOB: its history")
     jobs.set_defaults(run=lambda args: _jobs(args, jobs))
     status = commands.add_parser(
         "status",
         parents=[common],
         help="a job's members, waiting nodes, generations and latest checkpoint",
+        description="A job's generation and latest checkpoint; its health (the hang limit "
+        "and where it comes from: set on the job, learned from its step times, the floor, "
+        "or warming while too few steps; the stragglers; the hangs so far); why it is "
+        "blocked, if it is; its members with their progress (STEP, PHASE: what their "
+        "processes do, IDLE: the longest a process showed no progress when the node last "
+        "beat, SCORE: the slowest process's own step time against the fastest rank's, 1.0 "
+        "the fastest, marked straggler once it stayed under the job's threshold); "
+        "quarantined and waiting nodes; generations and why each ended.",
     )
     status.add_argument("job", help="the job id")
     status.set_defaults(run=_status)

@@ -2,7 +2,8 @@
 the benchmarks: a ``rallypoint serve`` coordinator (:class:`Coordinator`), torchrun
 agents running the DDP example or any script (:class:`Cluster`), and :func:`judge`,
 which checks from the example's events that every rank resumed from the checkpoint the
-coordinator named.
+coordinator named. :func:`kill_processes` SIGKILLs processes as a vanished machine loses
+them, without leaving behind on this one what they held in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -28,9 +29,14 @@ import httpx
 
 from rallypoint.tls import ssl_context
 
+#: The agent's test start gate (``rallypoint.trainer.agent``'s ``START_GATE_ENV``): named
+#: here, as the CLI needs no torch to import.
+START_GATE_ENV = "RALLYPOINT_TEST_START_GATE"
+
 __all__ = [
     "CLUSTER_MARK",
     "FINISHING_STEP_TIME",
+    "START_GATE_ENV",
     "Agent",
     "Cluster",
     "Coordinator",
@@ -40,6 +46,8 @@ __all__ = [
     "example_script",
     "free_port",
     "judge",
+    "kill_processes",
+    "leftover_semaphores",
     "stop_process",
 ]
 
@@ -91,6 +99,112 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+# What multiprocessing's resource tracker runs as (in its command line).
+_TRACKER = b"multiprocessing.resource_tracker"
+# Where glibc keeps POSIX named semaphores (``sem.NAME``) and shared memory.
+_SHM = Path("/dev/shm")
+# The named semaphores that processes kill_processes() stopped had open: (file, inode).
+_killed_held: list[tuple[Path, int]] = []
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited: its files are closed, its maps gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _until_gone(pids: Collection[int], timeout: float) -> list[int]:
+    """Waits up to ``timeout`` s for ``pids`` to exit; those still running."""
+    end = time.monotonic() + timeout
+    while (left := [p for p in pids if _running(p)]) and time.monotonic() < end:
+        time.sleep(0.01)
+    return left
+
+
+def _semaphore_inodes(pids: Collection[int] | None = None) -> set[int]:
+    """The inodes of the named semaphores ``pids`` (None: every process) have open. A
+    process maps each semaphore it opened, its creator under the temporary name the
+    file had before glibc linked it as ``sem.NAME``: the inode is what is the same."""
+    found: set[int] = set()
+    if pids is None:
+        pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(f"{_SHM}/sem."):
+                found.add(int(fields[4]))
+    return found
+
+
+def _semaphores(inodes: Collection[int]) -> list[tuple[Path, int]]:
+    """The semaphores in ``/dev/shm`` with these inodes."""
+    out = []
+    for path in _SHM.glob("sem.*"):
+        with contextlib.suppress(OSError):
+            if (inode := path.stat().st_ino) in inodes:
+                out.append((path, inode))
+    return out
+
+
+def kill_processes(pids: Collection[int], grace_s: float = 5) -> None:
+    """SIGKILLs ``pids``, as a machine that vanishes loses them, and removes the named
+    semaphores that leaves behind in ``/dev/shm``, which outlive this machine's processes
+    as they would not outlive a machine.
+
+    Those are multiprocessing's (``sem.mp-*``: torchrun's agent makes some for each
+    worker, and so does any process that starts others by spawn or forkserver). Each
+    process that made them registered them with its resource tracker, a process of its
+    own, which unlinks the ones left when the last process it serves has exited: so the
+    trackers among ``pids`` are spared until the others are gone (killed with them, they
+    left thousands of semaphores after a week of test runs). A tracker still running
+    ``grace_s`` later (another process holds it open) is killed too; then what ``pids``
+    had open and no process has open any more is unlinked here.
+    """
+    pids = [p for p in pids if _running(p)]
+    held = _semaphores(_semaphore_inodes(pids))
+    trackers = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if _TRACKER in Path(f"/proc/{pid}/cmdline").read_bytes():
+                trackers.add(pid)
+    others = [p for p in pids if p not in trackers]
+    for pid in others:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _until_gone(others, grace_s)
+    for pid in _until_gone(trackers, grace_s):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _until_gone(trackers, grace_s)
+    _killed_held.extend(held)
+    if left := [(path, inode) for path, inode in held if _exists(path, inode)]:
+        opened = _semaphore_inodes()
+        for path, inode in left:
+            if inode not in opened:
+                path.unlink(missing_ok=True)
+
+
+def _exists(path: Path, inode: int) -> bool:
+    try:
+        return path.stat().st_ino == inode
+    except OSError:
+        return False
+
+
+def leftover_semaphores() -> list[str]:
+    """The named semaphores that processes :func:`kill_processes` stopped in this process
+    had open and that are still in ``/dev/shm`` (none, unless a process that did not
+    exit holds one): what a test run checks at its end."""
+    return [str(path) for path, inode in _killed_held if _exists(path, inode)]
 
 
 #: Set in the environment of each :class:`Cluster`'s agents, which every process they
@@ -263,6 +377,7 @@ class Cluster:
         self._read_from: tuple[tuple[Path, int] | None, int] = (None, 0)
         self._events: list[Event] = []
         self.nnodes = nnodes
+        #: The ``--rdzv-conf`` its agents start with (keys may be added before they do).
         self.conf = f"heartbeat_timeout={heartbeat_timeout},last_call={last_call}"
         if join_timeout is not None:
             self.conf += f",join_timeout={join_timeout}"
@@ -337,7 +452,15 @@ class Cluster:
             sys.executable,
             "-m",
             *launcher,
-            *self.rdzv,
+            # ``conf`` as it is now: a test may add keys after the cluster was made.
+            *(
+                [
+                    f"--rdzv-conf={self.conf}" if a.startswith("--rdzv-conf=") else a
+                    for a in self.rdzv
+                ]
+                if self.rallypoint
+                else self.rdzv
+            ),
             f"--nnodes={self.nnodes}",
             f"--nproc-per-node={nproc or self.nproc}",
             "--max-restarts=100",
@@ -352,12 +475,43 @@ class Cluster:
         self.agents[node_id] = Agent(node_id, proc, log)
         return self.agents[node_id]
 
+    def start(self, *nodes: str | tuple[str, Mapping[str, Any]], **options: Any) -> list[Agent]:
+        """Starts the agents of ``nodes`` as one: each waits, before its first join,
+        until all of them started (the agent's test start gate), so that they reach the
+        coordinator milliseconds apart however loaded the machine is, and a first round
+        holds them all (a round seals ``last_call`` after ``MIN`` nodes joined: agents
+        started one by one on a busy machine reached it seconds apart).
+
+        Args:
+            nodes: Node ids, or ``(node_id, options)`` for a node with :meth:`add`'s
+                options of its own (they win over ``options``).
+            options: :meth:`add`'s, for every node.
+        """
+        gate = self.workdir / f"{self.job}.gate-{uuid.uuid4().hex[:8]}"
+        agents, node_ids = [], []
+        for node in nodes:
+            node_id, own = (node, {}) if isinstance(node, str) else node
+            chosen = {**options, **own}
+            env = {**(chosen.pop("env", None) or {}), START_GATE_ENV: str(gate)}
+            agents.append(self.add(node_id, env=env, **chosen))
+            node_ids.append(node_id)
+        end = time.monotonic() + 300
+        while not all(Path(f"{gate}.{n}").exists() for n in node_ids):
+            if any(a.proc.poll() is not None for a in agents):
+                raise RuntimeError(f"an agent exited before it joined; logs in {self.workdir}")
+            if time.monotonic() >= end:
+                raise TimeoutError(
+                    f"the agents did not start within 300 s\n{self.stacks()}\n{self.said()}"
+                )
+            time.sleep(0.02)
+        gate.touch()
+        return agents
+
     def kill(self, node_id: str) -> None:
-        """SIGKILL of the whole node: the agent and its workers, as when a VM vanishes."""
+        """SIGKILL of the whole node: the agent and its workers, as when a VM vanishes
+        (by :func:`kill_processes`: what they held in ``/dev/shm`` goes with them)."""
         agent = self.agents[node_id]
-        for pid in [agent.proc.pid, *descendants(agent.proc.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_processes([agent.proc.pid, *descendants(agent.proc.pid)])
         agent.proc.wait()
 
     def terminate(self, node_id: str) -> None:
@@ -397,6 +551,7 @@ class Cluster:
             time.sleep(0.05)
         raise TimeoutError(
             f"no such event within {timeout} s; logs in {self.workdir}\n{self.stacks()}"
+            f"\n{self.said()}"
         )
 
     def pace(self, step_time: float) -> None:
@@ -425,7 +580,7 @@ class Cluster:
                 out[node_id] = agent.proc.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise TimeoutError(
-                    f"{node_id} still runs after {timeout} s\n{self.stacks()}"
+                    f"{node_id} still runs after {timeout} s\n{self.stacks()}\n{self.said()}"
                 ) from None
         return out
 
@@ -450,6 +605,31 @@ class Cluster:
             out.append(f"--- {pid}: {command[:200]}\n{text.strip()}")
         return "\n".join(out) or "(no process of the cluster left)"
 
+    def said(self) -> str:
+        """What the coordinator says of the job, in short: its generations (world size
+        and why each ended), who waits and who is quarantined. It goes last in a timeout's
+        message, after the stacks: a CI log keeps the tail of a failure, and this is what
+        tells a false end (a hang or straggler named under load) from a slow run."""
+        try:
+            body = httpx.get(
+                f"{self.url}/v1/jobs/{self.job}", verify=ssl_context(), timeout=10
+            ).json()
+        except (httpx.HTTPError, ValueError) as exc:
+            return f"(the job's status could not be read: {exc!r})"
+        if not isinstance(body, dict):
+            return f"(the job's status: {body!r})"
+        history = [
+            (g.get("generation"), g.get("world_size"), g.get("ended_reason"))
+            for g in body.get("history", [])
+        ]
+        waiting = [(w.get("node_id"), w.get("standby")) for w in body.get("waiting", [])]
+        quarantined = [q.get("node_id") for q in body.get("quarantined_nodes", [])]
+        return (
+            f"job {self.job}: generation {body.get('generation')} ({body.get('status')});"
+            f" history (generation, world, ended) {history}; waiting {waiting};"
+            f" quarantined {quarantined}; blocked {body.get('blocked')}"
+        )
+
     def lingering(self, timeout: float = 20) -> list[str]:
         """The command lines of this cluster's processes still running ``timeout`` s
         after the call (every agent having exited): none, once a job's workers and what
@@ -466,9 +646,7 @@ class Cluster:
         for node_id, agent in self.agents.items():
             if agent.proc.poll() is None:
                 self.kill(node_id)
-        for pid, _ in _marked(self._mark):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        kill_processes([pid for pid, _ in _marked(self._mark)])
 
 
 @dataclass

@@ -33,6 +33,7 @@ from .models import (
     CheckpointBegun,
     CheckpointInfo,
     FaultReport,
+    HangReport,
     HeartbeatReply,
     HeartbeatRequest,
     JobSpec,
@@ -49,10 +50,12 @@ from .models import (
     PeerKey,
     QuarantinedNode,
     QuarantineRequest,
+    RankProgress,
     ReportShard,
     RestoreFailure,
     RestoreReport,
     ShardFile,
+    StacksReport,
     StoreReply,
     StoreRequest,
     Timeline,
@@ -60,6 +63,7 @@ from .models import (
     TokenInfo,
     TokenRequest,
     WaitRequest,
+    WorldSizeReport,
     check_id,
 )
 
@@ -250,6 +254,10 @@ class ElasticClient(Closing):
         self.credential: str | None = None
         if credential:
             self._credential(credential)
+        #: Where :meth:`heartbeat` takes the node's processes' progress from (None:
+        #: it sends none). ``rallypoint.trainer`` sets it in a process that is its own
+        #: node (no agent); under an agent, the agent reports for its workers.
+        self.progress: Callable[[], Sequence[RankProgress] | None] | None = None
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> ElasticClient:
@@ -675,16 +683,28 @@ class ElasticClient(Closing):
         )
         return StoreReply.model_validate_json(reply.content)
 
-    def heartbeat(self, wait: timedelta = timedelta(0)) -> HeartbeatReply:
+    def heartbeat(
+        self,
+        wait: timedelta = timedelta(0),
+        progress: Sequence[RankProgress] | None = None,
+    ) -> HeartbeatReply:
         """Tells the coordinator this node lives; the reply says whether to restart.
 
         Args:
             wait: Let the coordinator hold the reply this long while the generation runs:
                 it answers ``restart`` the moment the generation ends (keep it well
                 under the heartbeat timeout: the next beat follows the reply).
+            progress: The node's processes' progress (default: what :attr:`progress`
+                returns, if set). The coordinator judges hangs and stragglers from it.
         """
         generation = self.assignment.generation if self.assignment else None
-        body = HeartbeatRequest(generation=generation, wait=wait.total_seconds())
+        if progress is None and self.progress is not None:
+            progress = self.progress()
+        body = HeartbeatRequest(
+            generation=generation,
+            wait=wait.total_seconds(),
+            progress=list(progress) if progress else None,
+        )
         reply = self._request("POST", f"{self._node}/heartbeat", body, read_timeout=body.wait)
         return HeartbeatReply.model_validate_json(reply.content)
 
@@ -744,6 +764,52 @@ class ElasticClient(Closing):
             once = RetryPolicy(deadline=timedelta(0))
             self._request("POST", f"{self._node}/fault", body, retry=once, via=own)
 
+    def report_world_sizes(
+        self,
+        world_sizes: Sequence[int],
+        reason: str = "",
+        *,
+        rank: int = 0,
+        generation: int | None = None,
+    ) -> JobSummary:
+        """Tells the coordinator that this node's generation has a world the job cannot
+        train (its global batch does not split: ``WorldSizeError``), and which world
+        sizes, in nodes, can. The job keeps them and the generation ends; from then on
+        the coordinator seals only a size the job takes, the largest its nodes make, and
+        nodes beyond it wait as standbys (``status`` says why). Every rank may report:
+        the first one counts. :func:`rallypoint.trainer.report_world_sizes` reports a
+        ``WorldSizeError`` for you (the integrations and ``CheckpointManager.loading``
+        call it).
+
+        Args:
+            world_sizes: The node counts that can, ascending (the valid rank counts over
+                the processes per node); those outside ``min_nodes`` to ``max_nodes``
+                are dropped.
+            reason: What failed (the error); its first line goes into the generation's
+                end reason.
+            rank: This process's global rank.
+            generation: The generation it failed in (default: this node's, or its
+                agent's under torchrun).
+
+        Returns:
+            The job afterwards (``world_sizes``: the sizes it takes now).
+
+        Raises:
+            StaleGeneration: The generation ended already (another rank reported first).
+        """
+        generation = generation or (self.assignment.generation if self.assignment else None)
+        generation = generation or self._joined
+        if generation is None:
+            raise ValueError("join() first, or pass the generation this node runs in")
+        body = WorldSizeReport(
+            generation=generation,
+            world_sizes=list(world_sizes),
+            rank=rank,
+            reason=reason[:MAX_FAILURE_REASON],
+        )
+        reply = self._request("POST", f"{self._node}/world-sizes", body)
+        return JobSummary.model_validate_json(reply.content)
+
     def leave(self, reason: str = "left", *, fenced: bool = True) -> None:
         """Leaves the job; if this node was a member, the others restart without it.
 
@@ -759,6 +825,40 @@ class ElasticClient(Closing):
         self._request(
             "POST", f"{self._node}/leave", LeaveRequest(generation=generation, reason=reason)
         )
+
+    # --- health -------------------------------------------------------------------------
+
+    def hangs(self) -> list[HangReport]:
+        """The ranks found hung in this job (the last 20), oldest first, without stacks."""
+        reply = self._request("GET", f"{self._job}/hangs")
+        return [HangReport.model_validate(h) for h in reply.json()]
+
+    def hang(self, generation: int) -> HangReport:
+        """The hang that ended ``generation``, with the hung process's stacks.
+
+        Raises:
+            UnknownNode: No hang ended that generation.
+        """
+        reply = self._request("GET", f"{self._job}/hangs/{generation}")
+        return HangReport.model_validate_json(reply.content)
+
+    def report_stacks(self, generation: int, report: StacksReport) -> HangReport:
+        """Sends a hung rank's stacks (its node's agent does, with the node's credential,
+        once the coordinator ended ``generation`` for the hang).
+
+        Raises:
+            UnknownNode: No hang of this node's ``report.rank`` ended ``generation``.
+        """
+        reply = self._request(
+            "PUT", f"{self._job}/generations/{generation}/nodes/{self.node_id}/stacks", report
+        )
+        return HangReport.model_validate_json(reply.content)
+
+    def unblock(self) -> JobSummary:
+        """Lets this job restart again after it stopped for generations without progress
+        or failed loads (the admin token)."""
+        reply = self._request("DELETE", f"{self._job}/blocked")
+        return JobSummary.model_validate_json(reply.content)
 
     # --- checkpoints --------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ them. Durations travel as seconds (floats) and are :class:`~datetime.timedelta` 
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import re
 import types
@@ -14,7 +15,15 @@ from datetime import timedelta
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from urllib.parse import unquote
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_validator,
+)
 
 from rallypoint.times import utc
 
@@ -22,6 +31,8 @@ __all__ = [
     "CREDENTIAL_HEADER",
     "ENVELOPE_PATH",
     "FINISHED",
+    "HANG_FACTOR",
+    "HANG_FLOOR",
     "ID_JSON_SCHEMA",
     "ID_PATTERN",
     "ID_SCHEMA_PATTERN",
@@ -29,9 +40,15 @@ __all__ = [
     "MAX_METRICS",
     "MAX_NODES_LIMIT",
     "MAX_RANKS",
+    "MAX_RANKS_PER_NODE",
     "MAX_SHARD_FILES",
+    "MAX_STACKS_BYTES",
     "MAX_STORE_KEYS",
     "MAX_STORE_VALUE_BYTES",
+    "MAX_WORLD_SIZES",
+    "STALE_STATUS",
+    "STRAGGLER_WINDOW",
+    "STRAGGLER_WINDOWS",
     "TIMELINE_GENERATIONS",
     "Assignment",
     "BeginCheckpoint",
@@ -42,6 +59,8 @@ __all__ = [
     "ErrorBody",
     "FaultReport",
     "GenerationInfo",
+    "HangReport",
+    "Health",
     "HeartbeatReply",
     "HeartbeatRequest",
     "Id",
@@ -62,15 +81,20 @@ __all__ = [
     "NodeQuarantineRequest",
     "PeerGrant",
     "PeerKey",
+    "Phase",
+    "ProcessState",
     "QuarantineRequest",
     "QuarantinedNode",
+    "RankProgress",
     "ReportShard",
     "RestoreFailure",
     "RestoreReport",
     "RestoreSource",
     "ShardFile",
+    "StacksReport",
     "StoreReply",
     "StoreRequest",
+    "Straggler",
     "Timeline",
     "TimelineCause",
     "TimelineGeneration",
@@ -80,6 +104,7 @@ __all__ = [
     "TokenRequest",
     "WaitRequest",
     "WaitingNode",
+    "WorldSizeReport",
     "check_id",
     "rank_folder",
 ]
@@ -102,6 +127,41 @@ _ID = re.compile(ID_SCHEMA_PATTERN)
 #: The largest rendezvous: what the coordinator is measured at (bench/rendezvous.py). A
 #: generation whose members outgrow one 1 MiB table entity keeps them in part rows.
 MAX_NODES_LIMIT = 10_000
+#: A learned hang limit is this many times the slowest rank's 95th percentile step
+#: interval (NVRx takes 5 times the largest interval seen; a percentile ignores the
+#: odd long step, the factor gives room for the next).
+HANG_FACTOR = 10.0
+#: ... and at least this many seconds: a job of 0.1 s steps is found hung 3 s after
+#: its last one, and no pause a loaded machine makes in a step comes near it.
+HANG_FLOOR = 3.0
+#: Stragglers are scored over windows of this many seconds ...
+STRAGGLER_WINDOW = 5.0
+#: ... and a rank under the threshold in this many windows in a row is a straggler.
+STRAGGLER_WINDOWS = 3
+#: Processes (ranks) one node's heartbeat may carry the progress of.
+MAX_RANKS_PER_NODE = 256
+#: The most world sizes a job declares or a report names (``JobSpec.world_sizes``).
+MAX_WORLD_SIZES = 1024
+#: Seconds after which a job's status is an old view: the coordinator answers from a
+#: read of storage at most about a second old (``JobStatus.age``) while storage answers.
+STALE_STATUS = 5.0
+
+
+def _json_integer(value: Any) -> Any:
+    # JSON Schema's "integer" is any number with no fraction, 4.0 too (a JSON writer
+    # may send one so); strict validation then still refuses what the schema refuses
+    # (true, "4", 4.5), where lax validation would take true and "4".
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+#: A world size in nodes.
+WorldSize = Annotated[
+    # The validator after the bounds: before them, pydantic writes them as "ge" and "le",
+    # which JSON Schema does not know.
+    int, Field(ge=1, le=MAX_NODES_LIMIT, strict=True), BeforeValidator(_json_integer)
+]
 
 
 def check_id(value: str) -> str:
@@ -122,6 +182,8 @@ _FIELD_KINDS: dict[type[BaseModel], dict[str, str]] = {}
 
 
 def _kind(annotation: Any) -> str | None:
+    if get_origin(annotation) is Annotated:  # a member of a union keeps its own schema
+        return _kind(get_args(annotation)[0])
     if get_origin(annotation) in (Union, types.UnionType):
         kinds = {_kind(a) for a in get_args(annotation) if a is not type(None)}
         return kinds.pop() if len(kinds) == 1 else None
@@ -141,6 +203,8 @@ def _field_kinds(model: type[BaseModel]) -> dict[str, str]:
 def _is_kind(value: Any, kind: str) -> bool:
     if kind == "boolean":
         return isinstance(value, bool)
+    if type(value) in (int, float, timedelta):  # what JSON gives: no ABC's isinstance
+        return True  # (a bool's type is bool, not int)
     return isinstance(value, (numbers.Real, timedelta)) and not isinstance(value, bool)
 
 
@@ -194,17 +258,55 @@ class JobSpec(_Model):
     #: layouts load without resharding). 0: a node beyond a full generation is refused
     #: with ``job_full`` and retries, as before.
     standbys: int = Field(0, ge=0, le=MAX_NODES_LIMIT)
+    #: A rank that makes no progress this long while it trains is hung: its generation
+    #: ends and its worker is stopped (its stacks kept first). None (the default): learned
+    #: from the job's own steps, :data:`HANG_FACTOR` times the slowest rank's 95th
+    #: percentile step interval, at least :data:`HANG_FLOOR`; 0: hangs are not judged.
+    hang_limit: Annotated[timedelta, _seconds(0)] | None = None
+    #: The bound of the phases that may legitimately go long without a step, each
+    #: counted from its start: start-up and the first step (compile), a save or a load
+    #: in flight, an evaluation.
+    phase_limit: Annotated[timedelta, _seconds(1)] = timedelta(seconds=600)
+    #: What happens to a straggler (a rank whose relative score stays under
+    #: ``straggler_threshold``): ``report`` names it (status, page, metrics, log);
+    #: ``replace`` swaps its node for a standby and quarantines it; ``drop`` leaves its
+    #: node out where the job may run without it and is predicted to be faster so.
+    straggler: Literal["report", "replace", "drop"] = "report"
+    #: The relative score (the fastest rank's own step time over this rank's) under
+    #: which a rank counts towards being a straggler.
+    straggler_threshold: float = Field(0.75, gt=0, lt=1)
+    #: The world sizes, in nodes, the job can take (a global batch that only some worlds
+    #: split, a layout of fixed degree), ascending, each from ``min_nodes`` to
+    #: ``max_nodes``: a round seals the largest of them its nodes make, and the nodes
+    #: beyond it wait as standbys. None: any size from ``min_nodes`` to ``max_nodes``. A
+    #: job also learns them from its workers (``report_world_sizes``).
+    world_sizes: tuple[WorldSize, ...] | None = Field(
+        None, min_length=1, max_length=MAX_WORLD_SIZES
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         if self.max_nodes < self.min_nodes:
             raise ValueError(f"max_nodes {self.max_nodes} < min_nodes {self.min_nodes}")
+        sizes = self.world_sizes
+        if sizes is not None:
+            if any(a >= b for a, b in itertools.pairwise(sizes)):
+                raise ValueError(f"world_sizes must be ascending, each once: {list(sizes)}")
+            if sizes[0] < self.min_nodes or sizes[-1] > self.max_nodes:
+                raise ValueError(
+                    f"world_sizes must lie from min_nodes {self.min_nodes} to max_nodes "
+                    f"{self.max_nodes}: {list(sizes)}"
+                )
         for name in ("last_call", "heartbeat_timeout", "join_timeout"):
             value: timedelta = getattr(self, name)
             if not timedelta(0) <= value <= timedelta(days=1):
                 raise ValueError(f"{name} must be between 0 s and 1 day")
         if self.heartbeat_timeout < timedelta(seconds=1):
             raise ValueError("heartbeat_timeout must be at least 1 s")
+        if self.hang_limit is not None and not timedelta(0) <= self.hang_limit <= timedelta(days=1):
+            raise ValueError("hang_limit must be between 0 s and 1 day")
+        if not timedelta(seconds=1) <= self.phase_limit <= timedelta(days=1):
+            raise ValueError("phase_limit must be between 1 s and 1 day")
         return self
 
 
@@ -614,12 +716,64 @@ class JoinReply(_Model):
     credential: str | None = None
 
 
+#: What a process does, for the hang rule: ``train`` is bounded by the job's hang limit;
+#: ``start`` (start-up until its first step of the generation, the first step's compile
+#: included), ``save``, ``load`` and ``eval`` by its ``phase_limit``.
+Phase = Literal["start", "train", "save", "load", "eval"]
+#: A process's state as its node's kernel says (``/proc``), for the hang rule.
+ProcessState = Literal["running", "sleeping", "blocked", "stopped"]
+
+
+class _StrictModel(BaseModel):
+    """A model whose JSON kinds pydantic's core checks (strict mode), where :class:`_Model`
+    checks them in Python: what one refuses the other does (true for 1, "3" for 3, 1 for
+    true), and an integer field takes 4.0 as 4 (:func:`_json_integer`). For the models
+    that every heartbeat carries by the hundred: a beat of 8 ranks' progress took 42 us
+    to read with the Python check (which builds each object's dict first) and 15 us
+    without it, more than the rest of the beat's handling."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_timedelta="float", frozen=True, strict=True)
+
+
+class RankProgress(_StrictModel):
+    """One process's progress, as its node's heartbeat carries it: O(1) bytes."""
+
+    #: Its global rank.
+    rank: Annotated[int, Field(ge=0, le=MAX_RANKS), BeforeValidator(_json_integer)]
+    #: The training step it reached (the optimizer's steps).
+    step: Annotated[int, Field(ge=0, le=2**53), BeforeValidator(_json_integer)]
+    phase: Phase = "train"
+    #: Seconds since it last showed progress when the beat left: its last step, or its
+    #: entry into ``phase``, whichever came later (measured on its node).
+    idle: float = Field(ge=0, le=1e9)
+    #: The 95th percentile of the seconds between its recent steps (None: too few yet).
+    interval: float | None = Field(None, ge=0, le=1e9)
+    #: The mean of its steps' own time over the last straggler window: each step less
+    #: the time it waited for its peers (their gradients, the trainer's own collectives;
+    #: None where that cannot be told apart). A throttled rank's mean grows with the
+    #: steps its pauses fall in, where a median could miss them.
+    own: float | None = Field(None, ge=0, le=1e9)
+    #: Whether it waits for its peers: its gradients are ready for their all-reduce, or
+    #: it is in one of the trainer's own collectives. A hang's peers wait; it does not.
+    waiting: bool = False
+    #: Its process's state as its node's kernel says (``/proc``): ``stopped`` (by a
+    #: signal or a tracer), ``blocked`` (in an uninterruptible kernel call: a driver, a
+    #: disk), ``running`` or ``sleeping``; None where unknown.
+    process: ProcessState | None = None
+    #: Of ``idle``, the seconds its process was ready to run but waited for a CPU, as its
+    #: node's kernel counts them (a machine whose CPUs other work keeps busy): slow, not
+    #: stuck. The hang rule does not count them. None where unknown.
+    starved: float | None = Field(None, ge=0, le=1e9)
+
+
 class HeartbeatRequest(_Model):
     #: The generation the node runs in (None while it waits to join).
     generation: int | None = Field(None, ge=1)
     #: Seconds the coordinator may hold the reply while the generation runs, answering
     #: ``restart`` the moment it ends (a watch); 0 answers at once.
     wait: float = Field(0.0, ge=0, le=30)
+    #: The progress of the node's processes (None: it reports none).
+    progress: list[RankProgress] | None = Field(None, max_length=MAX_RANKS_PER_NODE)
 
 
 class HeartbeatReply(_Model):
@@ -638,6 +792,12 @@ class HeartbeatReply(_Model):
     #: Why the node's generation ended, on a ``restart`` when the coordinator knows
     #: (``node n2 lost``, ``node n4 joined``): what the agent's one line says.
     reason: str | None = None
+    #: The job's hang limit for training steps now (seconds; absent while it is not
+    #: known): a node whose process passes it beats at once rather than at its interval.
+    hang_limit: float | None = None
+    #: On a ``restart`` for a hang of this node: the hung processes' ranks, whose stacks
+    #: its agent takes before it stops them.
+    hung: tuple[int, ...] | None = None
 
 
 class FaultReport(_Model):
@@ -647,6 +807,29 @@ class FaultReport(_Model):
     generation: int = Field(ge=1)
     #: What failed: the error's first line (the coordinator logs it).
     detail: str = Field("", max_length=500)
+
+
+class WorldSizeReport(_Model):
+    """A member's worker found that its generation's world cannot train the job (its
+    global batch does not split: ``WorldSizeError``), and names the world sizes, in
+    nodes, that can. The coordinator keeps them as the sizes the job takes and ends the
+    generation."""
+
+    generation: int = Field(ge=1)
+    #: The node counts that can (the valid rank counts over the processes per node),
+    #: ascending; the coordinator keeps those from ``min_nodes`` to ``max_nodes``.
+    world_sizes: list[WorldSize] = Field(max_length=MAX_WORLD_SIZES)
+    #: The reporting process's global rank.
+    rank: int = Field(0, ge=0, lt=MAX_RANKS)
+    #: What failed: the error's first line is kept, for the generation's end reason.
+    reason: str = Field("", max_length=MAX_FAILURE_REASON)
+
+    @model_validator(mode="after")
+    def _ascending(self) -> WorldSizeReport:
+        sizes = self.world_sizes
+        if any(a >= b for a, b in itertools.pairwise(sizes)):
+            raise ValueError(f"world_sizes must be ascending, each once: {sizes}")
+        return self
 
 
 class LeaveRequest(_Model):
@@ -706,8 +889,12 @@ class WaitingNode(_Model):
     waiting_for: float
     heartbeat_age: float | None
     #: Parked beyond the running generation, ready to take a lost member's rank
-    #: (``JobSpec.standbys``); False for a node that waits for an open round.
+    #: (``JobSpec.standbys``), or waiting for a world size the job takes; False for a
+    #: node that waits for an open round.
     standby: bool = False
+    #: Why it waits, in words (e.g. ``standby: 2 members and 1 waiting make no world
+    #: size the job takes (2, 4)``).
+    reason: str | None = None
 
 
 class LoadFailure(_Model):
@@ -749,6 +936,67 @@ class MemberStatus(_Model):
     addr: str
     heartbeat_age: float | None
     state: Literal["alive", "late", "dead", "left"]
+    #: Its processes' progress, as its last heartbeat carried it (empty: none reported).
+    progress: list[RankProgress] = Field(default_factory=list)
+    #: The lowest relative score of its processes in the last straggler window (the
+    #: fastest rank's own step time over its own; None: not scored).
+    score: float | None = None
+    #: Whether one of its processes is a straggler now.
+    straggler: bool = False
+
+    def shown(self) -> tuple[str, str, str]:
+        """Its processes' progress as people read it: the step (``120``, or ``118-120``
+        where they differ), what they do (``train``, or ``save/train``), and the longest
+        time one of them showed no progress (``0.4s``); ``-`` for each while it reports
+        none. The CLI's status and the status page show them."""
+        if not self.progress:
+            return "-", "-", "-"
+        steps = sorted({p.step for p in self.progress})
+        step = str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+        phases = "/".join(sorted({p.phase for p in self.progress}))
+        return step, phases, f"{max(p.idle for p in self.progress):.1f}s"
+
+
+class Straggler(_Model):
+    """A rank whose relative score stayed under the job's threshold."""
+
+    node_id: str
+    rank: int
+    #: Its score in the last window, and the windows in a row it was under.
+    score: float
+    windows: int
+    #: When it was first named (epoch seconds).
+    since: float
+
+
+class Health(_Model):
+    """What the coordinator judges of a running generation beyond liveness."""
+
+    #: The hang limit for training steps now (seconds), and where it came from:
+    #: ``set`` (``JobSpec.hang_limit``), ``learned`` (the job's step times), ``floor``
+    #: (learned, under :data:`HANG_FLOOR`), ``off``, or ``warming`` (no rank has steps
+    #: enough yet: only ``phase_limit`` applies).
+    hang_limit: float | None = None
+    hang_limit_source: Literal["set", "learned", "floor", "off", "warming"] = "warming"
+    phase_limit: float
+    #: The current stragglers.
+    stragglers: list[Straggler] = Field(default_factory=list)
+    #: The hangs found in the job so far: the generations a hang ended (its reports,
+    #: ``GET /v1/jobs/{job}/hangs``, keep the last 20).
+    hangs: int = 0
+    #: Generations in a row that ended without progress (no new version, no step past
+    #: the best before), and their reasons.
+    stalled: int = 0
+
+    def limit(self) -> str:
+        """The hang limit as people read it: ``3.0s (floor)``, ``12.5s (learned)``,
+        ``5.0s (set)``, ``off``, or ``not yet (warming)`` while no rank has steps enough
+        for one. The CLI's status and the status page show it."""
+        if self.hang_limit_source == "off":
+            return "off"
+        if self.hang_limit is None:
+            return "not yet (warming)"
+        return f"{self.hang_limit:.1f}s ({self.hang_limit_source})"
 
 
 class QuarantinedNode(_Model):
@@ -758,9 +1006,11 @@ class QuarantinedNode(_Model):
     #: When (epoch seconds), and why.
     at: float
     reason: str
-    #: ``operator`` (``PUT …/nodes/{node}/quarantine``) or ``losses``: the node was lost
-    #: the coordinator's ``node_losses`` times within its window.
-    by: Literal["operator", "losses"]
+    #: ``operator`` (``PUT …/nodes/{node}/quarantine``); ``losses``: the node was lost
+    #: the coordinator's ``node_losses`` times within its window; ``hangs``: it hung
+    #: twice within the coordinator's ``hang_window``; ``straggler``: the job's
+    #: ``straggler`` policy replaced or dropped it.
+    by: Literal["operator", "losses", "hangs", "straggler"]
 
 
 class NodeQuarantineRequest(_Model):
@@ -787,6 +1037,10 @@ class JobSummary(_Model):
     #: but the rules of ``min_nodes`` and ``last_call``), e.g. ``waiting: v2 failed to
     #: load twice at world 2 ...``.
     blocked: str | None = None
+    #: The world sizes, in nodes, the job takes now: those its spec declares and its
+    #: workers reported (``WorldSizeReport``), from ``min_nodes`` to ``max_nodes``. None:
+    #: any.
+    world_sizes: list[int] | None = None
     #: Nodes the job does not admit (their joins are refused with ``node_quarantined``).
     quarantined_nodes: list[QuarantinedNode] = Field(default_factory=list)
 
@@ -795,6 +1049,87 @@ class JobStatus(JobSummary):
     members: list[MemberStatus]
     waiting: list[WaitingNode]
     history: list[GenerationInfo]
+    #: Progress, hangs and stragglers (None from coordinators before it).
+    health: Health | None = None
+    #: The coordinator's clock (epoch seconds) when this view of the job was read from
+    #: storage. A coordinator reads a viewed job's status about once a second, whatever
+    #: the number of viewers, and answers from that read; ``heartbeat_age`` and
+    #: ``waiting_for`` count to the answer, ``state`` is as judged at ``as_of``. None from
+    #: coordinators before it.
+    as_of: float | None = None
+    #: Seconds between ``as_of`` and the answer: about a second at most while the
+    #: coordinator reads storage, more while storage does not answer it (it then answers
+    #: with the last view it read; see :data:`STALE_STATUS`). None from coordinators
+    #: before it.
+    age: float | None = None
+
+    def stale(self) -> bool:
+        """Whether this view is older than :data:`STALE_STATUS`: the coordinator could
+        not read storage since (the CLI and the status page say so)."""
+        return self.age is not None and self.age >= STALE_STATUS
+
+
+class HangReport(_Model):
+    """A rank found hung: its generation ended for it. ``stacks`` are its process's
+    threads' stacks as its agent took them before stopping it (None until it sent
+    them, or if it could not: ``stacks_error`` says why)."""
+
+    generation: int
+    node_id: str
+    rank: int
+    #: What the rank did (its phase), its step, how long it showed no progress, the
+    #: limit it passed, and when it was found (epoch seconds).
+    phase: Phase
+    step: int
+    idle: float
+    limit: float
+    at: float
+    stacks: str | None = None
+    stacks_error: str | None = None
+    #: The process the stacks are of, and the tool that took them.
+    pid: int | None = None
+    taken_by: str | None = None
+
+    @property
+    def reason(self) -> str:
+        """Why its generation ended, as the coordinator recorded it (``rank 1 on node b
+        hung: no progress for 3.1 s in train at step 62 (limit 3.0 s)``)."""
+        return (
+            f"rank {self.rank} on node {self.node_id} hung: no progress for "
+            f"{self.idle:.1f} s in {self.phase} at step {self.step} (limit {self.limit:.1f} s)"
+        )
+
+    def stacks_state(self) -> str:
+        """What became of its stacks, in words: ``py-spy 0.4.1`` (the tool that took
+        them; ``(not suspended)`` if read while the process ran on), ``none: why`` where
+        the process could not give them, ``not sent yet`` before its node's agent sent
+        them (it does once it stopped the process; a node that went down with it never
+        does). The list of a job's hangs carries no stacks, but says this."""
+        if self.taken_by is not None:
+            return self.taken_by
+        if self.stacks_error is not None:
+            return f"none: {self.stacks_error}"
+        return "not sent yet"
+
+
+#: The most characters of stacks a hang report keeps (a few dozen threads' worth of
+#: py-spy's lines; an agent sends the first this many and logs them all). Even at 12
+#: bytes a character (JSON's escapes of one outside the BMP, as Python's ``json`` and the
+#: Azure SDK write it), a report of them fits its route's 1 MiB body limit, and the
+#: hang's table row Azure's (and Azurite's) 1 MiB entity, with the rest of the report.
+MAX_STACKS_BYTES = 80 * 1024
+
+
+class StacksReport(_Model):
+    """A hung rank's stacks, sent by its node's agent (with the node's credential)."""
+
+    rank: int = Field(ge=0, le=MAX_RANKS)
+    pid: int | None = Field(None, ge=1)
+    stacks: str | None = Field(None, max_length=MAX_STACKS_BYTES)
+    #: Why there are none (the process could not give them).
+    error: str | None = Field(None, max_length=1000)
+    #: The tool that took them (``py-spy 0.4.1``, ``faulthandler``).
+    taken_by: str | None = Field(None, max_length=100)
 
 
 #: What ended a generation, in one word, read from its ``ended_reason``: a member
@@ -802,10 +1137,13 @@ class JobStatus(JobSummary):
 #: (it left on a preemption notice), ``left`` (any other departure), ``removed`` (by
 #: the operator), a node ``joined`` (the job grows), a member ``rejoined`` (its process
 #: restarted: a worker failure), a checkpoint ``quarantined`` (with ``restart``) or
-#: found ``unrecoverable``, a rank that read its checkpoint but ``load_failed``;
+#: found ``unrecoverable``, a rank that read its checkpoint but ``load_failed``, a
+#: world the job cannot take (``world_size``: its global batch does not split);
 #: ``other`` for a reason none of these describes.
 TimelineCause = Literal[
     "lost",
+    "hung",
+    "straggler",
     "preempted",
     "left",
     "removed",
@@ -814,6 +1152,7 @@ TimelineCause = Literal[
     "quarantined",
     "unrecoverable",
     "load_failed",
+    "world_size",
     "other",
 ]
 

@@ -6,7 +6,8 @@ Dependencies declare theirs with :func:`raises` (the token check, the id checks,
 storage behind the app's state), so every route that uses one inherits them. And
 :func:`install` has ``app.openapi()`` add what a route's shape implies:
 
-- a body: 400 ``malformed_json`` and 413 ``body_too_large``;
+- a body: 400 ``malformed_json`` and 413 ``body_too_large`` (which names the route's
+  limit in bytes);
 - a body or parameters: 422 ``invalid_request``, with ``detail``;
 - path parameters: 404 ``not_found`` (a value with '/' leaves the route);
 - the ``X-Rallypoint-Credential`` header: 403 ``invalid_credential``, and the node
@@ -33,7 +34,7 @@ from fastapi.dependencies.models import Dependant
 from rallypoint.client import codes
 from rallypoint.client.models import ErrorBody
 
-from ._http import effective_routes
+from ._http import body_limit, effective_routes
 from .errors import Forbidden, RallypointServiceError, Unauthorized
 
 __all__ = ["errors", "install", "raises"]
@@ -210,6 +211,8 @@ def _operation(route: Any, operation: dict[str, Any], token: bool, schemes: dict
         del responses[status]
     for status, found_codes in sorted(found.items()):
         responses[str(status)] = _response(status, found_codes)
+    if found.get(413) is not None:  # the envelope's operations meet their own limits
+        responses["413"]["description"] += f": {body_limit(route.path_format)} bytes here"
 
     requirement: dict[str, list[str]] = {_CREDENTIAL_SCHEME: []} if credential else {}
     alternatives = [{s: [], **requirement} for s in _TOKEN_SCHEMES] if secured and token else []

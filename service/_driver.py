@@ -37,7 +37,7 @@ from rallypoint.client.models import JobSpec
 
 from . import _seal as seal
 from ._rendezvous import Job, Rendezvous
-from .errors import StorageError
+from .errors import StorageError, UnknownJob
 from .storage import each_try_within, within
 
 __all__ = ["Driver", "hang_up", "until_changed"]
@@ -107,8 +107,9 @@ class _JobState:
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
     ready: asyncio.Event = field(default_factory=asyncio.Event)
-    # Each node's queued beat: its generation and when it arrived (see Driver.dropped).
-    beats: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # Each node's queued beat: its generation, when it arrived (see Driver.dropped) and
+    # what it said of the node's processes (a beat row's progress, or None).
+    beats: dict[str, tuple[int, float, str | None]] = field(default_factory=dict)
     dropped: dict[str, _Cut] = field(default_factory=dict)
     # Each generation's reports of failed collectives: member -> when (time.monotonic).
     faults: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -118,6 +119,8 @@ class _JobState:
     waiters: Counter[str] = field(default_factory=Counter)
     creating: asyncio.Lock = field(default_factory=asyncio.Lock)
     tick_now: bool = True
+    #: A beat asked for the next tick (urgent): it reads the members' progress.
+    urgent: bool = False
     failing_since: float | None = None  # the first of the passes failing since
     pass_seconds: float = 0.0  # how long the last storage pass took
     passes: int = 0  # storage passes ended (written or failed)
@@ -143,6 +146,9 @@ class Driver:
             storage does not answer: nothing can change a job meanwhile, as nobody can
             write it, so held watches and joins go on through a storage outage (new
             beats are refused meanwhile: see :meth:`failing`).
+        on_change: Called with the job's id each time a read shows the job changed (a
+            seal, an end, a moved pointer): the status views read it again
+            (:meth:`._views.Views.touched`).
     """
 
     def __init__(
@@ -154,8 +160,10 @@ class Driver:
         idle: float = 30.0,
         reconnect: float = 0.25,
         grace: float = 60.0,
+        on_change: Callable[[str], None] | None = None,
     ) -> None:
         self.rdzv = rdzv
+        self.on_change = on_change
         self.interval = interval
         self.max_tick = max_tick
         self.idle = idle
@@ -270,6 +278,15 @@ class Driver:
         """Asks for a tick on the next pass (after a join registered)."""
         self._state(job_id).tick_now = True
 
+    def urgent(self, job_id: str) -> None:
+        """Asks for a pass with a tick now, not at the next interval: a beat whose
+        progress shows a rank past the hang limit (its write and the tick that judges it
+        follow at once)."""
+        state = self._state(job_id)
+        state.tick_now = True
+        state.urgent = True  # and reads the members' progress (Rendezvous.tick)
+        state.wake.set()
+
     async def refresh(self, job_id: str) -> None:
         """Reads the job now and asks for a tick on the next pass.
 
@@ -293,8 +310,7 @@ class Driver:
         await self.refresh(job_id)
         return result
 
-    @staticmethod
-    def _publish(state: _JobState, job: Job, read_at: float) -> None:
+    def _publish(self, state: _JobState, job: Job, read_at: float) -> None:
         if read_at < state.read_at:
             return  # a newer read was published while this one was in flight
         state.read_at = read_at
@@ -303,10 +319,20 @@ class Driver:
             if not state.changed.done():
                 state.changed.set_result(None)
             state.changed = asyncio.get_running_loop().create_future()
+            if self.on_change is not None:
+                self.on_change(job.job_id)
 
-    def queue_beat(self, job_id: str, node_id: str, generation: int, arrived: float) -> None:
+    def queue_beat(
+        self,
+        job_id: str,
+        node_id: str,
+        generation: int,
+        arrived: float,
+        progress: str | None = None,
+    ) -> None:
         """Queues a heartbeat that arrived at ``arrived`` (the rendezvous clock, taken as
-        the request came in); it is written within one interval, stamped with that time.
+        the request came in); it is written within one interval, stamped with that time,
+        with what it said of the node's processes (``progress``, a beat row's JSON).
 
         A beat answered late (its request waited on storage) neither replaces a later
         one queued meanwhile nor counts as the return of a node whose watch was cut, or
@@ -315,7 +341,7 @@ class Driver:
         state = self._state(job_id)
         queued = state.beats.get(node_id)
         if queued is None or queued[1] < arrived:
-            state.beats[node_id] = (generation, arrived)
+            state.beats[node_id] = (generation, arrived, progress)
         cut = state.dropped.get(node_id)
         if cut is not None and arrived > cut.since:
             del state.dropped[node_id]
@@ -477,7 +503,7 @@ class Driver:
         # reconnect window.
         state.dropped.pop(node_id, None)
         if node_id not in state.beats:
-            state.beats[node_id] = (0, self.rdzv.clock())
+            state.beats[node_id] = (0, self.rdzv.clock(), None)
         try:
             yield
         finally:
@@ -523,13 +549,14 @@ class Driver:
                 if state.waiters and started >= next_waiter_beat:
                     now = self.rdzv.clock()
                     for node_id in state.waiters:
-                        beats.setdefault(node_id, (0, now))
+                        beats.setdefault(node_id, (0, now, None))
                     next_waiter_beat = started + timeout / 3
                 tick = (state.tick_now and started >= earliest_poked_tick) or started >= next_tick
+                urgent = tick and state.urgent
                 if tick:
-                    state.tick_now = False
+                    state.tick_now = state.urgent = False
                 fresh, wait = await anyio.to_thread.run_sync(
-                    self._storage_pass, job_id, beats, tick, budget
+                    self._storage_pass, job_id, beats, tick, budget, urgent
                 )
                 if tick:
                     now = time.monotonic()
@@ -548,7 +575,10 @@ class Driver:
                 state.pass_seconds = time.monotonic() - started
             except Exception as exc:  # storage down, job deleted: report to requests, retry
                 if state.failing_since is None:
-                    log.warning("job %s: %s", job_id, exc)
+                    # A job not created yet is what a first join finds (it creates it next):
+                    # not worth a warning at every job's start.
+                    level = logging.DEBUG if isinstance(exc, UnknownJob) else logging.WARNING
+                    log.log(level, "job %s: %s", job_id, exc)
                     state.failing_since = started
                 state.error = exc
                 job = None
@@ -572,7 +602,12 @@ class Driver:
                 )
 
     def _storage_pass(
-        self, job_id: str, beats: dict[str, tuple[int, float]], tick: bool, budget: float
+        self,
+        job_id: str,
+        beats: dict[str, tuple[int, float, str | None]],
+        tick: bool,
+        budget: float,
+        urgent: bool = False,
     ) -> tuple[Job, float | None]:
         """A pass's storage work, in one worker thread: writes the beats, then ticks (or
         reads the job) and warms the sealed generation's cache.
@@ -590,13 +625,16 @@ class Driver:
         """
         with each_try_within(budget):
             by_generation: dict[int, dict[str, float]] = {}
-            for node_id, (generation, arrived) in beats.items():
+            said: dict[str, str] = {}
+            for node_id, (generation, arrived, progress) in beats.items():
                 by_generation.setdefault(generation, {})[node_id] = arrived
+                if progress is not None:
+                    said[node_id] = progress
             for generation, nodes in by_generation.items():
-                self.rdzv.record_beats(job_id, nodes, generation, at=nodes)
+                self.rdzv.record_beats(job_id, nodes, generation, at=nodes, progress=said)
             wait: float | None = None
             if tick:
-                fresh, wait = self.rdzv.tick(job_id)
+                fresh, wait = self.rdzv.tick(job_id, urgent)
             else:
                 fresh = self.rdzv.get_job(job_id)
             if fresh.status == "sealed" and self.rdzv.cached(job_id, fresh.generation) is None:

@@ -23,7 +23,13 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rallypoint.client.models import CREDENTIAL_HEADER, HeartbeatReply, HeartbeatRequest, check_id
+from rallypoint.client.models import (
+    CREDENTIAL_HEADER,
+    HeartbeatReply,
+    HeartbeatRequest,
+    RankProgress,
+    check_id,
+)
 
 from ._http import service_error_response
 from .deps import MAX_CREDENTIAL, authorize
@@ -47,6 +53,7 @@ _Beat = create_model(  # type: ignore[call-overload]
 class _Fields(Protocol):
     generation: int | None
     wait: float
+    progress: list[RankProgress] | None
 
 
 @functools.lru_cache(maxsize=256)
@@ -111,6 +118,7 @@ class HeartbeatFastPath:
                 credential,
                 state,
                 receive,
+                beat.progress,
             )
             response = Response(_body(reply), media_type="application/json")
         except RallypointServiceError as exc:

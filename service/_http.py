@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -23,6 +24,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "BodyLimit",
     "allowed_methods",
+    "body_limit",
     "effective_routes",
     "error_response",
     "install_handlers",
@@ -33,8 +35,12 @@ log = logging.getLogger("rallypoint.http")
 
 #: No request of the API carries more; a larger body is refused before it is parsed.
 MAX_BODY_BYTES = 64 * 1024
-#: Shard reports carry a rank's checkpoint metadata (its non-tensor state).
+#: Shard reports carry a rank's checkpoint metadata (its non-tensor state), a hung
+#: rank's stacks report up to :data:`~rallypoint.client.models.MAX_STACKS_BYTES`
+#: characters of them.
 MAX_REPORT_BYTES = 1024 * 1024
+# A hung rank's stacks, PUT by its node's agent.
+_STACKS = re.compile(r"/generations/[^/]+/nodes/[^/]+/stacks$")
 
 # FastAPI's one 400 is a body it could not decode (not UTF-8): not JSON either.
 _HTTP_CODES = {
@@ -76,6 +82,15 @@ def service_error_response(method: str, path: str, exc: RallypointServiceError) 
     if exc.status >= 500 and exc.logged:
         log.warning("%s %s: %s", method, path, exc.message)
     return error_response(exc.status, exc.code, exc.message)
+
+
+def body_limit(path: str, limit: int = MAX_BODY_BYTES, report_limit: int = MAX_REPORT_BYTES) -> int:
+    """The most bytes a request body to ``path`` may have (a request's path or a route's
+    template): ``report_limit`` for shard reports, stacks and store operations, which
+    carry many files, values or lines, and the envelope, which may carry any of them
+    (the operation inside meets its own limit); ``limit`` for every other route."""
+    large = path.endswith("/shards") or "/store/" in path or path == ENVELOPE_PATH
+    return report_limit if large or _STACKS.search(path) else limit
 
 
 def effective_routes(app: FastAPI) -> Iterator[Any]:
@@ -148,8 +163,8 @@ def install_handlers(app: FastAPI) -> None:
 
 
 class BodyLimit:
-    """Refuses bodies over ``limit`` bytes (``report_limit`` for shard reports and store
-    operations, which carry many files or values) with 413, whether announced or streamed."""
+    """Refuses bodies over their route's :func:`body_limit` with 413, whether announced
+    or streamed."""
 
     def __init__(
         self, app: ASGIApp, limit: int = MAX_BODY_BYTES, report_limit: int = MAX_REPORT_BYTES
@@ -162,10 +177,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
-        # An envelope may carry either; the operation inside meets its own limit.
-        large = path.endswith("/shards") or "/store/" in path or path == ENVELOPE_PATH
-        limit = self.report_limit if large else self.limit
+        limit = body_limit(scope["path"], self.limit, self.report_limit)
         message = f"request bodies are limited to {limit} bytes"
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):

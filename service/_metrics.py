@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -46,8 +46,20 @@ class _Jobs(Collector):
             name: GaugeMetricFamily(f"rallypoint_{name}", documentation, labels=["job", *labels])
             for name, (documentation, labels) in _JOB_GAUGES.items()
         }
+        hangs = CounterMetricFamily(
+            "rallypoint_job_hangs",
+            "Ranks found hung in the job so far: each ended its generation (read from the "
+            "job's history, so every replica says the same)",
+            labels=["job"],
+        )
         for job in self.read():
             job_id = job.job_id
+            health = job.health
+            if health is not None:
+                hangs.add_metric([job_id], health.hangs)
+                gauges["job_stragglers"].add_metric([job_id], len(health.stragglers))
+                if health.hang_limit is not None:
+                    gauges["job_hang_limit_seconds"].add_metric([job_id], health.hang_limit)
             gauges["job_blocked"].add_metric([job_id], 1 if job.blocked else 0)
             gauges["nodes_quarantined"].add_metric([job_id], len(job.quarantined_nodes))
             gauges["job_generation"].add_metric([job_id], job.generation)
@@ -78,6 +90,7 @@ class _Jobs(Collector):
                 for mark in ("quarantined", "unrecoverable"):
                     gauges[f"checkpoint_{mark}"].add_metric([job_id], counts.get(mark, 0))
         yield from gauges.values()
+        yield hangs
 
 
 #: Each job's gauges, in the order they are exposed: the name after ``rallypoint_``, its
@@ -87,7 +100,11 @@ _JOB_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "job_world_size": ("Members of the running generation", ()),
     "job_members": ("Members by heartbeat state", ("state",)),
     "job_waiting_nodes": ("Nodes waiting for the next generation", ()),
-    "job_standby_nodes": ("Nodes parked as standbys beside a full generation", ()),
+    "job_standby_nodes": (
+        "Nodes parked beside the running generation (standbys, hot joins, nodes waiting "
+        "for a world size the job takes)",
+        (),
+    ),
     "job_generations_ended": (
         "Generations that ended (in the kept history), by reason",
         ("reason",),
@@ -112,8 +129,20 @@ _JOB_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
         (),
     ),
     "job_blocked": (
-        "1 while the job's open round holds back from a world size that failed to load "
-        "its checkpoint in the generations before (see the job's status: blocked)",
+        "1 while the job's open round holds back: generations in a row made no progress, "
+        "a world size failed to load its checkpoint in the generations before, or its "
+        "nodes make no world size the job takes (see the job's status: blocked)",
+        (),
+    ),
+    "job_stragglers": (
+        "Ranks of the running generation named stragglers now (their own step time "
+        "stayed slow against the fastest rank's; the job's status names them)",
+        (),
+    ),
+    "job_hang_limit_seconds": (
+        "Seconds a training rank of the running generation may show no progress before "
+        "it is hung (set on the job or learned from its steps; absent while warming or "
+        "off)",
         (),
     ),
     "nodes_quarantined": (
@@ -124,17 +153,23 @@ _JOB_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 # "node b left: preempted" -> "left": the kind of ending, not the node (bounded labels);
-# "checkpoint v7 quarantined: ..." (an operator's restart) -> "quarantined".
+# "checkpoint v7 quarantined: ..." (an operator's restart) -> "quarantined"; a node the
+# job's straggler policy replaced or dropped -> "straggler".
 _REASON = re.compile(
-    r"(?:node|member|checkpoint|rank) \S+ "
-    r"(joined|re-joined|dropped|missed|left|quarantined|could not load)"
+    r"(?:node|member|checkpoint|rank) \S+ (?:on node \S+ )?"
+    r"(joined|re-joined|dropped|missed|left|quarantined: straggler|quarantined|could not load"
+    r"|cannot train|hung)"
 )
 
 
 def _reason_kind(reason: str) -> str:
     match = _REASON.match(reason)
     return (
-        match.group(1).replace("-", "").replace("could not load", "load_failed")
+        match.group(1)
+        .replace("quarantined: straggler", "straggler")
+        .replace("-", "")
+        .replace("could not load", "load_failed")
+        .replace("cannot train", "world_size")
         if match
         else "other"
     )

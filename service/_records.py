@@ -55,6 +55,21 @@ class Job:
     #: The generation that ended last and why, for its members' heartbeats
     #: (:func:`._seal.end_reason`).
     last_end: tuple[int, str] | None = None
+    #: The last hang found: its generation, node and rank (its node's heartbeat is told,
+    #: so that its agent takes the rank's stacks before stopping it).
+    last_hang: tuple[int, str, int] | None = None
+    #: Each node's recent hangs (the times), which quarantine one that hangs too often
+    #: (:func:`._health.hung_too_often`).
+    hangs: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    #: Generations in a row that ended for a fault without progress, the best step any
+    #: generation reached, and the last such ends' reasons (:func:`._health.stalled`).
+    stalls: int = 0
+    best_step: int = -1
+    stall_reasons: tuple[str, ...] = ()
+    #: The world sizes (nodes) its workers reported it can take (a ``WorldSizeError``),
+    #: from ``min_nodes`` to ``max_nodes``; None: none reported. With the spec's own
+    #: (``spec.world_sizes``) they make the sizes a round seals (:func:`._seal.sizes`).
+    learned_sizes: tuple[int, ...] | None = None
 
     def quarantine_of(self, node_id: str) -> QuarantinedNode | None:
         return next((q for q in self.quarantined if q.node_id == node_id), None)
@@ -178,3 +193,6 @@ class Node:
     #: Whether the registration parks as a standby: only in what
     #: :meth:`Rendezvous.register` returns, never stored.
     parked: bool = field(default=False, compare=False, repr=False)
+    #: A hot join (``JoinRequest.warm``): kept, so that a node that missed its round
+    #: registers for the next as it joined (parked while its workers start).
+    warm: bool = False

@@ -41,25 +41,35 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Literal
 
+from pydantic import TypeAdapter
+
 from rallypoint.client.models import (
+    STRAGGLER_WINDOW,
     CheckpointPointer,
     GenerationInfo,
+    HangReport,
+    Health,
     JobSpec,
     JobStatus,
     JobSummary,
     LoadFailure,
     MemberStatus,
     QuarantinedNode,
+    RankProgress,
+    StacksReport,
     WaitingNode,
+    WorldSizeReport,
 )
 
 from . import _credentials as credentials
+from . import _health as health
 from . import _seal as seal
+from . import _timeline as timeline
 from ._packed import pack_rows, unpack_rows
 from ._records import Generation, Job, Member, Node
 from ._secrets import JobSecrets
@@ -78,12 +88,20 @@ from .storage import BatchOp, Cond, Entity, SharedBatches, Table, Value
 
 log = logging.getLogger("rallypoint.rendezvous")
 
-__all__ = ["Generation", "Job", "Member", "Node", "Rendezvous"]
+__all__ = ["Generation", "Job", "Member", "Node", "Rendezvous", "progress_json"]
 
 JOB_ROW = "job"
 NODE = "node:"
 BEAT = "beat:"
 GEN = "gen:"
+#: ``hang:GGGGGGGGGG``: the rank a generation ended for, and its stacks once sent.
+HANG = "hang:"
+#: The job's straggler windows (:class:`._health.Window`), written once a window.
+HEALTH_ROW = "health"
+#: Hang reports kept per job (the oldest go).
+HANGS_KEPT = 20
+#: Characters of stacks per table property (Azure's limit is 64 KiB of UTF-16).
+_STACK_CHUNK = 16_000
 #: A partition listing every job; ``~`` cannot occur in a job id.
 INDEX = "~jobs"
 #: Members whose rows (registration and heartbeat) share a table partition. Each member
@@ -131,7 +149,7 @@ def _seconds(value: timedelta) -> float:
     return value.total_seconds()
 
 
-def _spec_data(spec: JobSpec) -> dict[str, int | float]:
+def _spec_data(spec: JobSpec) -> dict[str, Value | None]:
     return {
         "min_nodes": spec.min_nodes,
         "max_nodes": spec.max_nodes,
@@ -139,22 +157,52 @@ def _spec_data(spec: JobSpec) -> dict[str, int | float]:
         "heartbeat_timeout": _seconds(spec.heartbeat_timeout),
         "join_timeout": _seconds(spec.join_timeout),
         "standbys": spec.standbys,
+        # None where the spec has the default: rows as before these fields.
+        "hang_limit": None if spec.hang_limit is None else _seconds(spec.hang_limit),
+        "phase_limit": _seconds(spec.phase_limit) if spec.phase_limit != _PHASE_LIMIT else None,
+        "straggler": spec.straggler if spec.straggler != "report" else None,
+        "straggler_threshold": spec.straggler_threshold
+        if spec.straggler_threshold != _THRESHOLD
+        else None,
     }
 
 
-def _job(job_id: str, e: Entity) -> Job:
-    d = e.data
-    spec = JobSpec(
+_PHASE_LIMIT = JobSpec.model_fields["phase_limit"].default
+_THRESHOLD = JobSpec.model_fields["straggler_threshold"].default
+
+
+def _spec(d: Mapping[str, Value | None]) -> JobSpec:
+    optional: dict[str, object] = {}
+    if d.get("standbys") is not None:  # rows before standbys: 0
+        optional["standbys"] = _int(d, "standbys")
+    if d.get("hang_limit") is not None:
+        optional["hang_limit"] = timedelta(seconds=_float(d, "hang_limit"))
+    if d.get("phase_limit") is not None:
+        optional["phase_limit"] = timedelta(seconds=_float(d, "phase_limit"))
+    if d.get("straggler") is not None:
+        optional["straggler"] = str(d["straggler"])
+    if d.get("straggler_threshold") is not None:
+        optional["straggler_threshold"] = _float(d, "straggler_threshold")
+    declared = _sizes(d, "world_sizes")
+    if declared is not None:
+        optional["world_sizes"] = declared
+    return JobSpec(
         min_nodes=_int(d, "min_nodes"),
         max_nodes=_int(d, "max_nodes"),
         last_call=timedelta(seconds=_float(d, "last_call")),
         heartbeat_timeout=timedelta(seconds=_float(d, "heartbeat_timeout")),
         join_timeout=timedelta(seconds=_float(d, "join_timeout")),
-        standbys=_int(d, "standbys") if d.get("standbys") is not None else 0,  # rows before
+        **optional,
     )
+
+
+def _job(job_id: str, e: Entity) -> Job:
+    d = e.data
+    hang = json.loads(str(d["last_hang"])) if d.get("last_hang") is not None else None
+    stalls = json.loads(str(d["stalls"])) if d.get("stalls") is not None else {}
     return Job(
         job_id=job_id,
-        spec=spec,
+        spec=_spec(d),
         generation=_int(d, "generation"),
         status="sealed" if d["status"] == "sealed" else "open",
         world_size=_int(d, "world_size"),
@@ -171,7 +219,20 @@ def _job(job_id: str, e: Entity) -> Job:
         last_end=(_int(d, "end_generation"), str(d["end_reason"]))
         if d.get("end_reason") is not None
         else None,
+        last_hang=(int(hang[0]), str(hang[1]), int(hang[2])) if hang else None,
+        hangs={n: tuple(t) for n, t in json.loads(str(d.get("node_hangs") or "{}")).items()},
+        stalls=int(stalls.get("count", 0)),
+        best_step=int(stalls.get("best", -1)),
+        stall_reasons=tuple(stalls.get("reasons", ())),
+        learned_sizes=_sizes(d, "learned_sizes"),
     )
+
+
+def _sizes(d: Mapping[str, Value | None], key: str) -> tuple[int, ...] | None:
+    """World sizes stored as a JSON list (None in rows from before them, or where none
+    were declared or learned)."""
+    value = d.get(key)
+    return None if value is None else tuple(int(n) for n in json.loads(str(value)))
 
 
 def _load_failure(d: Mapping[str, Value | None]) -> LoadFailure | None:
@@ -223,8 +284,23 @@ def _job_entity(job: Job) -> Entity:
             # None in rows from before them, as above.
             "end_generation": job.last_end[0] if job.last_end else None,
             "end_reason": job.last_end[1] if job.last_end else None,
+            # JSON, None while there is none, as above.
+            "last_hang": json.dumps(list(job.last_hang)) if job.last_hang else None,
+            "node_hangs": json.dumps(dict(job.hangs)) if job.hangs else None,
+            "stalls": json.dumps(
+                {"count": job.stalls, "best": job.best_step, "reasons": list(job.stall_reasons)}
+            )
+            if job.stalls or job.best_step >= 0
+            else None,
+            # JSON lists of node counts: the spec's and those its workers reported.
+            "world_sizes": _sizes_data(job.spec.world_sizes),
+            "learned_sizes": _sizes_data(job.learned_sizes),
         },
     )
+
+
+def _sizes_data(sizes: tuple[int, ...] | None) -> str | None:
+    return None if sizes is None else json.dumps(list(sizes))
 
 
 def _member_fields(m: Member) -> list[str | int | None]:
@@ -318,6 +394,7 @@ def _node(e: Entity) -> Node:
         registration=str(d["reg"]) if d.get("reg") else None,
         cred=str(d["cred"]) if d.get("cred") else None,
         etag=e.etag,
+        warm=bool(d.get("warm")),
     )
 
 
@@ -337,14 +414,115 @@ def _node_entity(partition: str, n: Node) -> Entity:
             "peer": n.peer,
             "reg": n.registration,
             "cred": n.cred,
+            "warm": True if n.warm else None,  # None: rows as before it
         },
     )
 
 
-def _beat_op(partition: str, node_id: str, at: float, generation: int) -> BatchOp:
-    return BatchOp(
-        "upsert",
-        Entity(partition, BEAT + node_id, {"kind": "beat", "at": at, "generation": generation}),
+def _beat_op(
+    partition: str, node_id: str, at: float, generation: int, progress: str | None = None
+) -> BatchOp:
+    data: dict[str, Value | None] = {"kind": "beat", "at": at, "generation": generation}
+    if progress is not None:
+        data["progress"] = progress
+    return BatchOp("upsert", Entity(partition, BEAT + node_id, data))
+
+
+_PROGRESS = TypeAdapter(list[RankProgress])
+
+
+def progress_json(progress: Sequence[RankProgress]) -> str:
+    """What a beat row keeps of a heartbeat's progress (compact JSON)."""
+    return _PROGRESS.dump_json(list(progress), exclude_none=True).decode()
+
+
+def _progress(text: Value | None) -> tuple[RankProgress, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(_PROGRESS.validate_json(str(text)))
+    except ValueError:  # a row this version cannot read: no progress rather than none
+        return ()
+
+
+#: What ends a generation for a fault (:func:`._health.stalled` counts those that made no
+#: progress), by :func:`._timeline.cause`.
+_FAULTS = frozenset({"lost", "hung", "rejoined", "load_failed", "unrecoverable"})
+
+
+def _hang_key(generation: int) -> str:
+    return f"{HANG}{generation:010d}"
+
+
+def _hang_entity(job_id: str, generation: int, hang: health.Hang, at: float) -> Entity:
+    return Entity(
+        job_id,
+        _hang_key(generation),
+        {
+            "kind": "hang",
+            "generation": generation,
+            "node_id": hang.node_id,
+            "rank": hang.rank,
+            "phase": hang.phase,
+            "step": hang.step,
+            "idle": hang.idle,
+            "limit": hang.limit,
+            "at": at,
+        },
+    )
+
+
+def _hang_report(e: Entity, stacks: bool) -> HangReport:
+    d = e.data
+    chunks = _int(d, "chunks") if d.get("chunks") is not None else 0
+    text = "".join(str(d[f"stacks{i}"]) for i in range(chunks)) if stacks and chunks else None
+    return HangReport(
+        generation=_int(d, "generation"),
+        node_id=str(d["node_id"]),
+        rank=_int(d, "rank"),
+        phase=str(d["phase"]),
+        step=_int(d, "step"),
+        idle=_float(d, "idle"),
+        limit=_float(d, "limit"),
+        at=_float(d, "at"),
+        stacks=text,
+        stacks_error=None if d.get("stacks_error") is None else str(d["stacks_error"]),
+        pid=_int(d, "pid") if d.get("pid") is not None else None,
+        taken_by=None if d.get("taken_by") is None else str(d["taken_by"]),
+    )
+
+
+def _window(e: Entity | None) -> health.Window:
+    if e is None:
+        return health.Window()
+
+    def keyed(name: str) -> dict[tuple[str, int], float]:
+        return {(n, int(r)): v for n, r, v in json.loads(str(e.data.get(name) or "[]"))}
+
+    return health.Window(
+        index=_int(e.data, "window"),
+        generation=_int(e.data, "generation"),
+        scores=keyed("scores"),
+        streaks={k: int(v) for k, v in keyed("streaks").items()},
+        since=keyed("since"),
+    )
+
+
+def _window_entity(job_id: str, w: health.Window) -> Entity:
+    def listed(values: Mapping[tuple[str, int], float]) -> str:
+        return json.dumps([[n, r, v] for (n, r), v in sorted(values.items())])
+
+    return Entity(
+        job_id,
+        HEALTH_ROW,
+        {
+            "kind": "health",
+            "window": w.index,
+            "generation": w.generation,
+            "scores": listed(w.scores),
+            "streaks": listed(w.streaks),
+            "since": listed(w.since),
+        },
     )
 
 
@@ -371,6 +549,7 @@ class Rendezvous:
         resume: Callable[[Job, tuple[Member, ...]], CheckpointPointer | None] | None = None,
         on_miss: Callable[[str], None] | None = None,
         node_losses: tuple[int, float] | None = None,
+        hang_window: float = 3600.0,
     ) -> None:
         self.table = table
         self.clock = clock
@@ -378,6 +557,21 @@ class Rendezvous:
         self.on_miss = on_miss
         #: (how many losses, within how many seconds) quarantine a node; None: never.
         self.node_losses = node_losses
+        #: Seconds within which a node that hangs twice is quarantined.
+        self.hang_window = hang_window
+        # Each job's hang limit as this replica's last tick found it (heartbeat replies
+        # carry it), and the last straggler window this replica scored.
+        self._limits: dict[str, tuple[float | None, health.LimitSource]] = {}
+        self._windows: dict[str, int] = {}
+        # When this replica's ticks last read each job's progress, and the jobs whose
+        # last read found a rank past its bound (health.reads_progress).
+        self._progress_read: dict[str, float] = {}
+        self._rechecking: set[str] = set()
+        # Each job's members' progress as this replica last read it from their beat rows:
+        # (the row's text, its parse), by node. A tick reads every row, and most did not
+        # change since the last tick (a node beats once a second, passes tick more often):
+        # parsing 1,024 nodes' progress at each tick took 22% of a core at 1 Hz beats.
+        self._said: dict[str, dict[str, tuple[str, tuple[RankProgress, ...]]]] = {}
         self.secrets = JobSecrets(table)
         # A coordinator that was down heard no heartbeats: it gives every member a full
         # timeout from its start before declaring one dead (see _check_members).
@@ -561,6 +755,8 @@ class Rendezvous:
         reason: str,
         load_failure: LoadFailure | None = None,
         lost: str | None = None,
+        hang: health.Hang | None = None,
+        learned: tuple[int, ...] | None = None,
     ) -> bool:
         """Ends the job's sealed generation, naming ``reason``; False if the job changed
         since ``job`` was read (the caller reads it again and decides again).
@@ -571,6 +767,11 @@ class Rendezvous:
                 (:func:`._seal.load_streak`).
             lost: The member whose loss ends it: counted on the job, and quarantined in
                 the same write if it was lost too often (:attr:`node_losses`).
+            hang: The rank whose hang ends it: its report is written in the same batch,
+                its node's hang counted, and the node quarantined if it hung too often
+                (:func:`._health.hung_too_often`).
+            learned: The world sizes a worker reported the job can take, kept on the
+                job in the same write (:func:`._seal.learned`).
         """
         now = self.clock()
         try:
@@ -585,24 +786,64 @@ class Rendezvous:
             )
             if self.node_losses is not None:
                 ended = self._count_loss(ended, lost, now)
-            self.table.batch(
-                [
-                    BatchOp("replace", _job_entity(ended), if_match=job.etag),
-                    BatchOp(
-                        "replace",
-                        _generation_entity(
-                            job.job_id,
-                            replace(
-                                gen, ended_at=now, ended_reason=reason, load_failure=load_failure
-                            ),
-                        ),
-                        if_match=gen.etag,
+            if learned is not None:
+                ended = replace(ended, learned_sizes=learned)
+            ended = self._count_stall(ended, reason)
+            if hang is not None:
+                ended = self._count_hang(ended, hang, now)
+            ops = [
+                BatchOp("replace", _job_entity(ended), if_match=job.etag),
+                BatchOp(
+                    "replace",
+                    _generation_entity(
+                        job.job_id,
+                        replace(gen, ended_at=now, ended_reason=reason, load_failure=load_failure),
                     ),
-                ]
-            )
+                    if_match=gen.etag,
+                ),
+            ]
+            if hang is not None:
+                ops.append(BatchOp("upsert", _hang_entity(job.job_id, job.generation, hang, now)))
+            self.table.batch(ops)
         except (Modified, NotFound):
             return False
+        if hang is not None:
+            self._trim_hangs(job.job_id)
         return True
+
+    def _count_stall(self, job: Job, reason: str) -> Job:
+        """``job`` with the generation that just ended counted for :func:`._health.
+        stalled` (the steps its ranks reported, from the beat rows)."""
+        heard: dict[str, health.Heard] = {}
+        self._beats(job.job_id, heard=heard)
+        said = [p for h in heard.values() if h.generation == job.generation for p in h.progress]
+        # Only a step trained is progress; ranks that reported but never left start-up
+        # made none (-1); ranks that reported nothing tell nothing (None).
+        trained = [p.step for p in said if p.phase != "start"]
+        ended_step = max(trained) if trained else (-1 if said else None)
+        committed = job.checkpoint is not None and job.checkpoint.generation == job.generation
+        fault = timeline.cause(reason) in _FAULTS
+        stalls, best = health.stalled(job.stalls, job.best_step, ended_step, committed, fault)
+        reasons = job.stall_reasons
+        if stalls > job.stalls:
+            reasons = (*reasons, reason)[-health.STALLS_BEFORE_BLOCK :]
+        elif stalls == 0:
+            reasons = ()
+        return replace(job, stalls=stalls, best_step=best, stall_reasons=reasons)
+
+    def _count_hang(self, job: Job, hang: health.Hang, now: float) -> Job:
+        """``job`` with ``hang`` counted, its node quarantined if it hung too often."""
+        recent = health.hangs(job.hangs, hang.node_id, now, self.hang_window)
+        marked = replace(job, hangs=recent, last_hang=(job.generation, hang.node_id, hang.rank))
+        if job.quarantine_of(hang.node_id) is not None or not health.hung_too_often(
+            recent[hang.node_id]
+        ):
+            return marked
+        why = f"hung {len(recent[hang.node_id])} times within {self.hang_window:g} s"
+        log.warning("job %r: node %s quarantined: %s", job.job_id, hang.node_id, why)
+        mark = QuarantinedNode(node_id=hang.node_id, at=now, reason=why, by="hangs")
+        recent = {n: t for n, t in recent.items() if n != hang.node_id}
+        return replace(marked, hangs=recent, quarantined=(*job.quarantined, mark))
 
     def _count_loss(self, job: Job, lost: str | None, now: float) -> Job:
         """``job`` with ``lost``'s loss counted, and the node quarantined if the rule
@@ -732,7 +973,8 @@ class Rendezvous:
             if job.status == "sealed":
                 running = self.sealed(job_id, job.generation)
                 if not (
-                    seal.warms(job, running, node_id, warm)
+                    self._waits_for_size(job, running, node_id)
+                    or seal.warms(job, running, node_id, warm)
                     or (
                         job.spec.standbys > 0
                         and seal.parks(job, running, node_id, self._standbys(job, node_id))
@@ -757,6 +999,7 @@ class Rendezvous:
                 peer,
                 registration,
                 credentials.digest(credential),
+                warm=warm,
             )
             if join_id is None:
                 write = BatchOp("upsert", _node_entity(partition, node))
@@ -793,7 +1036,9 @@ class Rendezvous:
             if node.round != round or job.status != "sealed":
                 return False
             running = self.sealed(job_id, job.generation)
-            reason = seal.ready_ends(job, running, node_id, round)
+            # A job of some sizes only: the generation ends if those parked make one.
+            waiting = len(self.parked_nodes(job)) if seal.sizes(job) is not None else 1
+            reason = seal.ready_ends(job, running, node_id, round, max(waiting, 1))
             if reason is None:
                 return False
             if self.end_generation(job, reason):
@@ -814,13 +1059,32 @@ class Rendezvous:
         generation (see :meth:`standbys`)."""
         return sum(1 for n in self.standbys(job) if n.node_id != but)
 
+    def _waits_for_size(self, job: Job, running: Generation, node_id: str) -> bool:
+        """:func:`._seal.waits_for_size`, counting the nodes parked beside ``running``
+        (a read of the job's node rows and beats, only for a job of some sizes).
+
+        Raises:
+            JobFull: No place left for the node to wait in.
+        """
+        if seal.sizes(job) is None or node_id in running.ranks:
+            return False
+        waiting = sum(1 for n in self.parked_nodes(job) if n.node_id != node_id)
+        return seal.waits_for_size(job, running, node_id, waiting)
+
     def standbys(self, job: Job) -> list[Node]:
         """The live nodes that park as standbys beside the running generation
-        (:func:`._seal.parked`), in the order they parked (:func:`._seal.ranked`): one
-        that died while it waited (silent past the heartbeat timeout, or its held wait
-        cut) holds no place, or a crashed standby would keep its replacement out for as
-        long as the generation runs. None while the job runs no generation."""
-        if job.status != "sealed" or not job.spec.standbys:
+        (:meth:`parked_nodes`) of a job with standbys (``spec.standbys``), which hold
+        copies of the members' files (:func:`._seal.keeper`)."""
+        return self.parked_nodes(job) if job.spec.standbys else []
+
+    def parked_nodes(self, job: Job) -> list[Node]:
+        """The live nodes that park beside the running generation (:func:`._seal.
+        parked`: standbys, hot joins warming up, nodes waiting for a world size), in the
+        order they parked (:func:`._seal.ranked`): one that died while it waited (silent
+        past the heartbeat timeout, or its held wait cut) holds no place, or a crashed
+        standby would keep its replacement out for as long as the generation runs. None
+        while the job runs no generation."""
+        if job.status != "sealed":
             return []
         rows = self._nodes(
             job.job_id, (Cond("round", "eq", job.round), Cond("state", "eq", "waiting"))
@@ -840,6 +1104,7 @@ class Rendezvous:
         generation: int = 0,
         *,
         at: Mapping[str, float] | None = None,
+        progress: Mapping[str, str] | None = None,
     ) -> None:
         """Records that nodes are alive (in batches of 100 of one partition).
 
@@ -847,13 +1112,18 @@ class Rendezvous:
             at: When each node's beat arrived; a node it does not name: now. (A beat is
                 written up to a pass after it arrived: stamped with its write, it could
                 hide the cut of the held heartbeat it came with, see :meth:`expire`.)
+            progress: What each node's beat said of its processes (:func:`progress_json`);
+                a node it does not name reported none.
         """
         now = self.clock()
         by_partition: dict[str, list[BatchOp]] = {}
         for n in dict.fromkeys(node_ids):
             partition = self._partition(job_id, n)
             when = now if at is None else at.get(n, now)
-            by_partition.setdefault(partition, []).append(_beat_op(partition, n, when, generation))
+            said = None if progress is None else progress.get(n)
+            by_partition.setdefault(partition, []).append(
+                _beat_op(partition, n, when, generation, said)
+            )
 
         for ops in by_partition.values():
             for start in range(0, len(ops), 100):
@@ -913,21 +1183,41 @@ class Rendezvous:
             except Modified:
                 continue
 
-    def _beats(self, job_id: str, dropped: set[str] | None = None) -> dict[str, float]:
+    def _beats(
+        self,
+        job_id: str,
+        dropped: set[str] | None = None,
+        heard: dict[str, health.Heard] | None = None,
+    ) -> dict[str, float]:
         """Each node's last heartbeat; adds to ``dropped`` the nodes whose heartbeat
-        watch was cut since (see :meth:`expire`)."""
+        watch was cut since (see :meth:`expire`), and to ``heard`` what each node's
+        last beat said of its processes."""
         out: dict[str, float] = {}
+        # Without ``heard``, the stamps alone: a row's progress is most of its bytes.
+        select = None if heard is not None else ("at", "dropped")
         rows = (
             e
             for partition in self._partitions(job_id)
-            for e in self.table.query(partition, [Cond("kind", "eq", "beat")])
+            for e in self.table.query(partition, [Cond("kind", "eq", "beat")], select=select)
         )
+        last = self._said.get(job_id, {})
+        parsed: dict[str, tuple[str, tuple[RankProgress, ...]]] = {}
         for e in rows:
             node_id, at = e.row_key[len(BEAT) :], _float(e.data, "at")
             out[node_id] = at
             cut = _opt_float(e.data, "dropped")
             if dropped is not None and cut is not None and cut >= at:
                 dropped.add(node_id)
+            if heard is not None:
+                generation = _int(e.data, "generation") if e.data.get("generation") else 0
+                text = str(e.data.get("progress") or "")
+                known = last.get(node_id)
+                said = known[1] if known is not None and known[0] == text else _progress(text)
+                if said:
+                    parsed[node_id] = (text, said)
+                heard[node_id] = health.Heard(node_id, at, generation, said)
+        if heard is not None:
+            self._said[job_id] = parsed  # a node gone, or whose row went, is dropped
         return out
 
     def _nodes(self, job_id: str, where: tuple[Cond, ...] = ()) -> list[Node]:
@@ -1023,9 +1313,14 @@ class Rendezvous:
 
     # --- driving ------------------------------------------------------------------------
 
-    def tick(self, job_id: str) -> tuple[Job, float]:
+    def tick(self, job_id: str, urgent: bool = True) -> tuple[Job, float]:
         """Does what time demands: seals an open round that may seal, ends a generation
-        with a silent member.
+        with a silent member or a hung rank.
+
+        Args:
+            urgent: Whether something asked for this tick (a beat past a bound): it
+                reads the members' progress. A driver's timed tick passes False, and
+                reads it as :func:`._health.reads_progress` says.
 
         Returns:
             The job afterwards, and how many seconds until the next tick can change
@@ -1038,7 +1333,7 @@ class Rendezvous:
         if job.status == "open":
             sealed, wait = self._try_seal(job)
         else:
-            sealed, wait = self._check_members(job)
+            sealed, wait = self._check_members(job, urgent)
         return (self.get_job(job_id) if sealed else job), wait
 
     def _try_seal(self, job: Job) -> tuple[bool, float]:
@@ -1055,6 +1350,10 @@ class Rendezvous:
             # Too few even if all are alive: spares reading every beat at each tick while
             # thousands of nodes register.
             return False, math.inf
+        if health.stall_blocked(job.stalls, job.stall_reasons) is not None:
+            # The job made no progress in generation after generation: it stops
+            # restarting (its joins time out with the reason) until an operator unblocks.
+            return False, math.inf
         cut: set[str] = set()
         beats = self._beats(job.job_id, cut)
         timeout = _seconds(spec.heartbeat_timeout)
@@ -1067,10 +1366,18 @@ class Rendezvous:
         ]
         if len(waiting) < spec.min_nodes:
             return False, math.inf
+        out = health.sits_out(
+            job.last_hang, job.generation, [n.node_id for n in waiting], spec.min_nodes
+        )
+        waiting = [n for n in waiting if n.node_id != out]
         previous: dict[str, int] = {}
         if job.generation:
             previous = self.sealed(job.job_id, job.generation).ranks
         ordered = seal.ranked(waiting, previous)
+        # The largest world the job takes that these nodes make: the rest wait beside it.
+        size = seal.world_for(job, len(ordered))
+        if size is None:
+            return False, math.inf  # no size the job takes (status says): only a join helps
         if len(ordered) < spec.max_nodes:
             missing = previous.keys() - {n.node_id for n in waiting}
             gone = (
@@ -1078,12 +1385,15 @@ class Rendezvous:
                 if missing
                 else set()
             )
+            if job.last_hang is not None and job.last_hang[0] == job.generation:
+                # A node whose rank hung is not waited for (see _health.sits_out).
+                gone.add(job.last_hang[1])
             waits = seal.seal_waits(job, waiting, previous, beats, gone, now)
             if waits:
                 return False, min(waits) - now
         # A lost member's slot goes to the standby holding copies of its files.
         parked = seal.standing_by(ordered, previous, job.changed_at) if spec.standbys else []
-        chosen = seal.slotted(ordered, previous, spec.max_nodes, parked)
+        chosen = seal.slotted(ordered, previous, size, parked)
         members = tuple(
             Member(n.node_id, i, n.addr, n.port, n.peer, n.cred) for i, n in enumerate(chosen)
         )
@@ -1128,16 +1438,113 @@ class Rendezvous:
         caused)."""
         self._lost = True
 
-    def _check_members(self, job: Job) -> tuple[bool, float]:
-        """Ends the job's running generation if :func:`._seal.silent` says it ends."""
+    def _check_members(self, job: Job, urgent: bool = True) -> tuple[bool, float]:
+        """Ends the job's running generation if :func:`._seal.silent` says it ends, or
+        :func:`._health.hung` finds a rank hung; scores the stragglers once a window
+        (:meth:`_straggle`). The last two only at ticks that read the members'
+        progress (:func:`._health.reads_progress`)."""
         running = self.sealed(job.job_id, job.generation)
         cut: set[str] = set()
-        beats = self._beats(job.job_id, cut)
+        now = self.clock()
+        source = self._limits.get(job.job_id, (None, "warming"))[1]
+        last = self._progress_read.get(job.job_id)
+        rechecking = job.job_id in self._rechecking
+        read = health.reads_progress(urgent, last, now, source, rechecking)
+        heard: dict[str, health.Heard] | None = {} if read else None
+        beats = self._beats(job.job_id, cut, heard)
         since = max(job.changed_at, self.started_at, self.resumed_at)
         reason, wait, lost = seal.silent(job, running, beats, cut, since, self.clock())
-        if reason is None:
+        if reason is not None:
+            return self.end_generation(job, reason, lost=lost), 0.0
+        if heard is None:
             return False, wait
-        return self.end_generation(job, reason, lost=lost), 0.0
+        self._progress_read[job.job_id] = now
+        current = [h for n, h in heard.items() if h.generation == job.generation]
+        limit, source = health.hang_limit(job.spec, current, self.hang_limit(job.job_id))
+        self._limits[job.job_id] = (limit, source)
+        trained = job.best_step >= 0
+        found, recheck = health.hung(job.spec, job.generation, running.ranks, heard, limit, trained)
+        if math.isfinite(recheck) and found is None:
+            self._rechecking.add(job.job_id)
+        else:
+            self._rechecking.discard(job.job_id)
+        if found is not None:
+            log.warning("job %r: %s", job.job_id, found.reason)
+            return self.end_generation(job, found.reason, hang=found), 0.0
+        return self._straggle(job, running, heard), min(wait, recheck)
+
+    def hang_limit(self, job_id: str) -> float | None:
+        """The job's hang limit for training steps as this replica's last tick found it
+        (None: not known here yet, or not judged)."""
+        return self._limits.get(job_id, (None, "warming"))[0]
+
+    def _straggle(self, job: Job, running: Generation, heard: Mapping[str, health.Heard]) -> bool:
+        """Scores the running generation's ranks once a straggler window (the first
+        replica to tick in a window writes the job's ``health`` row; the others find it
+        written), names a rank that became a straggler in one log line, and acts on the
+        job's ``straggler`` policy (:func:`._health.straggler_action`).
+
+        Returns:
+            Whether the generation ended (a straggler replaced or dropped).
+        """
+        now = self.clock()
+        index = health.window_of(now)
+        if self._windows.get(job.job_id, -1) >= index:
+            return False
+        self._windows[job.job_id] = index
+        try:
+            row: Entity | None = self.table.get(job.job_id, HEALTH_ROW)
+        except NotFound:
+            row = None
+        last = _window(row)
+        if last.index >= index:
+            return False  # another replica scored this window
+        rated = health.scores(job.generation, running.ranks, heard)
+        window = health.next_window(
+            last, index, job.generation, rated, job.spec.straggler_threshold, now
+        )
+        try:
+            if row is None:
+                self.table.insert(_window_entity(job.job_id, window))
+            else:
+                self.table.replace(_window_entity(job.job_id, window), if_match=row.etag or "")
+        except (Modified, AlreadyExists):
+            return False
+        named = health.stragglers(window)
+        for s in named:
+            if window.since.get((s.node_id, s.rank)) == now:
+                log.warning(
+                    "job %r: rank %d on node %s is a straggler: score %.2f (its own step "
+                    "time against the fastest rank's) under %.2f for %d windows of %g s",
+                    job.job_id,
+                    s.rank,
+                    s.node_id,
+                    s.score,
+                    job.spec.straggler_threshold,
+                    s.windows,
+                    STRAGGLER_WINDOW,
+                )
+        if not named or job.spec.straggler == "report":
+            return False
+        owns: dict[str, float] = {}
+        for node_id in running.ranks:
+            beat = heard.get(node_id)
+            if beat is not None and beat.generation == job.generation:
+                mine = [p.own for p in beat.progress if p.own is not None]
+                if mine:
+                    owns[node_id] = max(mine)
+        worst = named[0]
+        standbys = len(self.standbys(job)) if job.spec.straggler == "replace" else 0
+        action = health.straggler_action(job.spec, worst, len(running.members), standbys, owns)
+        if action is None:
+            return False
+        why = (
+            f"straggler: rank {worst.rank}'s score {worst.score:.2f} stayed under "
+            f"{job.spec.straggler_threshold:.2f} for {worst.windows} windows ({action})"
+        )
+        log.warning("job %r: node %s %s", job.job_id, worst.node_id, why)
+        self.quarantine_node(job.job_id, worst.node_id, why, by="straggler")
+        return True
 
     # --- members ------------------------------------------------------------------------
 
@@ -1183,6 +1590,37 @@ class Rendezvous:
             )
         self._depart(job, node, f"node {node_id} left: {reason}")
 
+    def learn_world_sizes(
+        self, job_id: str, node_id: str, report: WorldSizeReport, credential: str | None
+    ) -> Job:
+        """A member's worker found that its generation's world cannot train the job (a
+        ``WorldSizeError``) and names the sizes, in nodes, that can: the job keeps them
+        (:func:`._seal.learned`) and the generation ends, in one write, naming the rank
+        and its error. From then on a round seals only a size the job takes, and nodes
+        beyond it wait (:func:`._seal.world_for`, :func:`._seal.waits_for_size`). Of the
+        ranks that report, the first is kept; the others find the generation over.
+
+        Returns:
+            The job afterwards.
+
+        Raises:
+            StaleGeneration: The generation is not the job's running one (another rank
+                reported first, or a member died).
+            UnknownNode: The node is not a member of it.
+            InvalidCredential: Not the node's credential.
+        """
+        line = report.reason.strip().splitlines()[0] if report.reason.strip() else ""
+        for _ in range(100):
+            job = self.get_job(job_id)
+            running, _ = self.member(job, node_id, report.generation, credential)
+            world = len(running.members)
+            kept = seal.learned(job, report.world_sizes, world)
+            why = seal.size_refused(replace(job, learned_sizes=kept), world, report.rank, line)
+            if self.end_generation(job, why, learned=kept):
+                log.warning("job %r: generation %d ended: %s", job_id, report.generation, why)
+                return self.get_job(job_id)
+        raise StorageUnavailable(f"could not end generation {report.generation} of {job_id!r}")
+
     def remove(self, job_id: str, node_id: str, reason: str) -> None:
         """Takes a node out of the job for the operator (no credential): as if it had
         left; its generation ends if it was a member.
@@ -1192,7 +1630,13 @@ class Rendezvous:
         """
         self._depart(self.get_job(job_id), self.node(job_id, node_id), reason)
 
-    def quarantine_node(self, job_id: str, node_id: str, reason: str) -> Job:
+    def quarantine_node(
+        self,
+        job_id: str,
+        node_id: str,
+        reason: str,
+        by: Literal["operator", "straggler"] = "operator",
+    ) -> Job:
         """Keeps a node out of the job (the operator's): its joins are refused, no round
         seals it, and if it is a member its generation ends, as if it had been removed.
         The node need not have joined (a machine known to be bad). Quarantining a
@@ -1205,7 +1649,7 @@ class Rendezvous:
             job = self.get_job(job_id)
             if job.quarantine_of(node_id) is not None:
                 break
-            mark = QuarantinedNode(node_id=node_id, at=self.clock(), reason=reason, by="operator")
+            mark = QuarantinedNode(node_id=node_id, at=self.clock(), reason=reason, by=by)
             marked = replace(job, quarantined=(*job.quarantined, mark))
             try:
                 stored = self.table.batch(
@@ -1268,28 +1712,147 @@ class Rendezvous:
             load_failure=job.load_failure,
             quarantined_nodes=list(job.quarantined),
             blocked=self.blocked(job),
+            world_sizes=None if (sizes := seal.sizes(job)) is None else list(sizes),
         )
 
     @staticmethod
-    def blocked(job: Job) -> str | None:
-        """Why the job's open round holds back from sealing with the size that keeps
-        failing to load its checkpoint (:func:`._seal.load_blocked`); None when it does
-        not."""
-        return seal.held_back(job.load_failure) if job.status == "open" else None
+    def blocked(job: Job, available: int | None = None) -> str | None:
+        """Why the job's open round holds back from sealing: generations in a row made
+        no progress (:func:`._health.stall_blocked`), a size keeps failing to load its
+        checkpoint (:func:`._seal.load_blocked`), or it wants a world size the job takes
+        (:func:`._seal.size_blocked`; ``available``: the live nodes of the round, if
+        counted); None when it does not."""
+        if job.status != "open":
+            return None
+        return (
+            health.stall_blocked(job.stalls, job.stall_reasons)
+            or seal.held_back(job.load_failure)
+            or seal.size_blocked(job, available)
+        )
+
+    def unblock(self, job_id: str) -> Job:
+        """Lets a job that stopped restarting restart again (the operator's): its count
+        of generations without progress and its run of load failures are forgotten.
+        Idempotent.
+
+        Raises:
+            UnknownJob: No such job.
+        """
+        for _ in range(100):
+            job = self.get_job(job_id)
+            if not job.stalls and not job.stall_reasons and job.load_failure is None:
+                return job
+            cleared = replace(job, stalls=0, stall_reasons=(), load_failure=None)
+            try:
+                self.table.batch([BatchOp("replace", _job_entity(cleared), if_match=job.etag)])
+            except (Modified, NotFound):
+                continue
+            return self.get_job(job_id)
+        raise StorageUnavailable(f"could not unblock {job_id!r}")
+
+    # --- hangs --------------------------------------------------------------------------
+
+    def hang_reports(self, job_id: str) -> list[HangReport]:
+        """The job's hang reports, oldest first, without their stacks.
+
+        Raises:
+            UnknownJob: No such job.
+        """
+        self.get_job(job_id)
+        rows = self.table.query(job_id, [Cond("kind", "eq", "hang")])
+        return [_hang_report(e, stacks=False) for e in rows]
+
+    def hang_report(self, job_id: str, generation: int) -> HangReport:
+        """The report of the rank ``generation`` ended for, with its stacks.
+
+        Raises:
+            UnknownJob, UnknownNode: No such job; no hang ended that generation.
+        """
+        self.get_job(job_id)
+        try:
+            return _hang_report(self.table.get(job_id, _hang_key(generation)), stacks=True)
+        except NotFound:
+            raise UnknownNode(f"no hang ended generation {generation} of job {job_id!r}") from None
+
+    def record_stacks(
+        self, job_id: str, generation: int, node_id: str, report: StacksReport
+    ) -> HangReport:
+        """Keeps a hung rank's stacks (or why there are none) with its hang's report.
+
+        Raises:
+            UnknownNode: No hang of ``node_id``'s ``report.rank`` ended ``generation``.
+        """
+        for _ in range(10):
+            try:
+                e = self.table.get(job_id, _hang_key(generation))
+            except NotFound:
+                raise UnknownNode(
+                    f"no hang of node {node_id!r} ended generation {generation} of {job_id!r}"
+                ) from None
+            if e.data.get("node_id") != node_id or _int(e.data, "rank") != report.rank:
+                raise UnknownNode(
+                    f"generation {generation} of {job_id!r} ended for rank "
+                    f"{_int(e.data, 'rank')} on node {e.data.get('node_id')!s}, not rank "
+                    f"{report.rank} on {node_id}"
+                )
+            data = {k: v for k, v in e.data.items() if not str(k).startswith("stacks")}
+            text = report.stacks or ""
+            chunks = [text[i : i + _STACK_CHUNK] for i in range(0, len(text), _STACK_CHUNK)]
+            data.update({f"stacks{i}": chunk for i, chunk in enumerate(chunks)})
+            data.update(
+                chunks=len(chunks),
+                stacks_error=report.error,
+                pid=report.pid,
+                taken_by=report.taken_by,
+            )
+            try:
+                self.table.replace(Entity(job_id, e.row_key, data), if_match=e.etag or "")
+            except Modified:
+                continue
+            return self.hang_report(job_id, generation)
+        raise StorageUnavailable(f"could not keep the stacks of generation {generation}")
+
+    def _trim_hangs(self, job_id: str) -> None:
+        """Keeps the newest :data:`HANGS_KEPT` hang reports."""
+        keys = [e.row_key for e in self.table.query(job_id, [Cond("kind", "eq", "hang")])]
+        for key in sorted(keys)[:-HANGS_KEPT]:
+            with contextlib.suppress(NotFound):
+                self.table.delete(job_id, key)
 
     def status(self, job_id: str) -> JobStatus:
-        """Everything a person wants to see about a job."""
+        """Everything a person wants to see about a job, as storage has it now
+        (``as_of``: the clock its ages count to). Each call reads the job's rows:
+        requests answer from :class:`._views.Views`, which calls it about once a second
+        for all of them."""
         job = self.get_job(job_id)
         now = self.clock()
         timeout = _seconds(job.spec.heartbeat_timeout)
-        beats = self._beats(job_id)
+        heard: dict[str, health.Heard] = {}
+        beats = self._beats(job_id, heard=heard)
         nodes = {n.node_id: n for n in self._nodes(job_id)}
+        try:
+            window = _window(self.table.get(job_id, HEALTH_ROW))
+        except NotFound:
+            window = health.Window()
+        if window.generation != job.generation or job.status != "sealed":
+            window = health.Window()
+        named = health.stragglers(window)
+        slow = {s.node_id for s in named}
         history = [
             self._generation_of(e) for e in self.table.query(job_id, [Cond("kind", "eq", "gen")])
         ]
         members: list[MemberStatus] = []
         current: set[str] = set()
         if job.status == "sealed" and history:
+            # Each member's score as its beats show it now (the record keeps only the
+            # ranks it watches): a node's lowest rank's. Where no rank is rated now (a
+            # save), the watched ranks' last scores.
+            ids = [m.node_id for m in history[-1].members]
+            lowest: dict[str, float] = {}
+            for (node_id, _), score in (
+                health.scores(job.generation, ids, heard) or window.scores
+            ).items():
+                lowest[node_id] = min(score, lowest.get(node_id, score))
             for m in history[-1].members:
                 current.add(m.node_id)
                 age = now - beats[m.node_id] if m.node_id in beats else None
@@ -1303,11 +1866,29 @@ class Rendezvous:
                     state = "late"
                 else:
                     state = "alive"
+                said = heard.get(m.node_id)
                 members.append(
                     MemberStatus(
-                        node_id=m.node_id, rank=m.rank, addr=m.addr, heartbeat_age=age, state=state
+                        node_id=m.node_id,
+                        rank=m.rank,
+                        addr=m.addr,
+                        heartbeat_age=age,
+                        state=state,
+                        progress=list(said.progress)
+                        if said is not None and said.generation == job.generation
+                        else [],
+                        score=lowest.get(m.node_id),
+                        straggler=m.node_id in slow,
                     )
                 )
+        waits = [
+            n
+            for n in nodes.values()
+            if n.state == "waiting" and n.round >= job.round and n.node_id not in current
+        ]
+        live = [n for n in waits if n.node_id in beats and now - beats[n.node_id] < timeout]
+        summary = self.summary(job)
+        blocked = summary.blocked or self.blocked(job, len(live))
         waiting = [
             WaitingNode(
                 node_id=n.node_id,
@@ -1316,14 +1897,34 @@ class Rendezvous:
                 waiting_for=now - n.joined_at,
                 heartbeat_age=now - beats[n.node_id] if n.node_id in beats else None,
                 standby=seal.parked(job, n.round),
+                reason=seal.parked_reason(job, len(current), len(live))
+                if seal.parked(job, n.round)
+                else blocked
+                or f"round {n.round} is open: it seals once min_nodes wait "
+                "and last_call has passed",
             )
-            for n in nodes.values()
-            if n.state == "waiting" and n.round >= job.round and n.node_id not in current
+            for n in waits
         ]
+        running = [h for h in heard.values() if h.generation == job.generation]
+        learned = self.hang_limit(job_id)
+        limit, source = health.hang_limit(
+            job.spec, running if job.status == "sealed" else (), learned
+        )
         return JobStatus(
-            **self.summary(job).model_dump(),
+            **summary.model_copy(update={"blocked": blocked}).model_dump(),
             members=members,
             waiting=waiting,
+            as_of=now,
+            health=Health(
+                hang_limit=limit,
+                hang_limit_source=source,
+                phase_limit=_seconds(job.spec.phase_limit),
+                stragglers=named,
+                # Every generation's row is kept for the job's life, and a hang always
+                # ends one: a count that only grows (the reports keep the last 20).
+                hangs=sum(timeline.cause(g.ended_reason) == "hung" for g in history),
+                stalled=job.stalls,
+            ),
             history=[
                 GenerationInfo(
                     generation=g.generation,

@@ -38,7 +38,16 @@ ETag compare-and-swap. What makes it ask:
   fail the same way (:func:`load_blocked`): it waits for a world of another size, and its
   nodes' joins time out with the reason if none comes;
 - a node quarantined (by the operator, or for being lost too often: :func:`losses`,
-  :func:`lost_too_often`) is refused at its join and never sealed (:func:`admitted`).
+  :func:`lost_too_often`) is refused at its join and never sealed (:func:`admitted`);
+- a job that takes only some world sizes (its spec's ``world_sizes``, or those a worker
+  reported when its world could not split the global batch: :func:`learned`, which ends
+  the generation, :func:`size_refused`) seals the largest of them its nodes make
+  (:func:`sizes`, :func:`world_for`), or none (:func:`size_blocked`); a newcomer that,
+  with the nodes already waiting, makes no larger size parks beside the running
+  generation instead of ending it (:func:`waits_for_size`, :func:`grows`; a hot join's
+  ready too, :func:`ready_ends`), waits with no join timeout (:func:`parked`), and is
+  sealed when a member is lost or enough newcomers make a larger size
+  (:func:`parked_reason` says which it waits for).
 
 How waiting requests learn of a change (the driver's snapshot and its change future, the
 long-polls of ``routers/jobs.py``) is the driver's: see ``_driver.py``.
@@ -62,22 +71,32 @@ __all__ = [
     "blocked_reason",
     "corroborated",
     "end_reason",
+    "grows",
     "held_back",
     "join_ends",
     "keeper",
+    "learned",
     "load_blocked",
     "load_streak",
     "losses",
     "lost_too_often",
     "parked",
+    "parked_reason",
     "parks",
     "ranked",
+    "ready_ends",
     "released",
     "seal_waits",
     "silent",
+    "size_blocked",
+    "size_refused",
+    "sizes",
     "slotted",
     "standing_by",
     "verdict",
+    "waits_for_size",
+    "warms",
+    "world_for",
 ]
 
 #: Generations in a row that failed to load the same version at the same world size,
@@ -152,15 +171,156 @@ def warms(job: Job, running: Generation, node_id: str, warm: bool) -> bool:
     return warm and node_id not in running.ranks and len(running.members) < job.spec.max_nodes
 
 
-def ready_ends(job: Job, running: Generation, node_id: str, round: int) -> str | None:
+def ready_ends(
+    job: Job, running: Generation, node_id: str, round: int, waiting: int = 1
+) -> str | None:
     """Why a node whose workers say they wait to train (a wait with ``ready``) ends the
     running generation: it parked for the next round by a hot join (:func:`warms`), is
-    no member, and the generation has room for it. None otherwise: a standby beside a
-    full generation waits for a lost slot, and a node whose round is open or sealed has
-    nothing to end."""
+    no member, the generation has room for it, and (a job that takes only some sizes)
+    the ``waiting`` nodes parked for the round, it among them, make a larger size the job
+    takes (:func:`grows`). None otherwise: a standby beside a full generation waits for
+    a lost slot, one beside a world no newcomer grows waits for a size, and a node whose
+    round is open or sealed has nothing to end."""
     if not parked(job, round) or round != job.round:
         return None
-    return f"node {node_id} joined" if warms(job, running, node_id, warm=True) else None
+    if not warms(job, running, node_id, warm=True):
+        return None
+    return f"node {node_id} joined" if grows(job, len(running.members), waiting) else None
+
+
+def sizes(job: Job) -> tuple[int, ...] | None:
+    """The world sizes, in nodes, a round of the job may seal: those its spec declares
+    (``world_sizes``) that its workers did not rule out (:attr:`~._records.Job.
+    learned_sizes`), from ``min_nodes`` to ``max_nodes``, ascending; None: any (neither
+    says). Empty: none at all (the job waits for good, and its status says why)."""
+    declared, learned = job.spec.world_sizes, job.learned_sizes
+    if declared is None and learned is None:
+        return None
+    spec = job.spec
+    allowed = set(range(spec.min_nodes, spec.max_nodes + 1))
+    for given in (declared, learned):
+        if given is not None:
+            allowed.intersection_update(given)
+    return tuple(sorted(allowed))
+
+
+def world_for(job: Job, available: int) -> int | None:
+    """The world a round of ``available`` live nodes seals: the largest size the job
+    takes (:func:`sizes`) not above them nor ``max_nodes``; the nodes beyond it wait.
+    None: they make none (the round does not seal; :func:`size_blocked` says why)."""
+    top = min(available, job.spec.max_nodes)
+    allowed = sizes(job)
+    if allowed is None:
+        return top if top >= job.spec.min_nodes else None
+    return max((s for s in allowed if s <= top), default=None)
+
+
+def grows(job: Job, members: int, waiting: int) -> bool:
+    """Whether a running generation of ``members`` nodes, with ``waiting`` newcomers
+    parked beside it (the one asking included), makes a larger world the job takes, so
+    that ending it for them pays. Always, for a job that takes any size (a newcomer
+    beyond ``max_nodes`` is refused or parks by the other rules)."""
+    allowed = sizes(job)
+    return allowed is None or any(members < s <= members + waiting for s in allowed)
+
+
+def waits_for_size(job: Job, running: Generation, node_id: str, waiting: int) -> bool:
+    """Whether a node that joins a running generation parks rather than end it,
+    because the job takes only some world sizes and the newcomer, with the ``waiting``
+    nodes already parked beside the generation (not counting it), makes no larger one
+    (:func:`grows`): ending the generation would only seal the same world again. It
+    waits as a standby does, with no join timeout (:func:`parked`): a member's loss or
+    enough newcomers to make a larger size take it in. A member that re-joins (its
+    process restarted) ends the generation as usual.
+
+    Raises:
+        JobFull: As many nodes wait already as the job has places for beyond its
+            members (``max_nodes`` and ``standbys`` in all).
+    """
+    if sizes(job) is None or node_id in running.ranks:
+        return False
+    members = len(running.members)
+    if grows(job, members, waiting + 1):
+        return False
+    if members + waiting >= job.spec.max_nodes + job.spec.standbys:
+        raise JobFull(
+            f"job {job.job_id!r} runs {members} nodes with {waiting} waiting for a world "
+            f"size it takes ({_listed(sizes(job) or ())}), max_nodes={job.spec.max_nodes}"
+        )
+    return True
+
+
+def learned(job: Job, reported: Iterable[int], world_size: int) -> tuple[int, ...]:
+    """The world sizes a job keeps from a worker's report that its generation of
+    ``world_size`` nodes cannot train (a ``WorldSizeError``): those it names from
+    ``min_nodes`` to ``max_nodes``, less ``world_size`` itself, whatever the arithmetic
+    said (nodes that run different numbers of processes make the division by one of
+    them wrong), so that a report never seals the same world again. It replaces what an
+    earlier report taught: the newest report is of the script that runs now."""
+    spec = job.spec
+    return tuple(
+        sorted({s for s in reported if spec.min_nodes <= s <= spec.max_nodes} - {world_size})
+    )
+
+
+def size_refused(job: Job, world_size: int, rank: int, reason: str) -> str:
+    """Why a generation ends on a worker's report of the sizes it can take (``job`` as
+    it is with them learned): the rank, its error's first line and the sizes now."""
+    allowed = sizes(job)
+    takes = (
+        f"the job takes worlds of {_listed(allowed)} nodes"
+        if allowed
+        else f"the job takes no world from {job.spec.min_nodes} to {job.spec.max_nodes} nodes"
+    )
+    said = f": {reason}" if reason else ""
+    return f"rank {rank} cannot train a world of {world_size} nodes{said}; {takes}"
+
+
+def size_blocked(job: Job, available: int | None = None) -> str | None:
+    """Why a round does not seal for the world sizes the job takes (None: they do not
+    hold it back): it takes none at all, or none that ``available`` live nodes make
+    (None: not counted). What ``status`` shows as ``blocked``, and a join's timeout."""
+    allowed = sizes(job)
+    if allowed is None:
+        return None
+    spec = job.spec
+    if not allowed:
+        return (
+            f"waiting: the job takes no world from {spec.min_nodes} to {spec.max_nodes} "
+            f"nodes (its spec: {_listed(spec.world_sizes or ())}; its workers: "
+            f"{_listed(job.learned_sizes or ())})"
+        )
+    if available is not None and available >= 1 and world_for(job, available) is None:
+        return (
+            f"waiting: {available} node(s) make no world size the job takes "
+            f"({_listed(allowed)} nodes)"
+        )
+    return None
+
+
+def parked_reason(job: Job, members: int, waiting: int) -> str:
+    """Why the ``waiting`` live nodes parked beside a running generation of ``members``
+    nodes wait, for ``status``: a full generation's standbys wait for a lost member,
+    those of a world no newcomer grows for a size (:func:`grows`), a hot join for its
+    workers to be ready."""
+    if members >= job.spec.max_nodes:
+        return (
+            f"standby: the generation has max_nodes={job.spec.max_nodes} members; "
+            "it takes a lost member's place"
+        )
+    if not grows(job, members, waiting):
+        return (
+            f"standby: {members} members and {waiting} waiting make no larger world size "
+            f"the job takes ({_listed(sizes(job) or ())} nodes); it takes a lost member's "
+            "place, or goes in with enough newcomers for one"
+        )
+    return "hot join: the generation ends for it once its workers wait to train"
+
+
+def _listed(sizes: Iterable[int], limit: int = 12) -> str:
+    shown = list(sizes)
+    text = ", ".join(map(str, shown[:limit])) or "none"
+    return text + (f", ... ({len(shown)} in all)" if len(shown) > limit else "")
 
 
 def parked(job: Job, round: int) -> bool:

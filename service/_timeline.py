@@ -45,6 +45,8 @@ _CAUSES: tuple[tuple[re.Pattern[str], TimelineCause], ...] = (
     (re.compile(r"node \S+ (dropped its heartbeat connection|missed heartbeats)"), "lost"),
     (re.compile(r"node \S+ left: preempted\b"), "preempted"),
     (re.compile(r"node \S+ left\b"), "left"),
+    # The job's straggler policy took it out (replace, drop): a quarantine of its own.
+    (re.compile(r"node \S+ quarantined: straggler\b"), "straggler"),
     # The operator took it out: removed, or quarantined (never admitted again).
     (re.compile(r"node \S+ (removed|quarantined)\b"), "removed"),
     (re.compile(r"node \S+ joined\b"), "joined"),
@@ -52,11 +54,15 @@ _CAUSES: tuple[tuple[re.Pattern[str], TimelineCause], ...] = (
     (re.compile(r"checkpoint v\d+ quarantined\b"), "quarantined"),
     (re.compile(r"checkpoint v\d+ unrecoverable\b"), "unrecoverable"),
     (re.compile(r"rank \d+ could not load v\d+:"), "load_failed"),
+    (re.compile(r"rank \d+ on node \S+ hung\b"), "hung"),
+    (re.compile(r"rank \d+ cannot train a world of \d+ nodes\b"), "world_size"),
 )
 
 #: The restart markers' colours, by cause (the legend says which is which).
 CAUSE_COLOURS: dict[TimelineCause, str] = {
     "lost": "#c62828",
+    "hung": "#d84315",
+    "straggler": "#827717",
     "preempted": "#ef6c00",
     "left": "#757575",
     "removed": "#5d4037",
@@ -65,10 +71,13 @@ CAUSE_COLOURS: dict[TimelineCause, str] = {
     "quarantined": "#ad1457",
     "unrecoverable": "#4e342e",
     "load_failed": "#f9a825",
+    "world_size": "#00838f",
     "other": "#455a64",
 }
 _WORDS: dict[TimelineCause, str] = {
     "lost": "node lost",
+    "hung": "rank hung",
+    "straggler": "straggler replaced",
     "preempted": "preemption notice",
     "left": "node left",
     "removed": "node removed",
@@ -77,10 +86,12 @@ _WORDS: dict[TimelineCause, str] = {
     "quarantined": "quarantine",
     "unrecoverable": "unrecoverable checkpoint",
     "load_failed": "load failed",
+    "world_size": "world size refused",
     "other": "other",
 }
 
-#: The drawing's size in user units (it scales to the page's width).
+#: The drawing's size in user units (it scales to the page's width; a legend of more
+#: than two rows adds to its height).
 WIDTH = 960
 HEIGHT = 272
 _LEFT, _RIGHT = 44, 16
@@ -478,9 +489,11 @@ def _world_axis(top: int) -> list[str]:
     return out
 
 
-def _legend(t: Timeline) -> list[str]:
+def _legend(t: Timeline) -> tuple[list[str], int]:
     """What the shapes and colours mean: every tier and pointer, and the causes of the
-    restarts drawn."""
+    restarts drawn (a hang, a straggler replaced: every cause that ended a generation
+    shown); and the rows it takes, which the drawing grows by where there are more than
+    two."""
     causes = dict.fromkeys(g.cause or "other" for g in t.generations if g.ended_at is not None)
     y = _LEGEND_Y
     items: list[tuple[str, str]] = [
@@ -507,18 +520,18 @@ def _legend(t: Timeline) -> list[str]:
         ),
     ]
     out = ["<g class='legend'>"]
-    x, dy = float(_LEFT), 0
+    x, dy, rows = float(_LEFT), 0, 1
     for shape, text in items:
         width = 24 + 6.3 * len(text)  # about that of 11 px system-ui text
-        if x + width > WIDTH - _RIGHT:  # on to the second row
-            x, dy = float(_LEFT), dy + _LEGEND_ROW
+        if x + width > WIDTH - _RIGHT:  # on to the next row
+            x, dy, rows = float(_LEFT), dy + _LEGEND_ROW, rows + 1
         out.append(
             f"<g{_a(transform=f'translate({x:.1f},{dy})')}>{shape}"
             f"<text{_a(x=15, y=y, fill='#555')}>{escape(text)}</text></g>"
         )
         x += width
     out.append("</g>")
-    return out
+    return out, rows
 
 
 def svg(t: Timeline, *, standalone: bool = False) -> str:
@@ -541,7 +554,10 @@ def svg(t: Timeline, *, standalone: bool = False) -> str:
     body += _checkpoints(t, places)
     body += _pointers(t, places)
     body += _axis(scale)
-    body += _legend(t)
+    legend, rows = _legend(t)
+    body += legend
+    # Room for a legend of more than two rows (a job that ended for many causes).
+    height = HEIGHT + max(0, rows - 2) * _LEGEND_ROW
     if not t.generations:
         body.append(
             f"<text{_a(x=WIDTH / 2, y=(_WORLD_TOP + _WORLD_BOTTOM) / 2, text_anchor='middle')}"
@@ -549,8 +565,8 @@ def svg(t: Timeline, *, standalone: bool = False) -> str:
         )
     head = (
         f"<svg{_a(xmlns='http://www.w3.org/2000/svg') if standalone else ''}"
-        f"{_a(class_='timeline', id='timeline-svg', viewBox=f'0 0 {WIDTH} {HEIGHT}')}"
-        f"{_a(width=WIDTH, height=HEIGHT, role='img', data_job=t.job_id, data_now=t.now)}"
+        f"{_a(class_='timeline', id='timeline-svg', viewBox=f'0 0 {WIDTH} {height}')}"
+        f"{_a(width=WIDTH, height=height, role='img', data_job=t.job_id, data_now=t.now)}"
         f"{_a(font_family='system-ui, sans-serif', font_size=11)}>"
     )
     return head + "".join(body) + "</svg>"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+import anyio.from_thread
 from fastapi import FastAPI
 
 import rallypoint
@@ -24,6 +26,7 @@ from ._metrics import Metrics
 from ._rendezvous import Rendezvous
 from ._store import KeyValue
 from ._tokens import Tokens
+from ._views import Views
 from .errors import UnknownJob
 from .settings import Settings
 from .storage import Storage, open_storage
@@ -61,10 +64,10 @@ def create_app(
         app.state.storage = backend
         losses = (settings.node_losses, settings.node_loss_window) if settings.node_losses else None
         app.state.rdzv = Rendezvous(
-            backend.table("jobs"), on_miss=metrics.generation_missed, node_losses=losses
-        )
-        app.state.driver = Driver(
-            app.state.rdzv, reconnect=settings.heartbeat_reconnect, grace=settings.storage_grace
+            backend.table("jobs"),
+            on_miss=metrics.generation_missed,
+            node_losses=losses,
+            hang_window=settings.hang_window,
         )
         app.state.kv = KeyValue(backend.table("jobs"))
         app.state.tokens = Tokens(backend.table("jobs"), settings.token)
@@ -78,21 +81,33 @@ def create_app(
             on_commit=metrics.committed,
             on_restore=metrics.restored,
         )
+        app.state.views = Views(app.state.rdzv, app.state.checkpoints)
+        app.state.driver = Driver(
+            app.state.rdzv,
+            reconnect=settings.heartbeat_reconnect,
+            grace=settings.storage_grace,
+            on_change=app.state.views.touched,
+        )
         prober = asyncio.create_task(routers.probe(backend), name="storage-probe")
         yield
         prober.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await prober
         await app.state.driver.close()
+        await app.state.views.close()
         if storage is None:
             backend.close()
 
     def job_states() -> list[JobStatus]:
+        # Called at a scrape, in a worker thread: each job's status is a glance at the
+        # views (the one a viewer keeps fresh, or one read shared with any under way).
         rdzv: Rendezvous = app.state.rdzv
+        views: Views = app.state.views
         states = []
         for job in rdzv.list_jobs():
             with contextlib.suppress(UnknownJob):  # deleted since it was listed
-                states.append(rdzv.status(job.job_id))
+                glance = functools.partial(views.status, job.job_id, watch=False)
+                states.append(anyio.from_thread.run(glance))
         return states
 
     def versions(job_id: str) -> dict[str, int]:

@@ -20,6 +20,7 @@ from ._driver import Driver
 from ._rendezvous import Rendezvous
 from ._store import KeyValue
 from ._tokens import Need, Principal, Tokens, presented
+from ._views import Views
 from .errors import Forbidden, InvalidCredential, InvalidId, StorageUnavailable, Unauthorized
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "NodeId",
     "PrincipalDep",
     "RdzvDep",
+    "ViewsDep",
     "authorize",
 ]
 
@@ -144,6 +146,7 @@ RdzvDep = Annotated[Rendezvous, Depends(_app_state("rdzv"))]
 CheckpointsDep = Annotated[Checkpoints, Depends(_app_state("checkpoints"))]
 KeyValueDep = Annotated[KeyValue, Depends(_app_state("kv"))]
 DriverDep = Annotated[Driver, Depends(_app_state("driver"))]
+ViewsDep = Annotated[Views, Depends(_app_state("views"))]
 JobId = Annotated[str, Depends(_job_id)]
 NodeId = Annotated[str, Depends(_node_id)]
 GenerationNumber = Annotated[int, Path(ge=1, le=9_999_999_999)]

@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     #: loses good machines too; set it where a flaky machine costs more than its seat).
     node_losses: int = Field(0, ge=0, le=1000)
     node_loss_window: float = Field(3600.0, gt=0, le=30 * 86400)
+    #: A node whose rank hangs twice within this many seconds is quarantined in its job
+    #: (a standby takes its place if the job has one): one hang may be a driver's
+    #: hiccup, a second within the hour is the machine.
+    hang_window: float = Field(3600.0, gt=0, le=30 * 86400)
     #: Seconds a checkpoint version may stay unfinished before it is garbage-collected.
     checkpoint_timeout: float = Field(3600.0, gt=0, le=7 * 86400)
     #: Seconds an upload URL is valid (trainers renew theirs during long uploads): a

@@ -65,6 +65,12 @@ class InProcessCoordinator:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def storage(self) -> Storage:
+        """The storage it serves from, once started (its tables are the app's own)."""
+        assert self._storage is not None, "not started"
+        return self._storage
+
     def start(self, deadline_s: float = 30) -> InProcessCoordinator:
         with _environ(self.env):
             settings = serve_settings(self.args)

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,20 +23,34 @@ from typing import Any
 
 import httpx
 
-from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
-from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, JobSpec, ShardFile
+from rallypoint.cli.processes import Cluster, Coordinator, Event, descendants, judge
+from rallypoint.client import (
+    Assignment,
+    CheckpointInfo,
+    ElasticClient,
+    HeartbeatReply,
+    JobSpec,
+    RankProgress,
+    ShardFile,
+)
 from rallypoint.tls import ssl_context
 from rallypoint.trainer import CheckpointManager, upload
 
 __all__ = [
     "FILE",
+    "HUNG_B",
     "IMAGE_SIZE",
     "TOKEN",
+    "Stepping",
     "cli",
     "clients",
     "committed",
     "ended",
+    "gone",
+    "hang_report",
+    "hung_worker",
     "join_all",
+    "joins_hot",
     "judged",
     "kept_and_rolled_back",
     "managers",
@@ -47,7 +62,9 @@ __all__ = [
     "spec",
     "standing_still",
     "status",
+    "throttled",
     "tiny_llama_config",
+    "workers_of",
 ]
 
 #: The side of the example's images in the tests' clusters (``Cluster(image_size=...)``):
@@ -55,6 +72,8 @@ __all__ = [
 #: runs all of a cluster's workers on this machine's two CPUs. It still learns: the loss
 #: fell from 2.31 to 0.08 in 150 steps (0.005 at 32).
 IMAGE_SIZE = 16
+#: How the generation that a hang of node b's one rank ended reads (``hung_worker``).
+HUNG_B = r"rank \d+ on node b hung: no progress for [\d.]+ s in train at step \d+ \(limit "
 #: The token of coordinators started with ``--token`` for an operator's calls.
 TOKEN = "cli-token"
 #: The one file a checkpoint saved by hand holds (DCP's name for a rank's data).
@@ -198,12 +217,41 @@ def standing_still(pids: Sequence[int]) -> Iterator[None]:
     """Holds the processes ``pids`` stopped (SIGSTOP) for the block, and lets them go on
     (SIGCONT) after it, also when it raises. For a newcomer that must join mid-run: the
     members' workers stand still while its agent starts, so a fast machine cannot finish
-    the run first and a loaded one cannot take longer than the run."""
+    the run first and a loaded one cannot take longer than the run. Stopped workers are
+    hung ranks to the coordinator: the job must turn hang detection off
+    (``cluster.conf += ",hang_limit=0"``)."""
     _signal_all(pids, signal.SIGSTOP)
     try:
         yield
     finally:
         _signal_all(pids, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def throttled(pid: int, stopped: float = 0.4, period: float = 0.5) -> Iterator[None]:
+    """Stops ``pid`` ``stopped`` of every ``period`` seconds while the block runs: a rank
+    five times slower than its peers (a throttled GPU, a noisy neighbour)."""
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.is_set():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                done.wait(stopped)
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                return
+            done.wait(period - stopped)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        if not gone(pid):
+            os.kill(pid, signal.SIGCONT)
 
 
 def pids_of(cluster: Cluster, generation: int) -> list[int]:
@@ -253,6 +301,13 @@ def saved_since(coordinator: Coordinator, job: str, since: float, timeout: float
     raise TimeoutError(f"no version begun after {since} committed within {timeout} s")
 
 
+def ends(history: list[dict[str, Any]]) -> list[tuple[int, int, str | None]]:
+    """A job's generations as (generation, world size, why it ended): what an assertion
+    on the world sizes shows when it fails, in a line (the whole history is cut short in
+    a CI log, and the reasons are what tell a false end from a slow run)."""
+    return [(g["generation"], g["world_size"], g.get("ended_reason")) for g in history]
+
+
 def judged(coordinator: Coordinator, cluster: Cluster, final_step: int) -> list[dict[str, Any]]:
     """The job's generation history, once :func:`judge` found the run consistent (every
     rank of each generation loaded the version the coordinator named for it) and trained
@@ -262,6 +317,38 @@ def judged(coordinator: Coordinator, cluster: Cluster, final_step: int) -> list[
     assert verdict.consistent, verdict.problems
     assert verdict.final_step == final_step, verdict
     return history
+
+
+def joins_hot(
+    coordinator: Coordinator,
+    cluster: Cluster,
+    world: int,
+    final_step: int,
+    env: dict[str, str] | None = None,
+) -> list[Event]:
+    """Nodes a and b train; once they have, c joins under ``rallypoint run``'s defaults
+    (it parks, and its workers start in the placeholder world), and the job runs to its
+    end. Checks that c went in hot, its workers waiting in a join before their process
+    group: its agent logged no cold fallback (a worker that exited while the node
+    parked, as one that builds its group at the placeholder master does), the first
+    generation ended once, for c, and the world of ``world`` ranks trained, every rank
+    from the version the coordinator named, to ``final_step``. The events."""
+    try:
+        cluster.start("a", "b", env=env or {})
+        cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] < world, timeout=150)
+        joiner = cluster.add("c", env=env)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] == world, timeout=150)
+        codes = cluster.wait(timeout=150)
+    finally:
+        cluster.stop()
+    assert codes == {"a": 0, "b": 0, "c": 0}, codes
+    log = joiner.log.read_text(errors="replace")
+    assert "exited while it parked" not in log  # the agent's word for a cold fallback
+    assert "65536" not in log  # the placeholder master's port
+    history = judged(coordinator, cluster, final_step)
+    assert [g["world_size"] for g in history] == [2, 3], ends(history)
+    assert history[0]["ended_reason"] == "node c joined"
+    return cluster.events()
 
 
 def kept_and_rolled_back(log: Sequence[Event], kind: str) -> tuple[list[Event], list[Event]]:
@@ -280,8 +367,7 @@ def run_to_the_end(cluster: Cluster, nodes: Sequence[str] = ("u", "v", "w")) -> 
     """Starts an agent for each of ``nodes`` and lets the job run to its end, undisturbed
     (the reference a test compares an elastic run with); every agent must exit 0."""
     try:
-        for node in nodes:
-            cluster.add(node)
+        cluster.start(*nodes)
         codes = cluster.wait(timeout=200)
     finally:
         cluster.stop()
@@ -303,3 +389,136 @@ def tiny_llama_config(
         num_key_value_heads=2,
         max_position_embeddings=positions,
     )
+
+
+class Stepping:
+    """A generation's members beating as their agents do, each with its one process's
+    progress: the ranks step together every ``step`` seconds (a data-parallel job), each
+    one's own share of the step ``own[node]`` seconds (a slow one is a straggler), until
+    :meth:`freeze` stops one (a hang: its step and its progress stop, and its peers wait
+    for it in the all-reduce). Beats go every 0.2 s from a thread (a context manager),
+    through the coordinator's real heartbeat route; a node stops beating once a reply
+    says ``restart``, which :attr:`restarts` keeps.
+
+    Args:
+        nodes: Members of one sealed generation (joined clients).
+        own: Each node's own step time (default: ``step``).
+        from_step: The step they start at (a generation that resumes).
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[ElasticClient],
+        step: float = 0.1,
+        own: dict[str, float] | None = None,
+        from_step: int = 0,
+    ) -> None:
+        self.nodes = list(nodes)
+        self.step = step
+        self.own = own or {}
+        self.from_step = from_step
+        self.started = time.monotonic()
+        self.frozen: tuple[str, float] | None = None
+        self.restarts: dict[str, HeartbeatReply] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stepping", daemon=True)
+
+    def progress(self, node: ElasticClient, now: float) -> RankProgress:
+        """What ``node``'s beat says of its process at ``now`` (monotonic)."""
+        assert node.assignment is not None
+        stopped = self.frozen[1] if self.frozen is not None else now
+        done = int((stopped - self.started) / self.step)
+        last = self.started + done * self.step
+        return RankProgress(
+            rank=node.assignment.rank,
+            step=self.from_step + done,
+            idle=max(0.0, now - last),
+            interval=self.step if done >= 5 else None,
+            own=self.own.get(node.node_id, self.step),
+            # Its peers wait for the frozen one's gradients; it does not.
+            waiting=self.frozen is not None and self.frozen[0] != node.node_id,
+            process="stopped" if self.frozen and self.frozen[0] == node.node_id else "running",
+        )
+
+    def freeze(self, node_id: str) -> None:
+        """Stops ``node_id``'s process as a SIGSTOP would, now."""
+        self.frozen = (node_id, time.monotonic())
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for node in self.nodes:
+                if node.node_id in self.restarts:
+                    continue
+                reply = node.heartbeat(progress=[self.progress(node, time.monotonic())])
+                if reply.action == "restart":
+                    self.restarts[node.node_id] = reply
+            if len(self.restarts) == len(self.nodes):
+                return
+            self._stop.wait(0.2)
+
+    def ended(self, timeout: float = 60) -> dict[str, HeartbeatReply]:
+        """Waits until every node was told ``restart``; the replies, by node."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the generation did not end within {timeout} s")
+        return self.restarts
+
+    def __enter__(self) -> Stepping:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def workers_of(cluster: Cluster, node: str) -> list[int]:
+    """The worker processes of ``node``'s agent now: warm workers are the children of the
+    agent's forkserver (the warm server), and an agent without one starts them itself."""
+    agent = cluster.agents[node].proc.pid
+    out = []
+    for pid in descendants(agent):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
+            mine = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"resource_tracker" in mine or (b"forkserver import main" in mine and ppid == agent):
+            continue  # the agent's helpers, not its workers
+        if ppid == agent or b"forkserver" in parent:
+            out.append(pid)
+    return out
+
+
+def hung_worker(
+    coordinator: Coordinator, cluster: Cluster, node: str, timeout: float = 60
+) -> tuple[int, int, str]:
+    """Stops ``node``'s one worker (SIGSTOP: a process stuck in a kernel call or on a
+    hung GPU looks so) and waits for the coordinator to end the running generation. The
+    generation, the worker's pid, and the reason the generation ended with."""
+    generation = status(coordinator, cluster.job)["generation"]
+    (pid,) = workers_of(cluster, node)
+    os.kill(pid, signal.SIGSTOP)
+    return generation, pid, ended(coordinator, cluster.job, generation, timeout)
+
+
+def hang_report(coordinator: Coordinator, job: str, generation: int) -> dict[str, Any]:
+    """The hang that ended ``generation``, once its agent sent the stacks (or why not)."""
+    url = f"{coordinator.url}/v1/jobs/{job}/hangs/{generation}"
+    deadline = time.monotonic() + 60
+    while True:
+        report: dict[str, Any] = httpx.get(url, timeout=10, verify=ssl_context()).json()
+        if report.get("taken_by") or report.get("stacks_error"):
+            return report
+        assert time.monotonic() < deadline, report
+        time.sleep(0.1)
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True

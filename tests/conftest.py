@@ -10,6 +10,9 @@ where fixtures cannot tell.
 - ``e2e``: any other process: a ``rallypoint serve`` (``spawn``), torchrun, the CLI,
   HAProxy, Chromium. A module or test that starts one itself says so with
   ``pytest.mark.e2e``; one that forgets fails, as outside e2e starting a process does.
+
+A session fails if it leaves behind a process of a test cluster or a semaphore one held
+(checked after its last test; see ``_leftovers.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rallypoint.service.storage import AzureStorage, BlobStore, LocalStorage, St
 from ._azurite import running_azurite
 from ._coordinator import Coordinator
 from ._inprocess import InProcessCoordinator
+from ._leftovers import SESSION_ENV, leftovers
 
 Start = Callable[..., InProcessCoordinator]
 Spawn = Callable[..., Coordinator]
@@ -55,6 +59,23 @@ def _lane(item: pytest.Item) -> str:
     ):
         return "azurite"
     return "unit"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # This session's own mark, which every process its tests start inherits: an xdist
+    # worker replaces the one it inherited from the controller with its own.
+    os.environ[SESSION_ENV] = uuid.uuid4().hex
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_left_behind() -> Iterator[None]:
+    """After the session's last test (the first fixture set up, the last torn down): no
+    process of a test cluster of this session runs, and no semaphore the harness found
+    open in the processes it SIGKILLed remains; else the run fails, naming them."""
+    yield
+    left = leftovers(os.environ[SESSION_ENV])
+    if left:
+        pytest.fail("the session left behind (now removed):\n" + "\n".join(left), pytrace=False)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the marks added here

@@ -1,7 +1,9 @@
 """The GPU benches (``bench/cuda.sh`` and its parts) where CI runs: no CUDA there, so the
 one command says so and measures nothing, and the state bench's paths (a model's and
 Adam's state saved through ours, DCP and torch.save, restored three ways) run on the
-CPU at a small size, so a change that breaks them is seen before a GPU is lent."""
+CPU at a small size (its ``--smoke``), so a change that breaks them is seen before a GPU
+is lent. The round-trip bench runs through ``SMOKE=1 bench/cuda.sh`` in
+``tests/test_benches.py``."""
 
 from __future__ import annotations
 
@@ -36,20 +38,8 @@ def test_without_cuda_the_gpu_run_says_so_and_measures_nothing(tmp_path: Path) -
 
 def test_the_state_bench_runs_its_paths_on_the_cpu(tmp_path: Path) -> None:
     done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "cuda_state.py"),
-            "--device",
-            "cpu",
-            "--gib",
-            "0.02",
-            "--width",
-            "128",
-            "--repeat",
-            "1",
-            "--work",
-            str(tmp_path),
-        ],
+        # Its smoke mode: on the CPU, 0.02 GiB of 128-wide layers, one timed save.
+        [sys.executable, str(ROOT / "bench" / "cuda_state.py"), "--smoke", "--work", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,

@@ -24,6 +24,7 @@ from ._preemption import RESTART_EXIT_CODE, Notice, PreemptionWatcher
 from ._progress import Progress
 from ._regroup import Follower, Generation, generations
 from ._sampler import ElasticSampler
+from ._worlds import report_world_sizes
 from .agent import (
     BACKEND,
     CoordinatorStore,
@@ -44,6 +45,7 @@ from .errors import (
     TransferNotFound,
     WorldSizeError,
 )
+from .health import StepReporter, phase, report_steps
 
 if TYPE_CHECKING:
     from .checkpoint import (
@@ -104,6 +106,7 @@ __all__ = [
     "SaveHandle",
     "SavePolicy",
     "StateNotReplicated",
+    "StepReporter",
     "TransferDenied",
     "TransferError",
     "TransferNotFound",
@@ -111,7 +114,10 @@ __all__ = [
     "download",
     "export",
     "generations",
+    "phase",
     "plan_batch",
+    "report_steps",
+    "report_world_sizes",
     "run",
     "torchrun_argv",
     "upload",

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import deepspeed.comm
 import torch
 import torch.distributed as dist
 from deepspeed.checkpoint import ds_to_universal
@@ -48,11 +49,19 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from rallypoint.client import ElasticClient
 
+from ._joining import join_first
 from ._pack import file_key, name_of, pack, split, unpack
 from .checkpoint import CheckpointManager, Restored, SaveHandle, SavePolicy
 from .errors import CheckpointError
 
-__all__ = ["ENGINE_NAME", "RallypointCheckpointEngine", "install", "installed", "load_checkpoint"]
+__all__ = [
+    "ENGINE_NAME",
+    "RallypointCheckpointEngine",
+    "init_distributed",
+    "install",
+    "installed",
+    "load_checkpoint",
+]
 
 log = logging.getLogger("rallypoint.trainer")
 
@@ -407,6 +416,35 @@ class RallypointCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._scratch = self._converted = None
 
 
+def init_distributed(client: ElasticClient | None = None, **kwargs: Any) -> ElasticClient:
+    """Joins the job, then builds the process group with ``deepspeed.init_distributed``.
+
+    Call it first on every rank, before ``deepspeed.initialize``, which otherwise builds
+    the group from torchrun's variables as it starts::
+
+        client = rallypoint.trainer.deepspeed.init_distributed()
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        rallypoint.trainer.deepspeed.install(engine, client)
+
+    A worker of a node that joins a running job (a hot join, ``rallypoint run``'s
+    default) starts in a placeholder world: it waits in the join until its node goes
+    in, and the group is built from its assignment's rank, world size and master
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, which the join sets and
+    DeepSpeed reads). Any other worker of an agent takes the agent's assignment (no
+    round).
+
+    Args:
+        client: The node's client; defaults to ``ElasticClient.from_env()``.
+        **kwargs: ``deepspeed.init_distributed``'s (``dist_backend``, ``timeout``, ...).
+
+    Returns:
+        The client, joined: hand it to :func:`install`.
+    """
+    client = join_first(client)
+    deepspeed.comm.init_distributed(**kwargs)
+    return client
+
+
 def install(
     engine: Any,
     client: ElasticClient | None = None,
@@ -450,11 +488,7 @@ def install(
     if isinstance(engine.checkpoint_engine, RallypointCheckpointEngine):
         return engine.checkpoint_engine
     if checkpoints is None:
-        if client is None:
-            client = ElasticClient.from_env()
-        if client.assignment is None:
-            client.join()
-        checkpoints = CheckpointManager(client, policy=policy)
+        checkpoints = CheckpointManager(join_first(client), policy=policy)
     elif policy is not None:
         raise TypeError("pass either checkpoints= or policy=: a manager has its policy")
     if engine.checkpoint_engine is not None and engine.checkpoint_engine.is_decoupled():

@@ -47,10 +47,12 @@ from typing_extensions import override
 from rallypoint.client import Assignment, ElasticClient, KeepBest
 
 from ._batch import BatchPlan, plan_batch
+from ._joining import join_first, under_agent
 from ._pack import BOOKKEEPING, pack_checkpoint, unpack_checkpoint
 from ._preemption import PreemptionWatcher
 from ._sampler import ElasticSampler
 from .checkpoint import CheckpointManager, Restored, SavePolicy
+from .health import phase
 
 __all__ = [
     "RESUME_SCHEME",
@@ -248,6 +250,16 @@ class Session:
         if client.assignment is None:
             client.join()  # under torchrun: the agent's assignment, no new round
         return client
+
+    def join_first(self, *, fitting: bool) -> None:
+        """Joins before the strategy builds its process group, which Lightning builds
+        from torchrun's variables (``setup_environment``): a worker of a node that parks
+        (a hot join) waits here until the node goes in, with the variables then its
+        assignment's; any other worker of an agent takes the agent's assignment, no
+        round. A process that is no agent's worker joins only to ``fit``: an evaluation
+        in it must not start a round."""
+        if fitting or under_agent():
+            join_first(self.unjoined)
 
     @property
     def unjoined(self) -> ElasticClient:
@@ -654,6 +666,21 @@ class _ResumeLauncher(_Launcher):
             self.inner.kill(signum)
 
 
+def _order_of(sampler: object, length: int) -> tuple[int, bool, int]:
+    """``(length, shuffle, seed)`` of the epoch's order the strategy's sampler deals in
+    place of ``sampler``, for a dataset of ``length``. A script's own
+    :class:`ElasticSampler` keeps its order: its position, which the script's
+    hooks save and load by hand, is taken over by the versions (the script's copy
+    counts in its own world's batches, which a new world size or a rolled-back step
+    makes wrong)."""
+    if isinstance(sampler, ElasticSampler):
+        order = sampler.state_dict()
+        return int(order["length"]), bool(order["shuffle"]), int(order["seed"])
+    if isinstance(sampler, DistributedSampler):
+        return length, sampler.shuffle, sampler.seed
+    return length, not isinstance(sampler, SequentialSampler), 0
+
+
 def _rebuilt(loader: DataLoader[Any], sampler: Any, batch_size: int) -> DataLoader[Any]:
     """``loader`` with ``sampler`` and ``batch_size``, rebuilt the way Lightning injects
     its ``DistributedSampler`` (the same class and arguments otherwise)."""
@@ -681,6 +708,8 @@ class _Rallypoint(_StrategyBase):
 
     session: Session
     preemption: RallypointPreemption
+    #: The evaluation phase while Lightning validates (see ``on_validation_start``).
+    _validating: contextlib.ExitStack | None = None
 
     @property
     def restored(self) -> Restored | None:
@@ -702,6 +731,34 @@ class _Rallypoint(_StrategyBase):
         # devices x num_nodes == WORLD_SIZE, which nodes with different process counts fail.
         external = self.cluster_environment.creates_processes_externally
         self._launcher = _ResumeLauncher(self.session, None if external else self._launcher)
+
+    @override
+    def setup_environment(self) -> None:
+        self._join_first()
+        super().setup_environment()  # builds the process group
+
+    @override
+    def on_validation_start(self) -> None:
+        # Validation goes long without an optimizer step, on every rank: a phase of its
+        # own, bounded by the job's phase_limit rather than its hang limit.
+        super().on_validation_start()
+        if self._validating is not None:
+            self._validating.close()
+        self._validating = contextlib.ExitStack()
+        self._validating.enter_context(phase("eval"))
+
+    @override
+    def on_validation_end(self) -> None:
+        if self._validating is not None:
+            self._validating.close()
+            self._validating = None
+        super().on_validation_end()
+
+    def _join_first(self) -> None:
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        self.session.join_first(fitting=fitting)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -795,22 +852,28 @@ class _Rallypoint(_StrategyBase):
         self._position_applied = True
 
         old = loader.sampler
-        known = isinstance(old, (DistributedSampler, RandomSampler, SequentialSampler))
+        known = isinstance(
+            old, (ElasticSampler, DistributedSampler, RandomSampler, SequentialSampler)
+        )
         if not self.elastic_data or not known or type(loader.batch_sampler) is not BatchSampler:
             if self.elastic_data:
                 log.warning(
-                    "rallypoint: the training loader's %s is kept; its position is its own",
+                    "rallypoint: the training loader's %s is kept, and Rallypoint does not"
+                    " know its position: at a new world size, samples of the epoch may be"
+                    " trained twice or skipped (a plain DataLoader, or one with an"
+                    " ElasticSampler, resumes exactly)",
                     type(old).__name__,
                 )
             return _rebuilt(loader, old, plan.micro_batch)
 
-        shuffle = (
-            old.shuffle
-            if isinstance(old, DistributedSampler)
-            else not isinstance(old, SequentialSampler)
-        )
-        seed = old.seed if isinstance(old, DistributedSampler) else 0
-        length = len(loader.dataset)  # type: ignore[arg-type]
+        length, shuffle, seed = _order_of(old, len(loader.dataset))  # type: ignore[arg-type]
+        if isinstance(old, ElasticSampler):
+            log.info(
+                "rallypoint: the training loader's ElasticSampler is taken over: its order"
+                " (seed %d, shuffle %s) is kept, and every version saves its position",
+                seed,
+                shuffle,
+            )
         sampler = _EpochSampler(
             length,
             rank=rank,
@@ -878,7 +941,7 @@ class _Rallypoint(_StrategyBase):
             self._global_batch = mine.global_batch
         if self.keep_global_batch:
             # A world that cannot split the job's global batch cannot resume it: reported
-            # as a failed load, so the job waits for a world of another size, no loop.
+            # with the sizes that can, which the coordinator then seals alone, no loop.
             with self.session.loading():
                 plan = plan_batch(self._global_batch, world, micro_batch=micro)
         else:
@@ -1010,6 +1073,7 @@ class RallypointModelParallelStrategy(_CoordinatorKeeps, _Rallypoint, ModelParal
 
     @override
     def setup_environment(self) -> None:
+        self._join_first()  # a parked worker's world size is a placeholder until then
         if self._data_parallel_size == "auto":
             assert isinstance(self._tensor_parallel_size, int)
             self._data_parallel_size = self.world_size // self._tensor_parallel_size

@@ -28,6 +28,8 @@ import torch.distributed as dist
 from rallypoint.client import ElasticClient, RallypointError
 from rallypoint.tls import ssl_context
 
+from . import health
+
 __all__ = ["IMDS_ENV", "RESTART_EXIT_CODE", "VM_NAME_ENV", "Notice", "PreemptionWatcher"]
 
 log = logging.getLogger("rallypoint.trainer")
@@ -313,7 +315,8 @@ class PreemptionWatcher:
             if dist.get_backend() == "nccl":
                 device = torch.device("cuda", torch.cuda.current_device())
             agreed = torch.tensor([flag], dtype=torch.int32, device=device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            with health.waiting():  # for its peers: if one hangs, it is not this one
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             flag = int(agreed.item())
         if flag:
             self.stopping = True

@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from rallypoint.client import Assignment, ElasticClient, RallypointError
 
+from . import health
 from .agent import REGROUP_ENV, Board, Posted
 from .errors import GenerationEnded, RegroupError
 
@@ -163,7 +164,8 @@ class Generation:
         self._checked = now
         if self._agree:
             flag = torch.tensor([int(ended)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            with health.waiting():  # for its peers: if one hangs, it is not this one
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             if flag.item() and not ended:
                 # Another rank saw the end first: this one's board shows it within ms.
                 ended = self._ended.wait(self._detect) or True
@@ -352,6 +354,8 @@ def generations(
                 generation.timings = {**timings, "grouped": time.time()}
             if checkpoints is not None:
                 checkpoints.follow(assignment)
+            else:
+                health.follow(assignment.generation)
             left = threading.Event()  # set once the caller is out of the block
             watcher = threading.Thread(
                 target=_watch,

@@ -53,23 +53,26 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils.data import IterableDataset, Sampler
-from transformers import PreTrainedModel, Trainer, TrainerCallback
+from transformers import PreTrainedModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
 from rallypoint.client import ElasticClient, RallypointError, UnknownCheckpoint
 
 from ._batch import BatchPlan, plan_batch
+from ._joining import join_first, under_agent
 from ._pack import pack, unpack
 from ._preemption import PreemptionWatcher
 from ._sampler import ElasticSampler
 from .checkpoint import CheckpointManager, RallypointReader, Restored, SaveHandle, SavePolicy
 from .checkpoint import export as export_version
-from .errors import RallypointTrainerError
+from .errors import RallypointTrainerError, WorldSizeError
+from .health import phase
 
 __all__ = [
     "EpochSampler",
     "PreemptionCallback",
     "RallypointTrainer",
+    "RallypointTrainingArguments",
     "horizon_steps",
     "job_batch_plan",
     "monitored_metric",
@@ -305,6 +308,26 @@ class PreemptionCallback(TrainerCallback):
         self.watcher.stop()
 
 
+@dataclasses.dataclass
+class RallypointTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` that join the job before they build the process group.
+
+    ``TrainingArguments(...)`` builds the process group as it is made (accelerate's
+    ``PartialState``, from torchrun's variables, also for ``deepspeed=``). In a worker of
+    a node that joins a running job (a hot join, ``rallypoint run``'s default) those
+    are a placeholder world's until it has joined: these arguments join first, so the
+    worker waits there until its node goes in, and the group is built from its
+    assignment's rank, world size and master. In any other worker of an agent the join
+    takes the agent's assignment (no round); a process that is no agent's worker joins
+    nothing here. The fields are ``TrainingArguments``'.
+    """
+
+    def __post_init__(self) -> None:
+        if under_agent():
+            join_first()
+        super().__post_init__()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+
+
 class RallypointTrainer(Trainer):
     """``transformers.Trainer`` whose checkpoints are the coordinator's versions.
 
@@ -358,10 +381,10 @@ class RallypointTrainer(Trainer):
         global_batch_size: int | None = None,
         **kwargs: Any,
     ) -> None:
+        # Joined before the Trainer makes its default arguments (no args=), which build
+        # the process group (see RallypointTrainingArguments).
+        client = join_first(rallypoint_client)
         super().__init__(*args, **kwargs)
-        client = rallypoint_client or ElasticClient.from_env()
-        if client.assignment is None:
-            client.join()
         self.checkpoints = CheckpointManager(
             client, policy=trainer_policy(self.args, checkpoint_policy)
         )
@@ -522,6 +545,14 @@ class RallypointTrainer(Trainer):
             self._hf_metadata = found
         return self._hf_metadata
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """See base class. Marked as an evaluation for the hang rule: every rank goes
+        long without an optimizer step, bounded by the job's ``phase_limit`` rather than
+        its hang limit."""
+        with phase("eval"):
+            result: dict[str, float] = super().evaluate(*args, **kwargs)
+        return result
+
     # --- resuming -----------------------------------------------------------------------
 
     def train(
@@ -536,7 +567,9 @@ class RallypointTrainer(Trainer):
 
         Raises:
             WorldSizeError: This generation's world cannot split the job's global
-                batch (``keep_global_batch``); raised before anything trains.
+                batch (``keep_global_batch``); raised before anything trains, once
+                reported to the coordinator (the sizes that can), which ends the
+                generation and from then on seals only those sizes.
         """
         ours = resume_from_checkpoint is True
         # What fails while resuming the coordinator's version (its restore, a world that
@@ -851,14 +884,20 @@ class RallypointTrainer(Trainer):
         """Sets this generation's per-device batch and accumulation steps in the args,
         before the Trainer builds its loader and computes ``max_steps`` from them."""
         args, saved = self.args, self._data if resumed else None
-        plan = job_batch_plan(
-            args.world_size,
-            micro_batch=self._micro_batch,
-            accumulation=self._accumulation,
-            keep_global_batch=self.keep_global_batch,
-            global_batch=self.global_batch_size,
-            saved_global_batch=saved["global_batch"] if saved else None,
-        )
+        try:
+            plan = job_batch_plan(
+                args.world_size,
+                micro_batch=self._micro_batch,
+                accumulation=self._accumulation,
+                keep_global_batch=self.keep_global_batch,
+                global_batch=self.global_batch_size,
+                saved_global_batch=saved["global_batch"] if saved else None,
+            )
+        except WorldSizeError as exc:
+            # The coordinator learns the sizes that can, and seals only those: no loop,
+            # and the nodes beyond them wait as standbys.
+            self.checkpoints.report_world_sizes(exc)
+            raise
         self.batch_plan = plan
         args.per_device_train_batch_size = plan.micro_batch
         args.gradient_accumulation_steps = plan.accumulation

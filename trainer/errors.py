@@ -87,7 +87,9 @@ class GenerationEnded(RallypointTrainerError):
 class WorldSizeError(RallypointTrainerError):
     """This generation's world size cannot split the job's global batch exactly, so the
     data position and the learning-rate schedule would not carry over; raised before
-    training, naming the sizes that can (``valid``)."""
+    training, naming the sizes that can (``valid``, in ranks). Reported to the
+    coordinator (:func:`~rallypoint.trainer.report_world_sizes`), it ends the generation
+    and the job takes only those sizes from then on; ``reported`` says it was."""
 
     code = "world_size_unsupported"
 
@@ -98,3 +100,4 @@ class WorldSizeError(RallypointTrainerError):
         self.world_size = world_size
         self.global_batch = global_batch
         self.valid = valid
+        self.reported = False

@@ -24,9 +24,10 @@ Under ``torchrun --rdzv-backend=rallypoint``, a Lightning script changes one arg
 - Every save ``ModelCheckpoint`` decides on goes through :class:`CheckpointManager`:
   staged while training waits, then in the background to this node's memory, a peer
   node's and (every ``persist_every``-th) blob storage; sharded state one file per rank.
-- The training loader's sampler becomes an ``ElasticSampler``: every version holds the
-  epoch and the samples trained, and a resumed generation at any world size trains the
-  rest of the epoch, in its order, once. The first generation's global batch is kept
+- The training loader's sampler becomes an ``ElasticSampler`` (a script's own
+  ``ElasticSampler`` is taken over, its order kept): every version holds the epoch and
+  the samples trained, and a resumed generation at any world size trains the rest of
+  the epoch, in its order, once. The first generation's global batch is kept
   (``plan_batch``: accumulation, else a smaller per-device batch); a world size that
   cannot split it raises ``WorldSizeError`` before training. ``elastic_data=False`` and
   ``keep_global_batch=False`` opt out.

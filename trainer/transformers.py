@@ -1,12 +1,17 @@
 """The Hugging Face Trainer through Rallypoint (``pip install rallypoint[transformers]``).
 
-One line changes: ``Trainer`` becomes :class:`RallypointTrainer`, and
-``resume_from_checkpoint=True`` now means "the version the coordinator named"::
+Two names change: ``Trainer`` becomes :class:`RallypointTrainer` (and
+``resume_from_checkpoint=True`` now means "the version the coordinator named"), and
+``TrainingArguments`` :class:`RallypointTrainingArguments`::
 
-    from rallypoint.trainer.transformers import RallypointTrainer
+    from rallypoint.trainer.transformers import RallypointTrainer, RallypointTrainingArguments
 
+    args = RallypointTrainingArguments(output_dir="out", ...)  # was: TrainingArguments
     trainer = RallypointTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train(resume_from_checkpoint=True)
+
+``RallypointTrainingArguments`` join the job before they build the process group, so a
+node that joins a running job (a hot join) waits there until it goes in.
 
 Saves (``save_steps``) become versions: model, optimizer, scheduler, each rank's RNG
 and ``trainer_state``, staged and uploaded in the background through the memory tier,
@@ -24,6 +29,6 @@ docs/frameworks/transformers.md.
 Importing this module imports transformers; ``import rallypoint.trainer`` does not.
 """
 
-from ._transformers import PreemptionCallback, RallypointTrainer
+from ._transformers import PreemptionCallback, RallypointTrainer, RallypointTrainingArguments
 
-__all__ = ["PreemptionCallback", "RallypointTrainer"]
+__all__ = ["PreemptionCallback", "RallypointTrainer", "RallypointTrainingArguments"]

@@ -25,7 +25,7 @@ from rallypoint.client.models import (
 )
 
 from .._contract import errors
-from ..deps import AdminOnly, Auth, CheckpointsDep, Credential, DriverDep, JobId
+from ..deps import AdminOnly, Auth, CheckpointsDep, Credential, DriverDep, JobId, ViewsDep
 from ..errors import (
     CheckpointConflict,
     IncompleteUpload,
@@ -82,11 +82,15 @@ async def report(
     version: VersionNumber,
     body: ReportShard,
     checkpoints: CheckpointsDep,
+    views: ViewsDep,
     credential: Credential,
 ) -> CheckpointInfo:
     """Reports the caller's uploaded files; the last rank's report commits the version,
     which becomes the latest if its generation still runs and its step is newer."""
-    return await anyio.to_thread.run_sync(checkpoints.report, job_id, version, body, credential)
+    info = await anyio.to_thread.run_sync(checkpoints.report, job_id, version, body, credential)
+    if info.state == "committed":
+        views.touched(job_id)  # the job's status shows the pointer it may have moved
+    return info
 
 
 @router.post(

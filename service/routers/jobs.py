@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Annotated, Literal
 
@@ -19,6 +19,7 @@ from rallypoint.client.models import (
     TIMELINE_GENERATIONS,
     Assignment,
     FaultReport,
+    HangReport,
     HeartbeatReply,
     HeartbeatRequest,
     JobSpec,
@@ -31,17 +32,21 @@ from rallypoint.client.models import (
     NodeInfo,
     NodeQuarantineRequest,
     QuarantinedNode,
+    RankProgress,
+    StacksReport,
     Timeline,
     WaitRequest,
+    WorldSizeReport,
 )
 
 from .. import _credentials as credentials
+from .. import _health as health
 from .. import _seal as seal
 from .. import _timeline
 from .._checkpoints import Checkpoints
 from .._contract import errors
 from .._driver import Driver, hang_up, until_changed
-from .._rendezvous import Generation, Job, Node, Rendezvous
+from .._rendezvous import Generation, Job, Node, Rendezvous, progress_json
 from ..deps import (
     AdminOnly,
     Auth,
@@ -53,6 +58,7 @@ from ..deps import (
     NodeId,
     PrincipalDep,
     RdzvDep,
+    ViewsDep,
 )
 from ..errors import (
     BeatRefused,
@@ -88,18 +94,27 @@ async def list_jobs(rdzv: RdzvDep, principal: PrincipalDep) -> list[JobSummary]:
         **errors(JobConflict),
     },
 )
-async def create_job(job_id: JobId, spec: JobSpec, rdzv: RdzvDep, response: Response) -> JobSummary:
+async def create_job(
+    job_id: JobId, spec: JobSpec, rdzv: RdzvDep, views: ViewsDep, response: Response
+) -> JobSummary:
     """Creates a job; repeating it with the same spec is harmless (200), another is 409."""
     job, created = await anyio.to_thread.run_sync(rdzv.create_job, job_id, spec)
-    if not created:
+    if created:
+        views.touched(job_id)  # a status that found no job finds it now
+    else:
         response.status_code = 200
     return rdzv.summary(job)
 
 
 @router.get("/{job_id}", responses=errors(UnknownJob))
-async def job_status(job_id: JobId, rdzv: RdzvDep) -> JobStatus:
-    """Members (rank, address, heartbeat age, state), waiting nodes, generation history."""
-    return await anyio.to_thread.run_sync(rdzv.status, job_id)
+async def job_status(job_id: JobId, views: ViewsDep) -> JobStatus:
+    """Members (rank, address, heartbeat age, state), waiting nodes, generation history.
+
+    Answered from this replica's view of the job, read about once a second for all its
+    viewers (``as_of``; ``age``: how old the view is). While storage does not answer,
+    the last view, its ``age`` growing; 503 ``storage_unavailable`` where there is none.
+    """
+    return await views.status(job_id)
 
 
 def read_timeline(rdzv: Rendezvous, checkpoints: Checkpoints, job_id: str) -> Timeline:
@@ -291,9 +306,13 @@ async def _wait_for_seal(
                     node.peer,
                     node.registration,  # the same join: the caller's credential holds
                     known=job,
+                    warm=node.warm,  # as it joined: a hot join parks, and ends nothing
                 )
             )
             round = node.round
+            # Parked beside the generation (a standby, a node waiting for a world size):
+            # answered at once, so that the node hears it stands by, with its credential.
+            parked = parked or node.parked
             driver.poke(job_id)
             continue
         if outcome is not None:
@@ -362,6 +381,7 @@ async def heartbeat(
         credential,
         request.app.state,
         request.receive,
+        body.progress,
     )
 
 
@@ -373,11 +393,12 @@ async def answer_heartbeat(
     credential: str | None,
     state: State,
     receive: Receive,
+    progress: Sequence[RankProgress] | None = None,
 ) -> HeartbeatReply:
     """A heartbeat of valid ids and body, for the route and the fast path alike.
 
     Args:
-        generation, wait: The body's (see :class:`HeartbeatRequest`).
+        generation, wait, progress: The body's (see :class:`HeartbeatRequest`).
         credential: The node's credential, as the request carried it.
         state: The app's state (``rdzv``, ``driver``, ``metrics``).
         receive: The request's ASGI ``receive``, its body already read: its next
@@ -412,8 +433,12 @@ async def answer_heartbeat(
             node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
         credentials.check(node.cred, credential, node_id)
     state.metrics.heartbeats.labels(job_id).inc()  # a beat of the node itself
+    limit = rdzv.hang_limit(job_id)
     if action == "continue":
-        driver.queue_beat(job_id, node_id, generation or 0, arrived)
+        said = progress_json(progress) if progress else None
+        driver.queue_beat(job_id, node_id, generation or 0, arrived, said)
+        if progress and health.overdue(job.spec, progress, limit):
+            driver.urgent(job_id)  # written and judged now, not at the next pass
     if generation is not None and wait > 0 and action == "continue" and not driver.closing:
         # Held until the job changes, the caller hangs up, or the hold ends.
         deadline = time.monotonic() + wait
@@ -437,7 +462,14 @@ async def answer_heartbeat(
         if action == "continue" and not cut:
             driver.released(job_id, node_id, generation, arrived)  # until its next beat
     reason = rdzv.end_reason(job, generation) if action == "restart" else None
-    return _reply(action, job.generation, reason)
+    hung = None
+    if action == "restart" and job.last_hang is not None:
+        ended, hung_node, rank = job.last_hang
+        hung = (rank,) if (ended, hung_node) == (generation, node_id) else None
+    # The limit only to a node that reports progress: any other gets the bytes it always
+    # did (an older agent's parser reads them as before).
+    shown = round(limit, 1) if progress is not None and limit is not None else None
+    return _reply(action, job.generation, reason, shown, hung)
 
 
 async def _check_member(
@@ -459,10 +491,20 @@ async def _check_member(
 
 @functools.lru_cache(maxsize=256)
 def _reply(
-    action: Literal["continue", "restart"], generation: int, reason: str | None = None
+    action: Literal["continue", "restart"],
+    generation: int,
+    reason: str | None = None,
+    hang_limit: float | None = None,
+    hung: tuple[int, ...] | None = None,
 ) -> HeartbeatReply:
     # Every member gets one of a few replies every second: made once (they are frozen).
-    return HeartbeatReply(action=action, generation=generation, reason=reason)
+    return HeartbeatReply(
+        action=action,
+        generation=generation,
+        reason=reason,
+        hang_limit=hang_limit,
+        hung=hung,
+    )
 
 
 @router.post(
@@ -522,6 +564,31 @@ async def fault(
     return {"status": "noted"}
 
 
+@router.post(
+    "/{job_id}/nodes/{node_id}/world-sizes",
+    responses=errors(UnknownJob, UnknownNode, StaleGeneration),
+)
+async def world_sizes(
+    job_id: JobId,
+    node_id: NodeId,
+    body: WorldSizeReport,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    credential: Credential,
+) -> JobSummary:
+    """A member's worker found that its generation's world cannot train the job (its
+    global batch does not split: ``WorldSizeError``) and names the world sizes, in
+    nodes, that can (with its credential). The job keeps them (``world_sizes`` in its
+    status) and the generation ends; from then on a round seals only a size the job
+    takes, the largest its nodes make, and the nodes beyond it wait as standbys.
+    Fenced like every report of a member: ``stale_generation`` once the generation is
+    over (another rank reported first)."""
+    job = await driver.changed_by(
+        job_id, lambda: rdzv.learn_world_sizes(job_id, node_id, body, credential)
+    )
+    return rdzv.summary(job)
+
+
 @router.delete(
     "/{job_id}/nodes/{node_id}",
     dependencies=[AdminOnly],
@@ -566,6 +633,54 @@ async def unquarantine_node(
     Idempotent. Returns the job's quarantined nodes."""
     job = await driver.changed_by(job_id, lambda: rdzv.unquarantine_node(job_id, node_id))
     return list(job.quarantined)
+
+
+@router.get("/{job_id}/hangs", responses=errors(UnknownJob))
+async def hangs(job_id: JobId, rdzv: RdzvDep) -> list[HangReport]:
+    """The ranks found hung in the job (the last 20), oldest first, without their stacks:
+    the generation each ended, the node, the rank, what it did (its phase), its step, how
+    long it made no progress and the limit it passed."""
+    return await anyio.to_thread.run_sync(rdzv.hang_reports, job_id)
+
+
+@router.get("/{job_id}/hangs/{generation}", responses=errors(UnknownJob, UnknownNode))
+async def hang(job_id: JobId, generation: GenerationNumber, rdzv: RdzvDep) -> HangReport:
+    """The hang that ended ``generation``, with the stacks of the hung process's threads as
+    its node's agent took them before stopping it (or why it could not).
+    ``unknown_node`` if no hang ended that generation."""
+    return await anyio.to_thread.run_sync(rdzv.hang_report, job_id, generation)
+
+
+@router.put(
+    "/{job_id}/generations/{generation}/nodes/{node_id}/stacks",
+    responses=errors(UnknownJob, UnknownNode, StaleGeneration),
+)
+async def stacks(
+    job_id: JobId,
+    generation: GenerationNumber,
+    node_id: NodeId,
+    body: StacksReport,
+    rdzv: RdzvDep,
+    driver: DriverDep,
+    credential: Credential,
+) -> HangReport:
+    """A hung rank's stacks, from its node's agent (with the node's credential in the
+    generation the hang ended): kept with the hang's report. ``unknown_node`` unless a
+    hang of this node's ``rank`` ended ``generation``."""
+    job, _ = await driver.snapshot(job_id, generation)
+    await anyio.to_thread.run_sync(
+        functools.partial(rdzv.member, job, node_id, generation, credential, ended=True)
+    )
+    return await anyio.to_thread.run_sync(rdzv.record_stacks, job_id, generation, node_id, body)
+
+
+@router.delete("/{job_id}/blocked", dependencies=[AdminOnly], responses=errors(UnknownJob))
+async def unblock(job_id: JobId, rdzv: RdzvDep, driver: DriverDep) -> JobSummary:
+    """Lets a job that stopped restarting restart again (admin token): one whose
+    generations made no progress several times in a row (``blocked: no progress``), or
+    whose world size kept failing to load its checkpoint. Idempotent."""
+    job = await driver.changed_by(job_id, lambda: rdzv.unblock(job_id))
+    return rdzv.summary(job)
 
 
 @router.get("/{job_id}/nodes/{node_id}", responses=errors(UnknownJob, UnknownNode))

@@ -1,4 +1,6 @@
-"""The status page: ``GET /`` lists jobs, ``GET /jobs/{job_id}`` shows one.
+"""The status page: ``GET /`` lists jobs, ``GET /jobs/{job_id}`` shows one (its health:
+the hang limit, stragglers, each member's progress and score, the hangs), and
+``GET /jobs/{job_id}/hangs/{generation}`` one hang's report with its stacks.
 
 Server-rendered HTML with inline CSS and a dozen lines of inline script that re-fetch the
 page every two seconds (a ``<meta refresh>`` does it where scripts are off): nothing is
@@ -28,16 +30,18 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from rallypoint.client.models import (
     CheckpointInfo,
     CheckpointPointer,
+    HangReport,
+    Health,
     JobStatus,
     JobSummary,
+    MemberStatus,
     Timeline,
-    TimelineVersion,
 )
 from rallypoint.times import utc
 
 from .. import _timeline
 from .._tokens import Principal, Tokens, presented
-from ..deps import CheckpointsDep, JobId, RdzvDep
+from ..deps import CheckpointsDep, GenerationNumber, JobId, RdzvDep, ViewsDep
 from ..errors import Forbidden, RequestError, Unauthorized
 from .jobs import read_timeline
 
@@ -57,8 +61,10 @@ th{font-weight:600}.alive{color:#080}.late{color:#b60}.dead,.error{color:#c00}.l
 .badge{display:inline-block;padding:0 .45em;margin-right:.3em;border-radius:.7em;font-size:.85em}
 .badge.durable{background:#d4f0d4}.badge.memory{background:#fde9b0}.badge.pending{background:#eee}
 .badge.pointer{background:#dde6f7}.badge.quarantined{background:#f6c6c6;color:#900}
+.badge.straggler{background:#f3e0a6;color:#6d4c00}
 tr.quarantined td{color:#888}
 #timeline svg{max-width:100%;height:auto;display:block}
+pre{background:#f6f6f6;padding:.8em;overflow-x:auto;font-size:12.5px;line-height:1.35}
 """
 # Re-fetches the page and swaps <main>: no flicker, scroll position kept.
 _SCRIPT = f"""
@@ -97,6 +103,16 @@ def _page(title: str, main: str, status: int = 200, refresh: bool = True) -> HTM
     )
     headers = {"Cache-Control": "no-store", "Content-Security-Policy": _policy(nonce)}
     return HTMLResponse(body, status_code=status, headers=headers)
+
+
+def _stale(status: JobStatus) -> str:
+    """A line that says the page shows an old view (storage has not answered since)."""
+    if not status.stale():
+        return ""
+    return (
+        f"<p id='stale' class='error'>This is the job as of {utc(status.as_of)}, "
+        f"{status.age:.0f} s ago: this coordinator has not read storage since.</p>"
+    )
 
 
 def _age(seconds: float | None) -> str:
@@ -163,6 +179,58 @@ def _login_form(message: str = "", status: int = 401) -> HTMLResponse:
         "placeholder='token' required> <button type='submit'>Sign in</button></form>"
     )
     return _page("Rallypoint: sign in", form, status, refresh=False)
+
+
+def _score(member: MemberStatus) -> _Html:
+    """A member's straggler score (its slowest process's), with a badge if it is one."""
+    score = "-" if member.score is None else f"{member.score:.2f}"
+    badge = _badges(("straggler", "straggler")) if member.straggler else ""
+    return _Html(f"{escape(score)} {badge}".strip())
+
+
+def _health(health: Health | None) -> str:
+    """The job's health line: the hang limit and where it comes from, the phase limit,
+    the stragglers named now, the hangs so far, the generations without progress."""
+    if health is None:
+        return ""
+    named = ", ".join(
+        f"{s.node_id} (rank {s.rank}, score {s.score:.2f})" for s in health.stragglers
+    )
+    parts = [
+        f"hang limit <b>{escape(health.limit())}</b>",
+        f"phase limit {health.phase_limit:g} s",
+        f"stragglers: {escape(named or 'none')}",
+        f"hangs so far: <b>{health.hangs}</b>",
+        *([f"generations without progress: {health.stalled}"] if health.stalled else []),
+    ]
+    return f"<p id='health'>{'; '.join(parts)}</p>"
+
+
+def _hangs(job_id: str, reports: Sequence[HangReport]) -> str:
+    """The hangs the job keeps reports of, newest first, each linking to its report."""
+    if not reports:
+        return ""
+    rows = [
+        (
+            _Html(f"<a href='/jobs/{escape(job_id)}/hangs/{h.generation}'>{h.generation}</a>"),
+            h.node_id,
+            h.rank,
+            h.phase,
+            h.step,
+            f"{h.idle:.1f} s",
+            f"{h.limit:.1f} s",
+            utc(h.at),
+            h.stacks_state(),
+        )
+        for h in reversed(reports)
+    ]
+    header = ["generation", "node", "rank", "phase", "step", "no progress for", "limit"]
+    return (
+        "<h2>Hangs</h2>"
+        + _table("hangs", [*header, "found", "stacks"], rows)
+        + "<p class='muted'>The generation links to the hang's report, with the stacks of "
+        "the hung process's threads.</p>"
+    )
 
 
 def _job_row(job: JobSummary) -> tuple[object, ...]:
@@ -232,7 +300,7 @@ async def jobs_page(rdzv: RdzvDep, request: Request, cookie: Token = None) -> HT
 async def job_page(
     job_id: JobId,
     rdzv: RdzvDep,
-    checkpoints: CheckpointsDep,
+    views: ViewsDep,
     request: Request,
     cookie: Token = None,
 ) -> HTMLResponse:
@@ -243,16 +311,13 @@ async def job_page(
     if not viewer.may("read", job_id):
         return _login_form(f"This token does not cover job {job_id}.", 403)
     try:
-        status: JobStatus = await anyio.to_thread.run_sync(rdzv.status, job_id)
-        versions: list[CheckpointInfo] = await anyio.to_thread.run_sync(
-            checkpoints.versions, job_id
-        )
-        collected: list[TimelineVersion] = await anyio.to_thread.run_sync(
-            checkpoints.collected, job_id
-        )
+        # This replica's view, as the JSON status's (read about once a second for all
+        # viewers; the last one while storage does not answer).
+        status, shown = await views.page(job_id)
     except RequestError as exc:
         main = f"<h1>Job {escape(job_id)}</h1><p class='error'>{escape(exc.message)}</p>"
         return _page(f"Rallypoint: {job_id}", main, exc.status)
+    versions, collected, hangs = shown.versions, shown.collected, shown.hangs
     now = rdzv.clock()
     spec = status.spec
     latest = status.checkpoint
@@ -268,7 +333,9 @@ async def job_page(
             else ""
         )
         + "</p>"
+        + _health(status.health)
         + (f"<p id='blocked' class='error'>{escape(status.blocked)}</p>" if status.blocked else "")
+        + _stale(status)
     )
     drawn = _timeline.svg(_timeline.timeline(status, status.history, versions, collected, now))
     main = (
@@ -279,9 +346,12 @@ async def job_page(
         "<h2>Members</h2>"
         + _table(
             "members",
-            ["rank", "node", "address", "heartbeat", "state"],
-            [(m.rank, m.node_id, m.addr, _age(m.heartbeat_age), m.state) for m in members],
-            [m.state for m in members],
+            ["rank", "node", "address", "heartbeat", "state", "step", "phase", "idle", "score"],
+            [
+                (m.rank, m.node_id, m.addr, _age(m.heartbeat_age), m.state, *m.shown(), _score(m))
+                for m in members
+            ],
+            [m.state + (" straggler" if m.straggler else "") for m in members],
         )
         + "<h2>Waiting</h2>"
         + _table(
@@ -310,6 +380,7 @@ async def job_page(
             if status.quarantined_nodes
             else ""
         )
+        + _hangs(job_id, hangs)
         + "<h2>Generations</h2>"
         + _table(
             "generations",
@@ -372,9 +443,74 @@ async def job_page(
                 for v in reversed(versions)
             ],
         )
-        + f"<p class='muted'>updated {utc(now)}</p>"
+        + f"<p class='muted'>as of {utc(status.as_of or now)}</p>"
     )
     return _page(f"Rallypoint: {job_id}", main)
+
+
+@router.get("/jobs/{job_id}/hangs/{generation}", response_class=HTMLResponse)
+async def hang_page(
+    job_id: JobId,
+    generation: GenerationNumber,
+    rdzv: RdzvDep,
+    request: Request,
+    cookie: Token = None,
+) -> HTMLResponse:
+    """The hang that ended a generation: which rank, on which node, doing what, how long
+    without progress against which limit, and the stacks of its process's threads as
+    its node's agent took them (or why there are none). It refreshes until they come."""
+    viewer = await _viewer(request, cookie)
+    if viewer is None:
+        return _login_form()
+    if not viewer.may("read", job_id):
+        return _login_form(f"This token does not cover job {job_id}.", 403)
+    title = f"Rallypoint: {job_id}, the hang of generation {generation}"
+    back = f"<p><a href='/jobs/{escape(job_id)}'>job {escape(job_id)}</a></p>"
+    try:
+        h: HangReport = await anyio.to_thread.run_sync(rdzv.hang_report, job_id, generation)
+    except RequestError as exc:
+        main = f"{back}<h1>Generation {generation}</h1><p class='error'>{escape(exc.message)}</p>"
+        return _page(title, main, exc.status, refresh=False)
+    facts = _table(
+        "hang",
+        ["node", "rank", "process", "phase", "step", "no progress for", "limit", "found"],
+        [
+            (
+                h.node_id,
+                h.rank,
+                "-" if h.pid is None else h.pid,
+                h.phase,
+                h.step,
+                f"{h.idle:.1f} s",
+                f"{h.limit:.1f} s",
+                utc(h.at),
+            )
+        ],
+    )
+    if h.stacks is not None:
+        tried = f" Before that: {escape(h.stacks_error)}" if h.stacks_error else ""
+        stacks = (
+            f"<p id='taken-by'>Taken by <b>{escape(h.taken_by or 'its agent')}</b> before the "
+            f"process was stopped.{tried}</p><pre id='stacks'>{escape(h.stacks)}</pre>"
+        )
+    elif h.stacks_error is not None:
+        stacks = (
+            "<p id='no-stacks' class='error'>The process could not give its stacks: "
+            f"{escape(h.stacks_error)}</p>"
+        )
+    else:
+        stacks = (
+            "<p id='no-stacks' class='muted'>Not sent yet: the node's agent sends them once "
+            "it has stopped the process (never, if the node went down with it).</p>"
+        )
+    main = (
+        f"{back}<h1>Job {escape(job_id)}: the hang of generation {h.generation}</h1>"
+        f"<p id='reason'>{escape(h.reason)}</p>{facts}<h2>Stacks</h2>{stacks}"
+        f"<p class='muted'>rallypoint jobs hangs {escape(job_id)} {h.generation} prints the "
+        f"same; GET /v1/jobs/{escape(job_id)}/hangs/{h.generation} is the JSON.</p>"
+    )
+    # Refreshed until the stacks (or why there are none) came.
+    return _page(title, main, refresh=h.stacks is None and h.stacks_error is None)
 
 
 @router.get("/jobs/{job_id}/timeline.svg")

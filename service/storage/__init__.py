@@ -7,7 +7,7 @@ an Azure adapter and an embedded local one. :func:`open_storage` picks the backe
 
 from ._blob import Access, BlobInfo, BlobStore, Data
 from ._budget import Health, each_try_within, remaining, within
-from ._names import check_blob_name, check_blob_prefix, check_key
+from ._names import check_blob_name, check_blob_prefix, check_entity, check_key
 from ._shared_batch import SharedBatches
 from ._storage import DEFAULT_STORAGE, AzureStorage, LocalStorage, Storage, open_storage
 from ._table import BatchOp, Cond, Entity, Page, Table, Value
@@ -41,6 +41,7 @@ __all__ = [
     "Value",
     "check_blob_name",
     "check_blob_prefix",
+    "check_entity",
     "check_key",
     "each_try_within",
     "open_storage",

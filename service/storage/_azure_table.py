@@ -35,7 +35,8 @@ def _to_azure(entity: Entity) -> dict[str, Any]:
 def _from_azure(raw: Mapping[str, Any], etag: str) -> Entity:
     data: dict[str, Value | None] = {}
     for name, value in raw.items():
-        if name in _SYSTEM:
+        # A table stores no nulls: a null is a $select's property the entity lacks.
+        if name in _SYSTEM or value is None:
             continue
         data[name] = value.value if isinstance(value, EntityProperty) else value
     return Entity(raw["PartitionKey"], raw["RowKey"], data, etag)
@@ -120,7 +121,11 @@ class AzureTable(Table):
             except ValueError as exc:
                 raise BadRequest("malformed continuation token") from exc
         with storage_errors(f"query {self.name}/{partition_key}"):
-            pages = self._client.query_entities(query, results_per_page=request.page_size).by_page(
+            # With $select, Azure returns only what is named: the keys too.
+            select = None if request.select is None else ["PartitionKey", "RowKey", *request.select]
+            pages = self._client.query_entities(
+                query, results_per_page=request.page_size, select=select
+            ).by_page(
                 continuation_token=token  # type: ignore[arg-type]  # the SDK's token is a dict
             )
             raws = list(next(pages))

@@ -264,6 +264,17 @@ class LocalTable(Table):
         except sqlite3.Error as exc:
             raise StorageUnavailable(f"table {self.name}: {exc}") from exc
         entities = [Entity(partition_key, rk, _decode(data), etag) for rk, etag, data in rows]
+        if request.select is not None:
+            chosen = request.select
+            entities = [
+                Entity(
+                    e.partition_key,
+                    e.row_key,
+                    {k: e.data[k] for k in chosen if k in e.data},
+                    e.etag,
+                )
+                for e in entities
+            ]
         if len(entities) <= page_size:
             return Page(entities, None)
         entities = entities[:page_size]

@@ -1,6 +1,7 @@
 """The test harness's own rules (``rallypoint.cli.processes``): with no process started,
-the one that starts a coordinator where a checkout's folder could hide the package, and
-what a cluster that never ends says of where it waits."""
+the one that starts a coordinator where a checkout's folder could hide the package, what
+a cluster that never ends says of where it waits, and that a node's SIGKILL leaves no
+semaphore behind."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
+from rallypoint.cli.processes import (
+    START_GATE_ENV,
+    Cluster,
+    Coordinator,
+    Event,
+    descendants,
+    judge,
+    leftover_semaphores,
+)
 
 
 def line(step: int) -> str:
@@ -154,3 +163,48 @@ def test_a_cluster_that_does_not_end_says_where_each_of_its_processes_waits(
     # The worker's stack, and its agent's (torchrun's monitor loop).
     assert "stuck_after_training (hangs.py:5)" in said, said
     assert "_invoke_run" in said, said
+
+
+def semaphores_of(pids: list[int]) -> list[Path]:
+    """The named semaphores in /dev/shm that ``pids`` have open: each maps its file (the
+    creator under the name it had before it was linked, so matched by inode)."""
+    inodes = set()
+    for pid in pids:
+        for entry in Path(f"/proc/{pid}/maps").read_text().splitlines():
+            fields = entry.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/sem."):
+                inodes.add(int(fields[4]))
+    return [p for p in Path("/dev/shm").glob("sem.*") if p.stat().st_ino in inodes]
+
+
+@pytest.mark.e2e
+def test_a_nodes_sigkill_leaves_none_of_its_semaphores_behind(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """torchrun's agent makes multiprocessing semaphores for its workers (``sem.mp-*``),
+    which a SIGKILL of the agent leaves in /dev/shm unless its resource tracker, which
+    unlinks them once the processes it serves are gone, outlives them: the kill spares it
+    that long."""
+    script = tmp_path / "hangs.py"
+    script.write_text(HANGS)
+    events = tmp_path / "hangs.events.jsonl"
+    cluster = Cluster(
+        coordinator.url, "sems", tmp_path, nnodes="1", script=[str(script), str(events)]
+    )
+    cluster.events_file = events
+    try:
+        agent = cluster.add("a").proc.pid
+        cluster.wait_for(lambda e: e["event"] == "stuck", timeout=120)
+        held = semaphores_of([agent, *descendants(agent)])
+        assert held, "the node's processes hold no semaphore: the test checks nothing"
+        cluster.kill("a")
+        assert [p for p in held if p.exists()] == []
+        assert leftover_semaphores() == []
+    finally:
+        cluster.stop()
+
+
+def test_the_harness_names_the_agents_start_gate_as_the_agent_reads_it() -> None:
+    from rallypoint.trainer import agent
+
+    assert START_GATE_ENV == agent.START_GATE_ENV

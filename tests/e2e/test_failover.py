@@ -5,6 +5,7 @@ its persisted data."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from rallypoint.client import Assignment, CheckpointInfo, ElasticClient, JobSpec
 from rallypoint.tls import ssl_context
 
 from .._balancer import Topology
-from .._support import IMAGE_SIZE
+from .._support import HUNG_B, IMAGE_SIZE, hung_worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -101,8 +102,7 @@ def cluster(topology: Topology, job: str, tmp_path: Path, steps: int, **kw: Any)
         **kw,
         image_size=IMAGE_SIZE,
     )
-    for node in ("a", "b"):
-        c.add(node)
+    c.start("a", "b")
     return c
 
 
@@ -199,3 +199,22 @@ def test_storage_killed_and_restarted_on_its_data_is_recovered_on_its_own(
         assert begun.version >= 1
     history = topology.status("restart")["history"]
     assert len(history) == 1 and history[0]["ended_at"] is None, history
+
+
+def test_a_hung_rank_is_found_through_replicas_behind_the_balancer(
+    topology: Topology, tmp_path: Path
+) -> None:
+    """Each beat, with its node's progress, reaches whichever replica the balancer picks
+    and is kept in storage: the replica whose tick finds the hang reads them all."""
+    c = Cluster(
+        topology.url, "hang", tmp_path, nnodes="2:3", steps=300, step_time=0.1,
+        heartbeat_timeout=6, last_call=1, image_size=IMAGE_SIZE,
+    )  # fmt: skip
+    try:
+        c.start("a", "b", "c")
+        c.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10 and e["world_size"] == 3)
+        generation, _, reason = hung_worker(topology, c, "b")  # type: ignore[arg-type]
+        assert re.match(HUNG_B, reason), reason
+        c.wait_for(lambda e: e["event"] == "step" and e["generation"] > generation)
+    finally:
+        c.stop()

@@ -37,8 +37,7 @@ def test_a_hot_join_ends_the_generation_only_once_its_workers_wait(
         steps=300,
     )
     try:
-        for node in ("a", "b"):
-            cluster.add(node)
+        cluster.start("a", "b")
         cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] == 2 * NPROC, 180)
         cluster.add("c")
         # It parks: generation 1 runs on while its workers start.
@@ -120,8 +119,7 @@ def test_a_hot_join_whose_script_builds_its_group_before_join_goes_in_cold(
     cluster.script = [str(wrapper), *cluster.script]
     mark = tmp_path / "crashed"
     try:
-        for node in ("a", "b"):
-            cluster.add(node, env={"CRASH_MARK": str(mark)})
+        cluster.start("a", "b", env={"CRASH_MARK": str(mark)})
         cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] == 2, 180)
         joiner = cluster.add("c", env={"CRASH_MARK": str(mark)})
         cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] == 3, 180)

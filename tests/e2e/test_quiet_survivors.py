@@ -31,8 +31,7 @@ def test_a_node_loss_costs_each_survivor_one_line_and_no_traceback(
         coordinator.url, "quiet", tmp_path, nnodes="2:3", steps=400, image_size=IMAGE_SIZE
     )
     try:
-        for node in ("a", "b", "c"):
-            cluster.add(node, env={"RALLYPOINT_WARM_START": warm})
+        cluster.start("a", "b", "c", env={"RALLYPOINT_WARM_START": warm})
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 15)
         cluster.kill("c")
         # The survivors restarted and trained on in a world of two.

@@ -140,6 +140,7 @@ def test_a_node_killed_while_its_join_is_held_is_left_out_of_the_round(
     assert ended_by_a_live_node(status, {"c"}) == [] and status.history[-1].ended_at is None
 
 
+@pytest.mark.alone  # twice as many spinners as CPUs
 def test_members_on_saturated_cpus_end_no_generation(
     coordinator: processes.Coordinator, procs: list[subprocess.Popen[str]]
 ) -> None:

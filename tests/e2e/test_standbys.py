@@ -23,6 +23,7 @@ from rallypoint.cli.processes import Cluster, Coordinator
 from .._support import (
     cli,
     committed,
+    ends,
     judged,
     saved_since,
     small_cluster,
@@ -53,8 +54,7 @@ def two_and_a_standby(
 ) -> None:
     """Nodes a and b train to ``step``, then s parks beside them (with ``standby_env``
     added to ``env``)."""
-    for node in ("a", "b"):
-        cluster.add(node, env=env)
+    cluster.start("a", "b", env=env)
     step_at(cluster, step, world_size=2)
     cluster.add("s", env={**(env or {}), **(standby_env or {})})
     status_until(coordinator, cluster.job, lambda body: any(w["standby"] for w in body["waiting"]))
@@ -77,8 +77,7 @@ def test_a_standby_takes_a_killed_nodes_ranks_and_the_world_keeps_its_size(
         steps=120,
     )
     try:
-        for node in ("a", "b", "c", "d"):
-            cluster.add(node)
+        cluster.start("a", "b", "c", "d")
         step_at(cluster, 10, world_size=4 * NPROC)
         before = node_ranks(coordinator, "spare")
         cluster.add("s")
@@ -236,7 +235,7 @@ def test_a_hot_standby_whose_workers_fork_after_its_promotion_trains_in_the_lost
     finally:
         cluster.stop()
     history = judged(coordinator, cluster, 400)
-    assert [g["world_size"] for g in history] == [2, 2], history
+    assert [g["world_size"] for g in history] == [2, 2], ends(history)
     taken = [
         e
         for e in cluster.events()
@@ -288,8 +287,7 @@ def test_a_quarantined_node_is_refused_and_never_stands_by(
     b train to the end in their one generation."""
     cluster = Cluster(coordinator.url, "bad", tmp_path, nnodes="1:2", standbys=1, steps=60)
     try:
-        for node in ("a", "b"):
-            cluster.add(node)
+        cluster.start("a", "b")
         step_at(cluster, 5, world_size=2)
         done = cli(
             "nodes", "quarantine", "bad", "s", "--reason", "ECC errors", "--url", coordinator.url

@@ -53,9 +53,10 @@ def kill_rank_0_then_add_a_node(
     """Three nodes train; rank 0's node is SIGKILLed (the first generation's store and
     rank 0 live on it); a late node joins; the job runs to its end. The killed node, the
     verdict and the generation history."""
+    # The survivors stand still on purpose below: no hang detection for them.
+    cluster.conf += ",hang_limit=0"
     try:
-        for node in ("a", "b", "c"):
-            cluster.add(node)
+        cluster.start("a", "b", "c")
         step_at(cluster, 25, world_size=3)
         rank0 = node_of_rank(coordinator, cluster.job, 0)
         cluster.kill(rank0)
@@ -96,8 +97,7 @@ def test_survives_a_coordinator_restart_and_the_sigkill_of_a_nonzero_rank(
         coordinator.url, "restart", tmp_path, nnodes="2:3", steps=150, image_size=IMAGE_SIZE
     )
     try:
-        for node in ("a", "b", "c"):
-            cluster.add(node)
+        cluster.start("a", "b", "c")
         step_at(cluster, 20, world_size=3)
         coordinator.kill()  # SIGKILL: nothing flushed
         coordinator.start()
@@ -127,8 +127,7 @@ def test_a_preemption_notice_and_a_sigterm_lose_no_steps(
             image_size=IMAGE_SIZE,
         )
         try:
-            for node in ("a", "b", "c"):
-                cluster.add(node)
+            cluster.start("a", "b", "c")
             step_at(cluster, 20, world_size=3)
             event_id = imds.schedule("b")
             step_at(cluster, 0, world_size=2)
@@ -214,8 +213,7 @@ def test_a_resume_is_bit_identical_to_an_uninterrupted_run(
         cluster.script += ["--dropout", "0.25", "--seed", "3"]
         lost = None
         try:
-            cluster.add("a")
-            cluster.add("b")
+            cluster.start("a", "b")
             if kill:
                 step_at(cluster, 25, world_size=2)
                 lost = node_of_rank(coordinator, job, 1)

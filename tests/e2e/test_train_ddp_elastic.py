@@ -25,6 +25,7 @@ from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 from .._support import (
     committed,
     ended,
+    ends,
     kept_and_rolled_back,
     pids_of,
     run_to_the_end,
@@ -88,9 +89,9 @@ def shrink_then_grow(coordinator: Coordinator, tmp_path: Path) -> tuple[list[Eve
     3). The events and the job's history, after checking every agent's exit status."""
     job = "ddp-elastic"
     cluster = ddp_cluster(coordinator, job, tmp_path, "2:3", step_time=0.2)
+    cluster.conf += ",hang_limit=0"  # the survivors stand still on purpose below
     try:
-        for node in ("a", "b", "c"):
-            cluster.add(node)
+        cluster.start("a", "b", "c")
         committed(coordinator, job, 4)
         cluster.kill("c")  # 3 ranks -> 2
         resumed = [cluster.wait_for(lambda e: e["event"] == "resumed" and e["generation"] == 2)]
@@ -115,7 +116,7 @@ def uninterrupted(coordinator: Coordinator, tmp_path: Path) -> list[Event]:
     cluster = ddp_cluster(coordinator, "ddp-reference", work, "3:3", step_time=0.0)
     run_to_the_end(cluster)
     history = status(coordinator, "ddp-reference")["history"]
-    assert [g["world_size"] for g in history] == [3], history
+    assert [g["world_size"] for g in history] == [3], ends(history)
     return cluster.events()
 
 
@@ -127,7 +128,7 @@ def test_each_item_is_trained_once_an_epoch_through_a_shrink_and_a_growth(
     reference = uninterrupted(coordinator, tmp_path)
     print(f"both runs took {time.monotonic() - began:.0f} s")
 
-    assert [g["world_size"] for g in history] == [3, 2, 3], history
+    assert [g["world_size"] for g in history] == [3, 2, 3], ends(history)
     verdict = judge(log, history)
     assert verdict.consistent, verdict.problems
     assert verdict.final_step == STEPS

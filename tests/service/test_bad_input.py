@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from rallypoint.client import CREDENTIAL_HEADER
+from rallypoint.client.models import MAX_STACKS_BYTES
 
 from .._inprocess import InProcessCoordinator
 
@@ -55,6 +56,7 @@ def credential(served: tuple[str, str]) -> str:
 def snapshot(url: str) -> Any:
     jobs = httpx.get(f"{url}/v1/jobs").json()
     status = httpx.get(f"{url}/v1/jobs/job").json()
+    del status["as_of"], status["age"]  # when the view was read, and how old it is
     for member in status["members"]:
         member.pop("heartbeat_age")  # time passes; nothing else may change
         member.pop("state")
@@ -67,6 +69,7 @@ CKPT = "/v1/jobs/job/checkpoints"
 ENVELOPE = "/v1/envelope"
 INVALID = "invalid_request"
 TOO_LARGE = "body_too_large"
+UNKNOWN = "unknown_node"
 BEGIN = {"node_id": "a", "generation": 1, "step": 2}
 REPORT = {
     "node_id": "a",
@@ -80,6 +83,7 @@ RESTORE = {
     "bytes_from": {"memory": 0, "peer": 0, "storage": 10},
 }
 RESTORES = f"{CKPT}/1/restores"
+STACKS = "/v1/jobs/job/generations/1/nodes/a/stacks"
 
 CASES: list[tuple[str, str, str, Any, int, str]] = [
     # (id, method, path, body (bytes = raw), status, code)
@@ -217,6 +221,19 @@ CASES: list[tuple[str, str, str, Any, int, str]] = [
     ),
     # Version 1 is still being written: nothing can have been restored from it.
     ("restore-pending", "POST", RESTORES, RESTORE, 409, "checkpoint_conflict"),
+    # The longest stacks, past other routes' 64 KiB, reach the route (no hang ended
+    # generation 1); one character more is refused as the schema says, even as 12 bytes
+    # of JSON escapes; a body past the route's 1 MiB is refused before it is read.
+    ("stacks-no-hang", "PUT", STACKS, {"rank": 0, "stacks": "x" * MAX_STACKS_BYTES}, 404, UNKNOWN),
+    (
+        "stacks-too-long",
+        "PUT",
+        STACKS,
+        {"rank": 0, "stacks": "\U0001f9ca" * (MAX_STACKS_BYTES + 1)},
+        422,
+        INVALID,
+    ),
+    ("stacks-oversized", "PUT", STACKS, b"{" + b" " * (1100 * 1024) + b"}", 413, TOO_LARGE),
     ("wrong-method", "DELETE", "/v1/jobs/job", None, 405, "method_not_allowed"),
     ("envelope-in-envelope", "POST", ENVELOPE, {"method": "GET", "path": ENVELOPE}, 422, INVALID),
     ("envelope-outside-v1", "POST", ENVELOPE, {"method": "GET", "path": "/healthz"}, 422, INVALID),

@@ -5,6 +5,7 @@ that the service keeps to and the client maps; unsupported methods get 405."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import secrets
@@ -15,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema_rs
 import pytest
+from pydantic import ValidationError
 
 from rallypoint.client import codes
 from rallypoint.client import errors as client_errors
-from rallypoint.client.models import CREDENTIAL_HEADER
+from rallypoint.client.models import CREDENTIAL_HEADER, MAX_NODES_LIMIT, JobSpec
 from rallypoint.service import _http
 from rallypoint.service import errors as service_errors
 from rallypoint.service.app import create_app
@@ -118,6 +121,26 @@ def test_every_code_maps_to_a_client_exception() -> None:
     assert type(client_errors.error_for(500, "from_a_newer_server", "m")) is (
         client_errors.ServerError
     )
+
+
+def test_a_spec_as_the_api_writes_and_reads_it_is_what_the_document_admits(
+    tmp_path: Path,
+) -> None:
+    """The default spec as replies carry it (``hang_limit`` null: learned), and world
+    sizes sent as JSON numbers with no fraction, which JSON Schema calls integers: the
+    document admits both, and the model takes both; neither takes a fraction, a boolean
+    or a size out of bounds."""
+    schema = create_app(Settings(storage=f"local:{tmp_path}")).openapi()
+    admits = jsonschema_rs.Draft202012Validator(schema["components"]["schemas"]["JobSpec"])
+    written = json.loads(JobSpec().model_dump_json())
+    assert written["hang_limit"] is None and admits.is_valid(written)
+    whole = {"max_nodes": 4, "world_sizes": [2.0, 4.0], "hang_limit": None}
+    assert admits.is_valid(whole)
+    assert JobSpec.model_validate_json(json.dumps(whole)).world_sizes == (2, 4)
+    for sizes in [[2.5], [True], [0], [MAX_NODES_LIMIT + 1]]:
+        assert not admits.is_valid({"max_nodes": 4, "world_sizes": sizes})
+        with pytest.raises(ValidationError):
+            JobSpec.model_validate_json(json.dumps({"max_nodes": 4, "world_sizes": sizes}))
 
 
 def _operations(schema: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -90,6 +90,7 @@ def snapshot(url: str, nodes: list[str]) -> Any:
     """What a refused request must leave as it was: the job (generation, status,
     members, history, checkpoint pointers), every version, and the nodes' registrations."""
     status = httpx.get(f"{url}/v1/jobs/{JOB}", timeout=30).json()
+    del status["as_of"], status["age"]  # when the view was read, and how old it is
     for member in status["members"]:
         member.pop("heartbeat_age")  # time passes; nothing else may change
         member.pop("state")

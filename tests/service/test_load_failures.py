@@ -35,7 +35,7 @@ from rallypoint.service.errors import (
 from rallypoint.trainer import CheckpointCorrupt, CheckpointManager, TransferError, upload
 
 from .._rules import commit, end, seal
-from .._support import FILE, TOKEN, clients, join_all, managers, status
+from .._support import FILE, TOKEN, clients, ends, join_all, managers, status
 from ..conftest import Start
 
 ZERO = "ZeRORuntimeException: The checkpoint being loaded used a DP world size of 3"
@@ -277,8 +277,7 @@ def test_a_job_whose_survivors_cannot_load_waits_for_a_replacement(
     cluster = Cluster(coordinator.url, "noloop", tmp_path, nnodes="2:3", script=script)
     cluster.events_file = events
     try:
-        for node in ("a", "b", "c"):
-            cluster.add(node)
+        cluster.start("a", "b", "c")
         cluster.wait_for(lambda e: e["event"] == "saved" and e["world_size"] == 3, timeout=150)
         cluster.kill("c")
         info = blocked_status(coordinator, "noloop")
@@ -297,7 +296,7 @@ def test_a_job_whose_survivors_cannot_load_waits_for_a_replacement(
     assert codes == {"a": 0, "b": 0, "c": -9, "d": 0}, codes
     history = status(coordinator, "noloop")["history"]
     # world 3, two failed worlds of 2, the world of 3 that finished: no third failure.
-    assert [g["world_size"] for g in history] == [3, 2, 2, 3], history
+    assert [g["world_size"] for g in history] == [3, 2, 2, 3], ends(history)
     assert [bool(g["load_failure"]) for g in history] == [False, True, True, False]
     log = [e for e in cluster.events() if e["event"] == "finished"]
     assert {(e["world_size"], e["step"]) for e in log} == {(3, 12)} and len(log) == 3
@@ -317,8 +316,7 @@ def test_a_job_that_can_load_at_no_size_fails_loudly_at_its_join_timeout(
     )
     cluster.events_file = events
     try:
-        for node in ("a", "b", "c"):
-            cluster.add(node)
+        cluster.start("a", "b", "c")
         cluster.wait_for(lambda e: e["event"] == "saved", timeout=150)
         cluster.kill("c")
         info = blocked_status(coordinator, "hopeless")
@@ -327,7 +325,7 @@ def test_a_job_that_can_load_at_no_size_fails_loudly_at_its_join_timeout(
         cluster.stop()
     assert codes["a"] != 0 and codes["b"] != 0, codes
     history = status(coordinator, "hopeless")["history"]
-    assert [g["world_size"] for g in history] == [3, 2, 2], history
+    assert [g["world_size"] for g in history] == [3, 2, 2], ends(history)
     for node in ("a", "b"):
         text = (tmp_path / f"hopeless.{node}.log").read_text()
         assert "did not seal within 20 s; " + info["blocked"] in text

@@ -7,6 +7,7 @@ partitioned account looks from the coordinator.
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from rallypoint.client import CREDENTIAL_HEADER, ElasticClient
-from rallypoint.client.models import JobSpec
+from rallypoint.client.models import STALE_STATUS, JobSpec, JobStatus
 from rallypoint.service._rendezvous import Rendezvous
 from rallypoint.service.errors import StorageUnavailable
 from rallypoint.service.storage import (
@@ -335,6 +336,65 @@ def test_a_replica_storage_does_not_answer_takes_no_beat(own_azurite: Azurite) -
         while httpx.post(f"{base}/nodes/a/heartbeat", json=beat, headers=a).status_code != 200:
             assert time.monotonic() < deadline, "beats not taken again after the outage"
             time.sleep(0.1)
+    finally:
+        coordinator.stop()
+
+
+@pytest.mark.azurite
+def test_the_status_answers_with_its_last_view_and_its_age_while_storage_is_frozen(
+    own_azurite: Azurite,
+) -> None:
+    """A replica that read a job's status answers it through a storage outage: 200 with
+    the last view it read, its ``age`` growing (the page and the CLI say it is old), also
+    to a look after its reads stopped for want of viewers; a job it never read is 503.
+    Once storage answers, the view is fresh again."""
+    from rallypoint.cli._inspect import print_status
+
+    env = {
+        "AZURE_STORAGE_CONNECTION_STRING": own_azurite.connection_string,
+        "RALLYPOINT_STORAGE_PREFIX": "s" + uuid.uuid4().hex[:10],
+    }
+    coordinator = InProcessCoordinator(["--storage", "azure"], env).start()
+    url = f"{coordinator.url}/v1/jobs"
+
+    def status(job: str = "job") -> httpx.Response:
+        return httpx.get(f"{url}/{job}", timeout=30)
+
+    try:
+        join_all(clients(coordinator.url, ["a", "b"]), timed_spec(2, 2, timeout=60))
+        before = status().json()
+        assert before["status"] == "sealed" and before["age"] < 2.5
+        assert httpx.get(f"{coordinator.url}/jobs/job", timeout=30).status_code == 200
+        members = sorted(m["node_id"] for m in before["members"])
+        with own_azurite.frozen():
+            frozen_at = time.monotonic()
+            ages, read_at = [], set()
+            while time.monotonic() - frozen_at < STALE_STATUS + 1:
+                reply = status()
+                assert reply.status_code == 200, reply.text
+                assert sorted(m["node_id"] for m in reply.json()["members"]) == members
+                read_at.add(reply.json()["as_of"])
+                ages.append(reply.json()["age"])
+                time.sleep(0.2)
+            assert len(read_at) == 1, "a view read while storage was frozen"
+            assert ages == sorted(ages) and ages[-1] >= STALE_STATUS
+            page = httpx.get(f"{coordinator.url}/jobs/job", timeout=30)
+            assert page.status_code == 200 and "<p id='stale' class='error'>" in page.text
+            out = io.StringIO()
+            print_status(JobStatus.model_validate_json(reply.content), out)
+            assert "the coordinator has not read storage since" in out.getvalue()
+            # Nothing to show of a job it never read.
+            never = status("other")
+            assert (never.status_code, never.json()["code"]) == (503, "storage_unavailable")
+            # Nobody looks for longer than the reads go on without viewers: the next look
+            # tries a read first, and answers the last view when it fails.
+            time.sleep(6)
+            late = status()
+            assert late.status_code == 200 and late.json()["age"] > ages[-1]
+        deadline = time.monotonic() + 20
+        while status().json()["age"] > 1.5:
+            assert time.monotonic() < deadline, "the view was not read again after the outage"
+            time.sleep(0.2)
     finally:
         coordinator.stop()
 

@@ -458,8 +458,7 @@ def test_a_torchrun_job_resumes_from_the_good_version_on_every_rank(tmp_path: Pa
         ]
 
     try:
-        cluster.add("a")
-        cluster.add("b")
+        cluster.start("a", "b")
         saved = each_rank("saved", step=10) + each_rank("saved", step=20)
         good, bad = saved[0]["version"], saved[2]["version"]
         assert [e["version"] for e in saved] == [good, good, bad, bad] and good < bad

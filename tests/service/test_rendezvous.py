@@ -317,9 +317,11 @@ def storage_calls(rdzv: Rendezvous) -> Counter[str]:
     table = rdzv.table
     for name in ("get", "insert", "replace", "upsert", "delete", "query", "batch"):
 
-        def counted(*args: object, _name: str = name, _call: object = getattr(table, name)):
+        def counted(
+            *args: object, _name: str = name, _call: object = getattr(table, name), **kw: object
+        ):
             calls[_name] += 1
-            return _call(*args)  # type: ignore[operator]
+            return _call(*args, **kw)  # type: ignore[operator]
 
         setattr(table, name, counted)
     return calls

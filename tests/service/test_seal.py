@@ -248,3 +248,89 @@ def test_a_cut_watch_counts_at_once_when_another_member_saw_a_collective_fail() 
     # The cut node's own report shows it alive.
     assert not seal.corroborated("b", 100.0, {"b": 100.01}, window)
     assert seal.corroborated("b", 100.0, {"b": 100.01, "c": 100.02}, window)
+
+
+# --- world sizes: a job that takes only some ----------------------------------------
+
+
+def sized(
+    declared: tuple[int, ...] | None = None,
+    learned: tuple[int, ...] | None = None,
+    *,
+    min_nodes: int = 1,
+    max_nodes: int = 4,
+    standbys: int = 0,
+) -> Job:
+    spec = JobSpec(
+        min_nodes=min_nodes, max_nodes=max_nodes, world_sizes=declared, standbys=standbys
+    )
+    return Job("job", spec, 1, "sealed", 2, 0.0, 100.0, "etag", learned_sizes=learned)
+
+
+def test_a_job_takes_the_sizes_it_declares_less_those_its_workers_ruled_out() -> None:
+    assert seal.sizes(sized()) is None  # any, from min_nodes to max_nodes
+    assert seal.sizes(sized((2, 4))) == (2, 4)
+    assert seal.sizes(sized(learned=(1, 2, 4, 8))) == (1, 2, 4)  # within max_nodes
+    assert seal.sizes(sized((2, 3, 4), learned=(1, 2, 4))) == (2, 4)
+    assert seal.sizes(sized((3,), learned=(2,))) == ()  # none at all
+    # A round seals the largest size its nodes make, never above max_nodes.
+    job = sized((2, 4))
+    assert [seal.world_for(job, n) for n in range(1, 7)] == [None, 2, 2, 4, 4, 4]
+    assert [seal.world_for(sized(), n) for n in (1, 3, 5)] == [1, 3, 4]
+
+
+def test_a_newcomer_waits_for_a_size_unless_it_and_those_waiting_make_a_larger_one() -> None:
+    job, two = sized((2, 4)), running("a", "b")
+    assert seal.waits_for_size(job, two, "c", waiting=0)  # 3: not a size the job takes
+    assert not seal.waits_for_size(job, two, "d", waiting=1)  # with c: 4, it grows
+    assert not seal.waits_for_size(job, two, "a", waiting=0)  # a member back: it restarted
+    assert not seal.waits_for_size(sized(), two, "c", waiting=0)  # any size: it grows
+    assert seal.grows(sized(), 2, 1) and seal.grows(job, 2, 2) and not seal.grows(job, 2, 1)
+    # Beside the largest world the job takes, nodes wait as long as places remain.
+    only = sized(learned=(2,), max_nodes=3)
+    assert seal.waits_for_size(only, two, "c", waiting=0)
+    with pytest.raises(JobFull, match="1 waiting for a world size it takes"):
+        seal.waits_for_size(only, two, "d", waiting=1)
+    assert seal.waits_for_size(
+        replace(only, spec=only.spec.model_copy(update={"standbys": 1})), two, "d", 1
+    )
+
+
+def test_a_hot_join_ends_the_generation_only_for_a_size_the_job_takes() -> None:
+    job, two = sized((2, 4)), running("a", "b")
+    assert seal.ready_ends(job, two, "c", 2, waiting=1) is None  # 3 nodes: it waits
+    assert seal.ready_ends(job, two, "d", 2, waiting=2) == "node d joined"  # 4 with c
+    assert seal.ready_ends(sized(), two, "c", 2) == "node c joined"  # any size
+
+
+def test_a_report_keeps_the_sizes_in_range_but_never_the_world_that_failed() -> None:
+    job = sized(min_nodes=2, max_nodes=3)
+    assert seal.learned(job, [1, 2, 4, 8, 16], 3) == (2,)
+    # Nodes of different process counts: the arithmetic may name the failed world too.
+    assert seal.learned(job, [1, 2, 3], 3) == (2,)
+    assert seal.learned(job, [1, 4], 3) == ()
+    learned = replace(job, learned_sizes=(2,))
+    assert seal.size_refused(learned, 3, 1, "WorldSizeError: x") == (
+        "rank 1 cannot train a world of 3 nodes: WorldSizeError: x; the job takes worlds of 2 nodes"
+    )
+    none = replace(job, learned_sizes=())
+    assert seal.size_refused(none, 3, 0, "").endswith("the job takes no world from 2 to 3 nodes")
+
+
+def test_a_round_of_no_size_the_job_takes_says_why_it_waits() -> None:
+    job = sized((2, 4))
+    assert seal.size_blocked(sized()) is None and seal.size_blocked(job) is None
+    assert (
+        seal.size_blocked(job, 1)
+        == "waiting: 1 node(s) make no world size the job takes (2, 4 nodes)"
+    )
+    assert seal.size_blocked(job, 3) is None  # it seals 2
+    never = seal.size_blocked(sized((3,), learned=(2,)))
+    assert (
+        never == "waiting: the job takes no world from 1 to 4 nodes (its spec: 3; its workers: 2)"
+    )
+    # Why the nodes parked beside a running generation wait.
+    assert seal.parked_reason(job, 2, 1).startswith("standby: 2 members and 1 waiting make no")
+    assert seal.parked_reason(job, 4, 1).startswith("standby: the generation has max_nodes=4")
+    assert seal.parked_reason(job, 2, 2).startswith("hot join")
+    assert seal.parked_reason(sized(), 2, 1).startswith("hot join")

@@ -20,11 +20,11 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
 from rallypoint.cli.fake_imds import FakeImds
-from rallypoint.client import ElasticClient, JobSpec, ShardFile, Timeline
+from rallypoint.client import ElasticClient, JobSpec, ShardFile, StacksReport, Timeline
 from rallypoint.trainer import upload
 
 from .._coordinator import Coordinator
-from .._support import FILE, cli, save_by_hand
+from .._support import FILE, Stepping, cli, join_all, save_by_hand
 
 pytestmark = pytest.mark.e2e
 
@@ -87,7 +87,7 @@ def member_rows(driver: WebDriver) -> list[list[str]]:
         "return [...document.querySelectorAll('#members tbody tr')]"
         ".map(tr => [...tr.querySelectorAll('td')].map(td => td.innerText))"
     )
-    return [r for r in rows if len(r) == 5]  # not the "none" placeholder
+    return [r for r in rows if len(r) == 9]  # not the "none" placeholder
 
 
 def text_of(driver: WebDriver, element_id: str) -> str:
@@ -482,3 +482,94 @@ def test_a_reader_token_sees_its_own_jobs_timeline_only(coordinator: Coordinator
     policy = httpx.get(f"{url}/jobs/mine", headers=auth).headers["content-security-policy"]
     assert "default-src 'none'" in policy and "connect-src 'self'" in policy
     assert "script-src 'nonce-" in policy and "unsafe-inline" not in policy
+
+
+# What py-spy dump prints of a process stopped in its all-reduce (cut short).
+STACKS = """Process 4242: python train.py
+Python v3.12.3 (/usr/bin/python3.12)
+
+Thread 4242 (idle): "MainThread"
+    allreduce (torch/distributed/distributed_c10d.py:2806)
+    step (train.py:41)
+    <module> (train.py:60)
+"""
+
+
+def table(driver: WebDriver, element_id: str) -> list[dict[str, Any]]:
+    """A table's rows (class and cells' text), read in one script."""
+    rows: list[dict[str, Any]] = driver.execute_script(
+        "return [...document.querySelectorAll('#' + arguments[0] + ' tbody tr')]"
+        ".map(tr => ({cls: tr.className, cells: [...tr.cells].map(td => td.innerText)}))",
+        element_id,
+    )
+    return [r for r in rows if len(r["cells"]) > 1]  # not the "none" placeholder
+
+
+def test_the_page_shows_progress_a_straggler_and_a_hang_with_its_stacks(
+    coordinator: Coordinator, browser: WebDriver
+) -> None:
+    url = coordinator.url
+    nodes = [ElasticClient(url, "health", n, TOKEN) for n in ("node-a", "node-b", "node-c")]
+    join_all(nodes, JobSpec(min_nodes=3, max_nodes=3, heartbeat_timeout=timedelta(seconds=10)))
+    rank = {n.node_id: n.assignment.rank for n in nodes if n.assignment is not None}
+    sign_in(browser, url)
+    browser.set_window_size(1100, 1300)
+    browser.get(f"{url}/jobs/health")
+    # node-c's own share of each step takes 5 times the others': it is the straggler.
+    with Stepping(nodes, own={"node-c": 0.5}) as stepping:
+        # The page, never reloaded by the test, names it within its 3 windows of 5 s.
+        WebDriverWait(browser, 30, poll_frequency=0.2).until(
+            lambda d: any("straggler" in r["cls"] for r in table(d, "members"))
+        )
+        rows = {r["cells"][1]: r for r in table(browser, "members")}
+        assert rows["node-c"]["cls"] == "alive straggler"
+        assert rows["node-c"]["cells"][8] == "0.20 straggler"
+        assert rows["node-a"]["cells"][8] == rows["node-b"]["cells"][8] == "1.00"
+        assert all(int(r["cells"][5]) > 0 and r["cells"][6] == "train" for r in rows.values())
+        assert text_of(browser, "health") == (
+            "hang limit 3.0s (floor); phase limit 600 s; "
+            f"stragglers: node-c (rank {rank['node-c']}, score 0.20); hangs so far: 0"
+        )
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "status-page-straggler.png"))
+        stepping.freeze("node-b")
+        stepping.ended()
+
+    # The hang: a row of its own, and a restart of its own on the timeline.
+    WebDriverWait(browser, 15, poll_frequency=0.2).until(lambda d: table(d, "hangs"))
+    (row,) = table(browser, "hangs")
+    assert row["cells"][:4] == ["1", "node-b", str(rank["node-b"]), "train"]
+    assert row["cells"][-1] == "not sent yet"
+    marks = drawing(browser)
+    assert [(r["generation"], r["cause"]) for r in marks["restarts"]] == [("1", "hung")]
+    assert "restart (rank hung) at " in marks["restarts"][0]["title"]
+    legend: list[str] = browser.execute_script(
+        "return [...document.querySelectorAll('#timeline svg g.legend text')]"
+        ".map(t => t.textContent)"
+    )
+    assert "rank hung" in legend
+
+    # node-b's agent sends the stacks it took before it stopped the process.
+    node_b = nodes[1]
+    node_b.report_stacks(
+        1,
+        StacksReport(
+            rank=rank["node-b"], pid=4242, stacks=STACKS, taken_by="py-spy 0.4.1 (not suspended)"
+        ),
+    )
+    WebDriverWait(browser, 15, poll_frequency=0.2).until(
+        lambda d: [r["cells"][-1] for r in table(d, "hangs")] == ["py-spy 0.4.1 (not suspended)"]
+    )
+    assert "hangs so far: 1" in text_of(browser, "health")
+    browser.find_element(By.LINK_TEXT, "1").click()
+    WebDriverWait(browser, 10, poll_frequency=0.1).until(lambda d: text_of(d, "stacks"))
+    assert text_of(browser, "reason").startswith(
+        f"rank {rank['node-b']} on node node-b hung: no progress for 3."
+    )
+    assert text_of(browser, "stacks") == STACKS
+    assert text_of(browser, "taken-by").startswith("Taken by py-spy 0.4.1 (not suspended)")
+    (facts,) = table(browser, "hang")
+    assert facts["cells"][:3] == ["node-b", str(rank["node-b"]), "4242"]
+    browser.save_screenshot(str(ARTIFACTS / "status-page-hang.png"))
+    browser.find_element(By.LINK_TEXT, "job health").click()
+    WebDriverWait(browser, 10, poll_frequency=0.1).until(lambda d: table(d, "hangs"))

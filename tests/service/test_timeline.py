@@ -228,6 +228,68 @@ def test_each_restart_is_marked_with_its_cause() -> None:
     assert title(marks[2]).endswith("node c left: preempted (Preempt)")
 
 
+#: A reason of each kind the coordinator records, by the cause it reads as.
+EVERY_CAUSE = {
+    "lost": "node a missed heartbeats for 10.0 s",
+    "hung": "rank 1 on node b hung: no progress for 3.1 s in train at step 62 (limit 3.0 s)",
+    "straggler": "node c quarantined: straggler: rank 2's score 0.20 stayed under 0.75 for 3 "
+    "windows (replace)",
+    "preempted": "node c left: preempted (Preempt)",
+    "left": "node d left: finished",
+    "removed": "node e removed",
+    "joined": "node f joined",
+    "rejoined": "member g re-joined",
+    "quarantined": "checkpoint v3 quarantined: loss spiked",
+    "unrecoverable": "checkpoint v4 unrecoverable: checksum mismatch",
+    "load_failed": "rank 0 could not load v5: size mismatch",
+    "world_size": "rank 0 cannot train a world of 3 nodes: global batch 16",
+    "other": "the operator said so",
+}
+
+
+def legend(root: ET.Element) -> list[tuple[float, str]]:
+    """The legend's entries: where each one's text sits (y, in the drawing's units) and
+    what it says."""
+    (drawn_legend,) = groups(root, "legend")
+    entries = []
+    for item in drawn_legend.findall(f"{SVG}g"):
+        shift = float((item.get("transform") or "").split(",")[1].rstrip(")"))
+        text = item.find(f"{SVG}text")
+        assert text is not None
+        entries.append((shift + float(text.get("y", "")), text.text or ""))
+    return entries
+
+
+def test_a_hang_and_a_straggler_replaced_are_restarts_of_their_own() -> None:
+    history = [
+        gen(1, 3, 1, 6, EVERY_CAUSE["hung"]),
+        gen(2, 3, 7, 10, EVERY_CAUSE["straggler"]),
+        gen(3, 3, 11, None, None),
+    ]
+    root = drawn(tl.timeline(job(), history, [], [], T0 + 12))
+    marks = groups(root, "restart")
+    assert [m.get("data-cause") for m in marks] == ["hung", "straggler"]
+    assert title(marks[0]).startswith("restart (rank hung) at ")
+    assert title(marks[1]).endswith(EVERY_CAUSE["straggler"])
+    words = [text for _, text in legend(root)]
+    assert words[1:3] == ["rank hung", "straggler replaced"]
+
+
+def test_the_legend_shows_every_cause_drawn_and_the_drawing_grows_to_hold_it() -> None:
+    assert {tl.cause(reason) for reason in EVERY_CAUSE.values()} == set(tl.CAUSE_COLOURS)
+    assert {c: tl.cause(r) for c, r in EVERY_CAUSE.items()} == {c: c for c in EVERY_CAUSE}
+    history = [gen(i, 2, i, i + 0.5, why) for i, why in enumerate(EVERY_CAUSE.values(), 1)]
+    root = drawn(tl.timeline(job(), history, [], [], T0 + 20))
+    entries = legend(root)
+    assert len([text for _, text in entries if text in tl._WORDS.values()]) == len(EVERY_CAUSE)
+    height = float(root.get("height", ""))
+    assert float(root.get("viewBox", "").split()[3]) == height > tl.HEIGHT
+    assert max(y for y, _ in entries) < height  # the last row is not cut off
+    # A job with few causes keeps the drawing's height.
+    few = drawn(tl.timeline(job(), HISTORY, [], [], T0 + 20))
+    assert float(few.get("height", "")) == tl.HEIGHT
+
+
 def test_each_checkpoint_is_marked_by_tier_and_the_pointers_name_theirs() -> None:
     root = drawn(full())
     marks = groups(root, "checkpoint")

@@ -21,7 +21,7 @@ from rallypoint.cli.processes import Cluster, Coordinator, Event, judge
 from rallypoint.trainer import ElasticSampler
 
 from .._state_checks import STATE_CHECKS
-from .._support import judged, saved_since, status, status_until
+from .._support import ends, joins_hot, judged, saved_since, status, status_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -49,12 +49,17 @@ p.add_argument("--events", required=True)
 p.add_argument("--items", type=int, default=120, help="an epoch's items")
 p.add_argument("--micro", type=int, default=2, help="per-device batch")
 p.add_argument("--global-batch", type=int, default=12, help="DeepSpeed's train_batch_size")
+p.add_argument("--init-distributed", action="store_true", help="rp_deepspeed.init_distributed()")
 args = p.parse_args()
 
-client = ElasticClient.from_env()
-assignment = client.join()
 torch.set_num_threads(1)
-dist.init_process_group("gloo")
+if args.init_distributed:  # joins, then deepspeed.init_distributed
+    client = rp_deepspeed.init_distributed(dist_backend="gloo")
+else:  # as the docs had scripts do before init_distributed
+    client = ElasticClient.from_env()
+    client.join()
+    dist.init_process_group("gloo")
+assignment = client.assignment
 rank, world = dist.get_rank(), dist.get_world_size()
 
 def event(kind, **fields):
@@ -209,10 +214,12 @@ def test_zero3_resumes_every_rank_from_the_named_version_after_a_node_is_killed(
     cluster = zero_cluster(coordinator, tmp_path, "zero3", "2:2", args)
     stale = stale_folder(tmp_path / "c" / "checkpoints")
     try:
+        first = []
         for node in ("a", "b"):
             (tmp_path / node).mkdir()
             env = {**DS_ENV, "SAVE_DIR": str(tmp_path / node / "checkpoints")}
-            cluster.add(node, nproc=2 if node == "a" else 1, env=env)
+            first.append((node, {"nproc": 2 if node == "a" else 1, "env": env}))
+        cluster.start(*first)
         cluster.wait_for(
             lambda e: e["event"] == "step" and e["step"] >= 12 and e["world_size"] == 3,
             timeout=240,
@@ -249,13 +256,16 @@ def test_zero3_with_a_standby_survives_a_node_kill_at_its_world_size_from_memory
     args = ["--stage", "3", "--steps", "200", "--every", "10", "--step-time", "0.05"]
     cluster = zero_cluster(coordinator, tmp_path, "zero3spare", "2:2", args, standbys=1)
 
-    def add(node: str) -> None:
-        (tmp_path / node).mkdir()
-        cluster.add(node, env={**DS_ENV, "SAVE_DIR": str(tmp_path / node / "checkpoints")})
+    def node(name: str) -> tuple[str, dict[str, Any]]:
+        (tmp_path / name).mkdir()
+        return name, {"env": {**DS_ENV, "SAVE_DIR": str(tmp_path / name / "checkpoints")}}
+
+    def add(name: str) -> None:
+        name, options = node(name)
+        cluster.add(name, **options)
 
     try:
-        for node in ("a", "b"):
-            add(node)
+        cluster.start(node("a"), node("b"))
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10, timeout=240)
         add("s")
         status_until(coordinator, "zero3spare", lambda b: any(w["standby"] for w in b["waiting"]))
@@ -271,7 +281,7 @@ def test_zero3_with_a_standby_survives_a_node_kill_at_its_world_size_from_memory
     history = judged(coordinator, cluster, 200)
     log = cluster.events()
     # One generation ended, by the kill; the standby's ran to the end.
-    assert [g["world_size"] for g in history] == [2, 2], history
+    assert [g["world_size"] for g in history] == [2, 2], ends(history)
     assert not any(g["load_failure"] for g in history), history
     assert after == {"a": before["a"], "s": before["b"]}
     saved = {e["step"]: e["digests"] for e in log if e["event"] == "saving"}
@@ -283,6 +293,24 @@ def test_zero3_with_a_standby_survives_a_node_kill_at_its_world_size_from_memory
     taken = next(e for e in resumed if e["rank"] == before["b"])
     assert taken["bytes_from"]["storage"] == taken["bytes_from"]["peer"] == 0, taken
     assert taken["bytes_from"]["memory"] > 0
+
+
+def test_a_node_that_joins_under_rallypoint_runs_defaults_gets_in(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """Node c joins a and b's running ZeRO-2 job under ``rallypoint run``'s defaults (a
+    hot join): ``rp_deepspeed.init_distributed()`` joins before it builds the process
+    group, so c's worker waits there and goes in hot, and the world of 3 trains (the
+    partitions resharded from the version the two saved)."""
+    steps = 60
+    args = ["--init-distributed", "--stage", "2", "--steps", str(steps), "--every", "5"]
+    args += ["--step-time", "1"]  # until c is in: its agent and worker start meanwhile
+    cluster = zero_cluster(coordinator, tmp_path, "ds-join", "2:3", args)
+    env = {**DS_ENV, "SAVE_DIR": str(tmp_path / "checkpoints")}
+    events = joins_hot(coordinator, cluster, 3, steps, env=env)
+    resumed = [e for e in events if e["event"] == "resumed" and e["generation"] == 2]
+    assert sorted(e["rank"] for e in resumed) == [0, 1, 2], resumed
+    assert {(e["accumulation"], e["saved_by"]) for e in resumed} == {(2, 2)}
 
 
 @pytest.mark.parametrize("stage", [3, 2])
@@ -306,13 +334,16 @@ def test_zero_resumes_at_another_world_size_shrunk_and_grown(
     job = f"reshard{stage}"
     cluster = zero_cluster(coordinator, tmp_path, job, "2:3", args)
 
-    def add(node: str) -> None:
-        (tmp_path / node).mkdir()
-        cluster.add(node, nproc=1, env={**DS_ENV, "SAVE_DIR": str(tmp_path / node / "ckpt")})
+    def node(name: str) -> tuple[str, dict[str, Any]]:
+        (tmp_path / name).mkdir()
+        return name, {"nproc": 1, "env": {**DS_ENV, "SAVE_DIR": str(tmp_path / name / "ckpt")}}
+
+    def add(name: str) -> None:
+        name, options = node(name)
+        cluster.add(name, **options)
 
     try:
-        for node in ("a", "b", "c"):
-            add(node)
+        cluster.start(node("a"), node("b"), node("c"))
         cluster.wait_for(
             lambda e: e["event"] == "step" and e["step"] >= 12 and e["world_size"] == 3,
             timeout=240,
@@ -331,8 +362,7 @@ def test_zero_resumes_at_another_world_size_shrunk_and_grown(
             )
             add("d")
             # Before the end, which cluster.wait hastens: the two train on while d starts.
-            # d's own resume: the first generation may have been three nodes, or two that
-            # the third joined (on a busy machine), so count from the shrink's generation.
+            # d's own resume: a generation after the shrink's.
             cluster.wait_for(
                 lambda e: (
                     e["event"] == "resumed"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -24,16 +25,26 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from rallypoint.cli.fake_imds import FakeImds
 from rallypoint.cli.processes import Cluster, Coordinator, Event, example_script, judge
-from rallypoint.trainer import BatchPlan
-from rallypoint.trainer._lightning import _EpochSampler, _rebuilt, resume_position
+from rallypoint.trainer import BatchPlan, ElasticSampler
+from rallypoint.trainer._lightning import _EpochSampler, _order_of, _rebuilt, resume_position
 from rallypoint.trainer.errors import WorldSizeError
 from rallypoint.trainer.lightning import RallypointDDPStrategy
 
-from .._support import committed, kept_and_rolled_back, run_to_the_end, status
+from .._support import (
+    HUNG_B,
+    committed,
+    ends,
+    hang_report,
+    hung_worker,
+    joins_hot,
+    kept_and_rolled_back,
+    run_to_the_end,
+    status,
+)
 from .._versions import final_model, largest_relative_difference
 
 pytestmark = pytest.mark.timeout(180)
@@ -74,6 +85,16 @@ def test_the_loader_is_rebuilt_with_the_plans_batch_keeping_its_other_options() 
     assert (rebuilt.batch_size, rebuilt.sampler, rebuilt.drop_last) == (4, sampler, True)
     assert len(rebuilt) == 12  # 48 samples of this rank's share in batches of 4
     assert [len(b) for b in rebuilt] == [4] * 12
+
+
+def test_a_scripts_own_elastic_sampler_is_taken_over_with_its_order() -> None:
+    own = ElasticSampler(100, rank=1, world_size=3, shuffle=True, seed=7, batch_size=4)
+    length, shuffle, seed = _order_of(own, 200)  # the sampler's length, not the dataset's
+    assert (length, shuffle, seed) == (100, True, 7)
+    ours = _EpochSampler(length, rank=0, world_size=1, shuffle=shuffle, seed=seed, batch_size=1)
+    assert list(ours) == list(ElasticSampler(100, rank=0, world_size=1, shuffle=True, seed=7))
+    assert _order_of(RandomSampler(range(50)), 50) == (50, True, 0)
+    assert _order_of(SequentialSampler(range(50)), 50) == (50, False, 0)
 
 
 def test_resume_position_puts_lightnings_counter_in_this_worlds_batches() -> None:
@@ -159,9 +180,7 @@ def kill_a_node_mid_run(coordinator: Coordinator, tmp_path: Path, strategy: str)
     # fit(ckpt_path="last") too: the coordinator's version wins over the folder's files.
     cluster = lightning_cluster(coordinator, job, tmp_path, strategy, "--ckpt-path", "last")
     try:
-        cluster.add("a", nproc=2)
-        cluster.add("b")
-        cluster.add("c")
+        cluster.start(("a", {"nproc": 2}), "b", "c")
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10, timeout=120)
         victim = "c"
         cluster.kill(victim)  # the node and its worker, SIGKILL
@@ -216,8 +235,7 @@ def test_lightning_cifar_miniature_loses_no_step_to_a_preemption_notice(
         )
         cluster.nnodes = "1:2"
         try:
-            cluster.add("a", nproc=2)
-            cluster.add("b")
+            cluster.start(("a", {"nproc": 2}), "b")
             cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 6, timeout=120)
             event_id = imds.schedule("b")
             cluster.wait_for(lambda e: e["event"] == "resumed" and e["generation"] == 2)
@@ -242,6 +260,27 @@ def test_lightning_cifar_miniature_loses_no_step_to_a_preemption_notice(
     assert [e["digest"] for e in resumed] == [saved[pointer["step"]]] * 2
     versions = httpx.get(f"{coordinator.url}/v1/jobs/lit-preempt/checkpoints", timeout=10).json()
     assert "memory" in {v["durability"] for v in versions}  # routine ones stayed in memory
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("strategy", ["ddp", "model-parallel"])
+def test_lightning_takes_a_node_that_joins_under_rallypoint_runs_defaults(
+    coordinator: Coordinator, tmp_path: Path, strategy: str
+) -> None:
+    """Node c joins a running job of a and b under ``rallypoint run``'s defaults: it
+    parks, and its worker starts in the placeholder world. The strategy joins before it
+    builds its process group (here first in a ``validate()`` before ``fit()``, which
+    builds it too), so the worker waits there and goes in hot: it does not fail at the
+    placeholder master, and the world of 3 trains."""
+    job, steps = f"lit-join-{strategy}", 60
+    # Paced (1 s a step) until c is in: its agent and worker start meanwhile.
+    cluster = lightning_cluster(
+        coordinator, job, tmp_path, strategy, "--validate-first", "--step-time", "1",
+        "--steps", str(steps),  # global batch 24: 2 x 12, then 3 x 8
+    )  # fmt: skip
+    events = joins_hot(coordinator, cluster, 3, steps)
+    resumed = [e for e in events if e["event"] == "resumed" and e["generation"] == 2]
+    assert sorted(e["rank"] for e in resumed) == [0, 1, 2], resumed
 
 
 SAMPLES = 480  # 10 steps an epoch of the global batch below
@@ -290,8 +329,7 @@ def shrink_then_grow(
     pace = ("--strategy", strategy, "--step-time", "0.3", *extra)
     cluster = elastic_cluster(coordinator, job, tmp_path, "2:3", ELASTIC_STEPS, *pace)
     try:
-        for node in ("a", "b", "c"):
-            cluster.add(node)
+        cluster.start("a", "b", "c")
         first_step(cluster, 1, 5)
         cluster.kill("c")  # 3 ranks -> 2, no replacement
         first_step(cluster, 2, 8)
@@ -310,7 +348,7 @@ def check_elastic_run(
     log: list[Event], history: list[dict[str, Any]], codes: dict[str, int]
 ) -> None:
     steps = ELASTIC_STEPS
-    assert [g["world_size"] for g in history] == [3, 2, 3], history
+    assert [g["world_size"] for g in history] == [3, 2, 3], ends(history)
     verdict = judge(log, history)
     assert verdict.consistent, verdict.problems
     assert verdict.final_step == steps, codes
@@ -333,9 +371,17 @@ def check_elastic_run(
                 assert (e["version"], e["step"]) == (pointer["version"], pointer["step"])
                 assert e["digest"] == saved[pointer["step"]]
                 assert pointer["step"] % 10, "the test means to resume mid-epoch"
+    check_each_sample_once(log, steps)
+
+
+def check_each_sample_once(log: list[Event], steps: int) -> None:
+    """In the steps the run kept (not those a restart rolled back and re-did), every
+    sample of every epoch trained once, ``GLOBAL_BATCH`` samples a step and 10 steps an
+    epoch; prints the counts."""
     kept, lost = kept_and_rolled_back(log, "batch")
     counts = sample_counts(kept)
-    assert sorted(counts) == [0, 1, 2]
+    epochs = steps // 10
+    assert sorted(counts) == list(range(epochs))
     for epoch, count in counts.items():
         repeated = sum(n - 1 for n in count.values() if n > 1)
         never = SAMPLES - len(count)
@@ -345,8 +391,8 @@ def check_elastic_run(
     for e in kept:
         by_step[e["step"]] += len(e["indices"])
     assert by_step == dict.fromkeys(range(steps), GLOBAL_BATCH)  # every step 48 samples
-    epochs = {e["step"]: e["epoch"] for e in kept}
-    assert [list(epochs.values()).count(epoch) for epoch in (0, 1, 2)] == [10, 10, 10]
+    of_step = {e["step"]: e["epoch"] for e in kept}
+    assert [list(of_step.values()).count(epoch) for epoch in range(epochs)] == [10] * epochs
     print(f"{len(lost)} batches of rolled-back steps re-done")
 
 
@@ -361,6 +407,36 @@ def test_lightning_ddp_trains_each_sample_once_an_epoch_through_a_shrink_and_a_g
     extra = ("--num-workers", "1", "--schedule", "--epochs", "3")
     check_elastic_run(*shrink_then_grow(coordinator, tmp_path, "ddp", *extra))
     against_uninterrupted(coordinator, tmp_path, "ddp", *extra)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_lightning_ddp_takes_over_the_scripts_own_elastic_sampler_through_a_shrink(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """The loader as the docs had users write it: an ElasticSampler of the script's own
+    (``use_distributed_sampler=False``), saved in ``on_save_checkpoint`` and advanced by
+    hand. Through 3 ranks -> 2 mid-epoch, the strategy takes it over (its seed and
+    order kept): every sample of both epochs trained once in the steps kept."""
+    job, steps = "lit-own-sampler", 20
+    pace = ("--own-sampler", "--epochs", "2", "--step-time", "0.3")
+    cluster = elastic_cluster(coordinator, job, tmp_path, "2:3", steps, *pace)
+    try:
+        cluster.start("a", "b", "c")
+        first_step(cluster, 1, 5)
+        cluster.kill("c")  # 3 ranks -> 2, no replacement
+        codes = cluster.wait(timeout=200)
+    finally:
+        cluster.stop()
+    log, history = cluster.events(), status(coordinator, job)["history"]
+    assert [g["world_size"] for g in history] == [3, 2], ends(history)
+    verdict = judge(log, history)
+    assert verdict.consistent, verdict.problems
+    assert verdict.final_step == steps, codes
+    assert codes["a"] == codes["b"] == 0, codes
+    pointer = history[1]["checkpoint"]
+    assert pointer["step"] % 10, "the test means to resume mid-epoch"
+    check_each_sample_once(log, steps)
 
 
 def against_uninterrupted(
@@ -403,10 +479,8 @@ def test_lightning_ddp_through_a_node_kill_ends_bit_identical_to_an_uninterrupte
     clean = elastic_cluster(coordinator, "lit-clean", tmp_path, "2:2", steps, *paced)
     killed = elastic_cluster(coordinator, "lit-killed", tmp_path, "2:2", steps, *paced)
     try:
-        for node in ("u", "v"):
-            clean.add(node)
-        for node in ("a", "b"):
-            killed.add(node)
+        clean.start("u", "v")
+        killed.start("a", "b")
         for victim, replacement, step in (("b", "b2", 10), ("b2", "b3", 15)):
             committed(coordinator, "lit-killed", step)
             killed.kill(victim)
@@ -417,7 +491,7 @@ def test_lightning_ddp_through_a_node_kill_ends_bit_identical_to_an_uninterrupte
         clean.stop()
     assert codes == {"a": 0, "b": -9, "b2": -9, "b3": 0, "u": 0, "v": 0}
     history = status(coordinator, "lit-killed")["history"]
-    assert [g["world_size"] for g in history] == [2, 2, 2], history
+    assert [g["world_size"] for g in history] == [2, 2, 2], ends(history)
     assert [g["checkpoint"]["step"] for g in history[1:]] == [10, 15]
     runs = {}
     for name, cluster in (("clean", clean), ("killed", killed)):
@@ -448,3 +522,22 @@ def test_lightning_fsdp2_trains_each_sample_once_an_epoch_through_a_shrink_and_a
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
     check_elastic_run(*shrink_then_grow(coordinator, tmp_path, "model-parallel"))
+
+
+@pytest.mark.e2e
+def test_a_hung_rank_of_a_lightning_job_is_named_and_the_others_train_on(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """The strategy's CheckpointManager reports each rank's steps with no code of the
+    script's: a rank that stops making progress is found, named, its stacks taken."""
+    cluster = lightning_cluster(coordinator, "lhang", tmp_path, "ddp", "--steps", "400")
+    try:
+        cluster.start("a", "b", "c")
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10 and e["world_size"] > 2)
+        generation, pid, reason = hung_worker(coordinator, cluster, "b")
+        assert re.match(HUNG_B, reason), reason
+        report = hang_report(coordinator, cluster.job, generation)
+        assert report["pid"] == pid and "train_lightning.py" in report["stacks"]
+        cluster.wait_for(lambda e: e["event"] == "step" and e["generation"] > generation)
+    finally:
+        cluster.stop()

@@ -18,6 +18,7 @@ batch sharding, and the batch plan.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from rallypoint.trainer import ElasticSampler, WorldSizeError
 from rallypoint.trainer._transformers import EpochSampler, horizon_steps, job_batch_plan
 
 from .._state_checks import STATE_CHECKS
-from .._support import status
+from .._support import HUNG_B, ends, hang_report, hung_worker, joins_hot, status, status_until
 from .._versions import final_model, largest_relative_difference
 
 # --- no processes ---------------------------------------------------------------------------
@@ -143,7 +144,7 @@ from transformers import TrainingArguments, TrainerCallback
 from rallypoint.client import ElasticClient
 from rallypoint.trainer import SavePolicy
 from rallypoint.trainer.examples._launch import pause
-from rallypoint.trainer.transformers import RallypointTrainer
+from rallypoint.trainer.transformers import RallypointTrainer, RallypointTrainingArguments
 
 p = argparse.ArgumentParser()
 p.add_argument("--events", required=True)
@@ -161,10 +162,13 @@ p.add_argument("--epochs", type=int, default=0, help="num_train_epochs instead o
 p.add_argument("--dropout", type=float, default=0.0)
 p.add_argument("--workers", type=int, default=0)
 p.add_argument("--keep-per-device", action="store_true", help="keep_global_batch=False")
+p.add_argument("--join-in-args", action="store_true", help="no join() of the script's own: RallypointTrainingArguments join")
 p.add_argument("--hold", type=int, default=0, help="a generation of this many ranks waits, one step after its first save, until its agent restarts it (a node joined)")
+p.add_argument("--hold-generation", type=int, default=0, help="as --hold, for the generation of this number")
 a = p.parse_args()
 
-client = ElasticClient.from_env(); assignment = client.join()
+if not a.join_in_args:  # as the docs had scripts do before RallypointTrainingArguments
+    ElasticClient.from_env().join()
 torch.set_num_threads(1)
 torch.manual_seed(0)
 V, L = 64, 16
@@ -191,7 +195,7 @@ if a.zero:
           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True}},
           "zero_optimization": {"stage": a.zero}, "steps_per_print": 10**9}
 steps = dict(max_steps=-1, num_train_epochs=a.epochs) if a.epochs else dict(max_steps=a.steps)
-args = TrainingArguments(output_dir=a.out, use_cpu=True, save_steps=a.save_steps, per_device_train_batch_size=a.batch, logging_steps=1, report_to=[], learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=a.workers, deepspeed=ds, remove_unused_columns=False, **steps)
+args = (RallypointTrainingArguments if a.join_in_args else TrainingArguments)(output_dir=a.out, use_cpu=True, save_steps=a.save_steps, per_device_train_batch_size=a.batch, logging_steps=1, report_to=[], learning_rate=1e-3, disable_tqdm=True, dataloader_num_workers=a.workers, deepspeed=ds, remove_unused_columns=False, **steps)
 
 class Recording(RallypointTrainer):
     # A user's subclass: takes the item indices out of each micro-batch (the model has no
@@ -236,7 +240,7 @@ class Log(TrainerCallback):
         self.ev("trained", step=state.global_step, indices=trainer.trained, losses=trainer.losses, micro=args.per_device_train_batch_size, accumulation=args.gradient_accumulation_steps)
         trainer.trained, trainer.losses = [], []
         if dist.get_rank() == 0: self.ev("step", step=state.global_step, loss=self.loss)
-        if self.saved and dist.get_world_size() == a.hold:
+        if self.saved and (dist.get_world_size() == a.hold or assignment.generation == a.hold_generation):
             while True:  # the test's cue to add a node; the agent's SIGTERM ends this
                 time.sleep(0.05)
     def on_save(self, args, state, control, **kw):
@@ -250,6 +254,7 @@ class Log(TrainerCallback):
         self.ev("finished", step=state.global_step, loss=self.loss, max_steps=state.max_steps, digests=digests())
 
 trainer = Recording(keep_global_batch=not a.keep_per_device, model=model, args=args, train_dataset=data, callbacks=[Log()], checkpoint_policy=SavePolicy(progress=False, persist_every=a.persist_every))
+assignment = trainer.checkpoints.assignment
 trainer.train(resume_from_checkpoint=True)
 trainer.checkpoints.close()
 """
@@ -291,8 +296,7 @@ def shrink_by_one(
     """Nodes a, b and c train; c is SIGKILLed past step 5 and not replaced; a and b
     finish at world 2. The events and the job's generations."""
     try:
-        for node in "abc":
-            cluster.add(node, env=ENV)
+        cluster.start("a", "b", "c", env=ENV)
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5, timeout=150)
         cluster.kill("c")
         codes = cluster.wait(timeout=150)
@@ -300,7 +304,7 @@ def shrink_by_one(
         cluster.stop()
     assert codes["a"] == 0 and codes["b"] == 0, codes
     history = status(coordinator, job)["history"]
-    assert [g["world_size"] for g in history] == [3, 2], history
+    assert [g["world_size"] for g in history] == [3, 2], ends(history)
     return cluster.events(), history
 
 
@@ -311,8 +315,7 @@ def shrink_and_grow(
     has saved (the worker's ``--hold 2`` then keeps it one step later), d joins and the
     job finishes at world 3 again. The events and the job's generations."""
     try:
-        for node in "abc":
-            cluster.add(node, env=ENV)
+        cluster.start("a", "b", "c", env=ENV)
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5, timeout=150)
         cluster.kill("c")
         cluster.wait_for(lambda e: e["event"] == "saving" and e["world_size"] == 2, timeout=150)
@@ -327,7 +330,7 @@ def shrink_and_grow(
         cluster.stop()
     assert codes["a"] == 0 and codes["b"] == 0 and codes["d"] == 0, codes
     history = status(coordinator, job)["history"]
-    assert [g["world_size"] for g in history] == [3, 2, 3], history
+    assert [g["world_size"] for g in history] == [3, 2, 3], ends(history)
     return cluster.events(), history
 
 
@@ -370,9 +373,7 @@ def test_trainer_ddp_resumes_every_rank_from_the_named_version_after_a_node_is_k
         "--batch", "3",  # global batch 12: 4 ranks x 3, then 3 ranks x 2 x 2 accumulation
     )  # fmt: skip
     try:
-        cluster.add("a", nproc=2, env=ENV)
-        cluster.add("b", env=ENV)
-        cluster.add("c", env=ENV)
+        cluster.start(("a", {"nproc": 2}), "b", "c", env=ENV)
         cluster.wait_for(
             lambda e: e["event"] == "step" and e["step"] >= 9 and e["world_size"] == 4, timeout=150
         )
@@ -389,6 +390,29 @@ def test_trainer_ddp_resumes_every_rank_from_the_named_version_after_a_node_is_k
     first = check_samples(log, steps, 12)
     plans = {(e["world_size"], e["micro"], e["accumulation"]) for e in first.values()}
     assert plans == {(4, 3, 1), (3, 2, 2)}, plans
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_trainer_takes_a_node_that_joins_under_rallypoint_runs_defaults(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """Node c joins a and b's running job under ``rallypoint run``'s defaults (a hot
+    join), its script calling no ``join()`` of its own: ``RallypointTrainingArguments``
+    join before they build the process group, so c's worker waits there and goes in
+    hot, and the world of 3 trains."""
+    steps = 60
+    cluster, _ = hf_cluster(
+        coordinator, "hf-join", tmp_path, "2:3", "--join-in-args", "--steps", str(steps),
+        "--step-time", "1",  # until c is in: its agent and worker start meanwhile
+        "--batch", "3",  # global batch 6: 2 ranks x 3, then 3 x 2
+    )  # fmt: skip
+    events = joins_hot(coordinator, cluster, 3, steps, env=ENV)
+    resumed = [e for e in events if e["event"] == "resumed" and e["generation"] == 2]
+    assert sorted(e["rank"] for e in resumed) == [0, 1, 2], resumed
+    assert {e["plan"] for e in resumed} == {
+        "global batch 6 = 3 ranks x 2 per device x 1 accumulation steps"
+    }
 
 
 @pytest.mark.e2e
@@ -415,8 +439,7 @@ def test_trainer_deepspeed_zero2_resumes_every_rank_after_a_node_is_killed(
         "0.1",
     )
     try:
-        cluster.add("a", nproc=2, env=ENV)
-        cluster.add("b", env=ENV)
+        cluster.start(("a", {"nproc": 2}), "b", env=ENV)
         cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 9, timeout=150)
         cluster.kill("b")
         cluster.add("c", env=ENV)
@@ -425,7 +448,7 @@ def test_trainer_deepspeed_zero2_resumes_every_rank_after_a_node_is_killed(
         cluster.stop()
     assert codes["a"] == 0 and codes["c"] == 0, codes
     history = status(coordinator, "hf-zero2")["history"]
-    assert [g["world_size"] for g in history] == [2, 2], history
+    assert [g["world_size"] for g in history] == [2, 2], ends(history)
     log = cluster.events()
     resumed = check_resumes(log, history, steps)
     assert sorted(e["rank"] for e in resumed) == [0, 1, 2]
@@ -451,8 +474,7 @@ def test_trainer_deepspeed_bert_pretraining_miniature_loses_no_step_to_a_preempt
             imds_url=imds.url,
         )  # fmt: skip
         try:
-            cluster.add("a", env=ENV)
-            cluster.add("b", env=ENV)
+            cluster.start("a", "b", env=ENV)
             cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 6, timeout=150)
             event_id = imds.schedule("b")
             assert cluster.agents["b"].proc.wait(timeout=90) == 0  # saved, left cleanly
@@ -463,7 +485,7 @@ def test_trainer_deepspeed_bert_pretraining_miniature_loses_no_step_to_a_preempt
     assert imds.acknowledged == [event_id]
     assert codes == {"a": 0, "b": 0, "c": 0}
     history = status(coordinator, "hf-preempt")["history"]
-    assert [g["world_size"] for g in history] == [2, 2], history
+    assert [g["world_size"] for g in history] == [2, 2], ends(history)
     assert "preempted (Preempt)" in history[0]["ended_reason"]
     log = cluster.events()
     check_resumes(log, history, steps)
@@ -580,8 +602,7 @@ def uninterrupted(
     work.mkdir()
     cluster, _ = hf_cluster(coordinator, job, work, "3:3", *flags)
     try:
-        for node in "uvw":
-            cluster.add(node, env=ENV)
+        cluster.start("u", "v", "w", env=ENV)
         codes = cluster.wait(timeout=150)
     finally:
         cluster.stop()
@@ -667,8 +688,7 @@ def test_trainer_run_through_a_node_kill_ends_bit_identical_to_the_uninterrupted
         extra = ("--step-time", "0.15") if kill else ()
         cluster, _ = hf_cluster(coordinator, job, work, "2:2", *flags, *extra)
         try:
-            cluster.add("a", env=ENV)
-            cluster.add("b", env=ENV)
+            cluster.start("a", "b", env=ENV)
             if kill:
                 cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 6, timeout=150)
                 cluster.kill("b")
@@ -679,7 +699,7 @@ def test_trainer_run_through_a_node_kill_ends_bit_identical_to_the_uninterrupted
         assert all(code == 0 for node, code in codes.items() if node != "b" or not kill), codes
         runs[job] = cluster.events()
     history = status(coordinator, kill_job)["history"]
-    assert [g["world_size"] for g in history] == [2, 2], history
+    assert [g["world_size"] for g in history] == [2, 2], ends(history)
     check_resumes(runs[kill_job], history, 16)
     lost = judge(runs[kill_job], history).steps_lost[2]
     losses, resumed = _losses(runs[ref]), _losses(runs[kill_job])
@@ -753,3 +773,84 @@ def check_resharded(log: list[Event], history: list[dict[str, Any]]) -> None:
             assert e["saves_back"], e
             ranks[e["generation"]] = ranks.get(e["generation"], 0) + 1
     assert ranks == {2: 2, 3: 3}, ranks
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("batch", "grows"), [(8, False), (24, True)], ids=["gb16", "gb48"])
+def test_trainer_never_seals_a_world_that_cannot_split_the_global_batch(
+    coordinator: Coordinator, tmp_path: Path, batch: int, grows: bool
+) -> None:
+    """Nodes a and b train at global batch 16 (2 x 8; the version saved carries it);
+    node c joins. A world of 3 cannot split 16: its ranks report ``WorldSizeError`` once,
+    the coordinator learns that the job takes worlds of 2 nodes and ends that generation,
+    and the next seals a and b again while c stands by (``GET /v1/jobs/JOB`` says why);
+    a and b finish, and c is released. At global batch 48 (2 x 24), 3 splits it: the job
+    grows to 3 and finishes there."""
+    job, steps = f"hf-sizes-{batch}", 16
+    cluster, _ = hf_cluster(
+        coordinator, job, tmp_path, "2:3", "--steps", str(steps), "--batch", str(batch),
+        "--step-time", "0.1",
+        "--hold-generation", "1",  # a and b save once, train one more step and wait for c
+    )  # fmt: skip
+    try:
+        cluster.start("a", "b", env=ENV)
+        cluster.wait_for(lambda e: e["event"] == "saving", timeout=150)  # its global batch
+        cluster.add("c", env=ENV)
+        if not grows:
+            waits = status_until(
+                coordinator,
+                job,
+                lambda s: (
+                    s["status"] == "sealed"
+                    and len(s["history"]) >= 3
+                    and [w["node_id"] for w in s["waiting"]] == ["c"]
+                ),
+                what="a world of 2 with c standing by",
+            )
+            (waiting,) = waits["waiting"]
+            assert waiting["standby"] and waits["world_sizes"] == [2], waits
+            assert waiting["reason"].startswith("standby: 2 members and 1 waiting make no"), waits
+            # The world of 2 trains on with c beside it.
+            cluster.wait_for(lambda e: e["event"] == "step" and e["generation"] == 3, 150)
+        codes = cluster.wait(timeout=150)
+    finally:
+        cluster.stop()
+    assert codes == {"a": 0, "b": 0, "c": 0}, codes
+    history = status(coordinator, job)["history"]
+    log = cluster.events()
+    verdict = judge(log, history)
+    assert verdict.consistent and verdict.final_step == steps, verdict
+    if grows:
+        assert [g["world_size"] for g in history] == [2, 3], ends(history)
+        assert {e["world_size"] for e in log if e["event"] == "finished"} == {3}
+        return
+    assert [g["world_size"] for g in history] == [2, 3, 2], ends(history)
+    refused = history[1]["ended_reason"]
+    assert refused.startswith("rank ") and "cannot train a world of 3 nodes" in refused, refused
+    assert refused.endswith("the job takes worlds of 2 nodes"), refused
+    assert "WorldSizeError" in refused
+    assert {e["world_size"] for e in log if e["event"] == "finished"} == {2}
+    # No rank of the world of 3 trained: it failed before its first step, once.
+    assert not [e for e in log if e["event"] == "trained" and e["world_size"] == 3]
+
+
+@pytest.mark.e2e
+def test_a_hung_rank_of_an_hf_trainer_job_is_named_and_the_others_train_on(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    """RallypointTrainer's CheckpointManager reports each rank's steps with no code of the
+    script's: a rank that stops making progress is found, named, its stacks taken."""
+    cluster, _ = hf_cluster(
+        coordinator, "hfhang", tmp_path, "2:3", "--steps", "400", "--step-time", "0.1"
+    )
+    try:
+        cluster.start("a", "b", "c", env=ENV)
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10 and e["world_size"] > 2)
+        generation, pid, reason = hung_worker(coordinator, cluster, "b")
+        assert re.match(HUNG_B, reason), reason
+        report = hang_report(coordinator, cluster.job, generation)
+        assert report["pid"] == pid and "hf_worker.py" in report["stacks"]
+        cluster.wait_for(lambda e: e["event"] == "step" and e["generation"] > generation)
+    finally:
+        cluster.stop()

@@ -117,8 +117,7 @@ def run(coordinator: Coordinator, job: str, tmp_path: Path, *args: str) -> Path:
         coordinator.url, job, tmp_path, nnodes="2:2", memory=tmp_path / "memory", script=argv
     )
     try:
-        cluster.add("a", env=ENV)
-        cluster.add("b", env=ENV)
+        cluster.start("a", "b", env=ENV)
         codes = cluster.wait(timeout=240)
     finally:
         cluster.stop()

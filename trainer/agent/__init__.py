@@ -19,7 +19,7 @@ from ._launch import (
     worker_defaults,
 )
 from ._quiet import QUIET_ENV, QUIET_WAIT_ENV, generation_end, install_excepthook
-from ._rendezvous import BACKEND, RallypointRendezvousHandler, RendezvousSettings
+from ._rendezvous import BACKEND, START_GATE_ENV, RallypointRendezvousHandler, RendezvousSettings
 from ._store import CoordinatorStore
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "QUIET_WAIT_ENV",
     "REGROUP_ENV",
     "RUN_ENV",
+    "START_GATE_ENV",
     "WARM_MODULES",
     "WARM_MODULES_ENV",
     "Board",

@@ -4,6 +4,7 @@ environment, for launchers that cannot pass flags (AzureML commands, Kubernetes 
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
@@ -15,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
-from ._quiet import generation_end, stop_quietly
+from ._quiet import generation_end, report_uncaught, stop_quietly
 
 __all__ = [
     "DEFAULT_MAX_RESTARTS",
@@ -103,11 +104,29 @@ _CONF_SECONDS = {
     "join_timeout",
     "store_timeout",
     "timeout",
+    "hang_limit",
+    "phase_limit",
 }
 
 
+def _sizes(value: str) -> bool:
+    """World sizes in nodes, ascending, separated by ``/`` (torch splits the conf on
+    commas): ``2/4/8``."""
+    parts = value.split("/")
+    return all(_whole(p.strip(), 1) for p in parts) and all(
+        int(a) < int(b) for a, b in itertools.pairwise(parts)
+    )
+
+
+def _conf_value(key: str, value: str) -> bool:
+    if key in _CONF_SECONDS:
+        return _whole(value, 0)
+    return key != "world_sizes" or _sizes(value)
+
+
 def _conf(value: str) -> bool:
-    """What torch's ``--rdzv-conf`` parser takes, the plugin's timeouts whole seconds."""
+    """What torch's ``--rdzv-conf`` parser takes, the plugin's timeouts whole seconds and
+    its ``world_sizes`` node counts separated by ``/``."""
     if not value.strip():
         return True
     pairs = [item.split("=", 1) for item in value.split(",")]
@@ -115,7 +134,7 @@ def _conf(value: str) -> bool:
         len(pair) == 2
         and pair[0].strip()
         and pair[1].strip()
-        and (pair[0].strip() not in _CONF_SECONDS or _whole(pair[1].strip(), 0))
+        and _conf_value(pair[0].strip(), pair[1].strip())
         for pair in pairs
     )
 
@@ -123,7 +142,11 @@ def _conf(value: str) -> bool:
 _NNODES = ("N or MIN:MAX, whole numbers with 1 <= MIN <= MAX", _nnodes)
 _NPROC = ("a whole number >= 1, or auto, cpu, gpu or xpu", _nproc)
 _RESTARTS = ("a whole number >= 0", lambda v: _whole(v, 0))
-_CONF = ("KEY=VALUE pairs separated by commas, the timeouts in whole seconds", _conf)
+_CONF = (
+    "KEY=VALUE pairs separated by commas, the timeouts in whole seconds, world_sizes as "
+    "ascending node counts separated by / (2/4/8)",
+    _conf,
+)
 #: What each variable ``rallypoint run`` or torchrun reads from a launcher takes. Checked
 #: before torchrun starts, which would end in a traceback, a bare assertion or usage text
 #: naming its flag, not the variable.
@@ -338,6 +361,7 @@ def _worker(module: bool, target: str, *args: str) -> None:
     except Exception as exc:
         # Raised here, torch's launcher logs it with its traceback: the generation's
         # end (a lost peer's collective) says one line instead.
+        report_uncaught(exc)
         reason = generation_end(exc)
         if reason is None:
             raise

@@ -22,6 +22,10 @@ The rules, as pure functions of what the board says (:func:`ended`) and of the e
   and timeout) for the board to say so: the collective fails first. Any other error is
   asked once and not waited for, so a bug in the training script shows at once.
 - ``RALLYPOINT_QUIET=0`` turns it off: every error keeps its traceback.
+
+One error is told to the coordinator as it goes, quiet or not: a ``WorldSizeError`` (a
+world that cannot split the job's global batch) that nothing caught and reported
+(:func:`report_uncaught`), so that the coordinator seals only the sizes that can.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from typing import NoReturn
 
 from rallypoint.client import GENERATION_ENV
 
+from .._worlds import report_world_sizes
+from ..errors import WorldSizeError
 from ._board import REGROUP_ENV, Board, Posted
 
 __all__ = [
@@ -45,6 +51,7 @@ __all__ = [
     "ended",
     "generation_end",
     "install_excepthook",
+    "report_uncaught",
     "stop_quietly",
     "waits_for_board",
 ]
@@ -116,6 +123,14 @@ def generation_end(
         sleep(0.02)
 
 
+def report_uncaught(exc: BaseException) -> None:
+    """Reports an uncaught ``WorldSizeError`` of a worker under the rallypoint agent to
+    the coordinator (:func:`~rallypoint.trainer.report_world_sizes`), unless it was
+    already: the generation ends, and the next one seals a size the job takes."""
+    if isinstance(exc, WorldSizeError) and os.environ.get(REGROUP_ENV):
+        report_world_sizes(exc)
+
+
 def stop_quietly(reason: str) -> NoReturn:
     """Waits, without a word, for the agent to stop this worker: the agent says the one
     line (``generation N ended: REASON; restarting workers``) for all of its workers.
@@ -149,6 +164,7 @@ def install_excepthook() -> None:
 
 
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    report_uncaught(exc)
     reason = generation_end(exc)
     if reason is None:
         _previous[0](kind, exc, tb)

@@ -16,10 +16,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -59,14 +61,29 @@ from rallypoint.client import (
     TransportError,
     UnknownNode,
 )
-from rallypoint.client.models import FINISHED, JobSummary
+from rallypoint.client.models import (
+    FINISHED,
+    MAX_STACKS_BYTES,
+    HeartbeatReply,
+    JobSummary,
+    RankProgress,
+    StacksReport,
+)
 
+from .._pids import alive
+from ..health import PROGRESS_ENV, Starvation, read_node, records, take_stacks
 from ..memory import MEMORY_ENV, OFF, NodeMemory, ReplicaServer, default_root
 from ._board import REGROUP_ENV, Board, Posted
 from ._launch import WORKER_ENV_FILE
 from ._store import CoordinatorStore
 
-__all__ = ["BACKEND", "RallypointRendezvousHandler", "RendezvousSettings", "create_handler"]
+__all__ = [
+    "BACKEND",
+    "START_GATE_ENV",
+    "RallypointRendezvousHandler",
+    "RendezvousSettings",
+    "create_handler",
+]
 
 # torchrun's worker rank assignment through the store (torch.distributed.elastic.agent.
 # server.api.SimpleElasticAgent._assign_worker_ranks): its keys, and the role torchrun
@@ -76,6 +93,15 @@ _ASSIGNED_RANKS = "torchelastic/assigned_ranks/"
 _ROLE = "default"
 #: A parked node's placeholder master port: no port at all (see ``_park_hot``).
 _NO_MASTER_PORT = 2**16
+#: How often the agent reads its workers' progress between two beats (``_Beats``).
+_PROGRESS_POLL_S = 0.1
+#: Tests only: a path. Before its first join the agent writes ``PATH.NODE`` and waits
+#: (at most :data:`_GATE_LIMIT_S`) until ``PATH`` exists: a test starts a job's first
+#: nodes as one (``Cluster.start``), so that they reach the coordinator milliseconds apart
+#: however loaded the machine, and its first round holds them all. Production never
+#: sets it, and then nothing waits.
+START_GATE_ENV = "RALLYPOINT_TEST_START_GATE"
+_GATE_LIMIT_S = 300.0
 
 log = logging.getLogger("rallypoint.trainer")
 
@@ -111,6 +137,18 @@ class RendezvousSettings:
                            script that builds its process group first fails to at
                            once, and the node goes in cold). 0: the generation ends
                            as soon as the node joins
+    ``hang_limit``         s; a worker that makes no progress this long while it
+                           trains is hung (default: learned from the job's steps;
+                           0: hangs are not judged)
+    ``phase_limit``        s; the bound of start-up, saves, loads and evaluations
+                           (default 600)
+    ``straggler``          ``report`` (default), ``replace`` or ``drop``
+    ``straggler_threshold`` the relative score a straggler stays under (default 0.75)
+    ``world_sizes``        the node counts the job can take, ascending, separated by
+                           ``/`` (torch splits ``--rdzv-conf`` on commas): ``2/4/8``.
+                           A round seals the largest its nodes make; the others wait
+                           as standbys (``JobSpec.world_sizes``; default: any from
+                           ``MIN`` to ``MAX``, or what a ``WorldSizeError`` teaches)
     =====================  =========================================================
 
     The job is created by the first node with ``--nnodes MIN:MAX`` and these timeouts;
@@ -147,6 +185,8 @@ class RendezvousSettings:
 
         heartbeat_timeout = seconds("heartbeat_timeout", 10)
         interval = params.get_as_int("heartbeat_interval")
+        hang_limit = params.get_as_int("hang_limit")
+        threshold = params.get("straggler_threshold")
         spec = JobSpec(
             min_nodes=params.min_nodes,
             max_nodes=params.max_nodes,
@@ -154,6 +194,11 @@ class RendezvousSettings:
             heartbeat_timeout=heartbeat_timeout,
             join_timeout=seconds("join_timeout", params.get_as_int("timeout") or 600),
             standbys=params.get_as_int("standbys") or 0,
+            hang_limit=None if hang_limit is None else timedelta(seconds=hang_limit),
+            phase_limit=seconds("phase_limit", 600),
+            straggler=params.get("straggler") or "report",
+            straggler_threshold=0.75 if threshold is None else float(threshold),
+            world_sizes=_world_sizes(params.get("world_sizes")),
         )
         return cls(
             url=url,
@@ -171,6 +216,22 @@ class RendezvousSettings:
             hot_standby=bool(params.get_as_int("hot_standby") or 0),
             hot_join=bool(params.get_as_int("hot_join", 1)),
         )
+
+
+def _world_sizes(value: str | None) -> tuple[int, ...] | None:
+    """``--rdzv-conf world_sizes=2/4/8``: node counts separated by ``/``.
+
+    Raises:
+        ValueError: Not whole numbers (the spec checks their order and range).
+    """
+    if value is None or not value.strip():
+        return None
+    try:
+        return tuple(int(part) for part in value.split("/"))
+    except ValueError:
+        raise ValueError(
+            f"world_sizes={value!r}: node counts separated by '/', e.g. world_sizes=2/4/8"
+        ) from None
 
 
 def _beside_a_full_generation(job: JobSummary) -> bool:
@@ -191,16 +252,59 @@ def _left_job(client: ElasticClient) -> bool:
 
 
 class _Beats:
-    """Heartbeats for one generation from a thread; notes when it must restart."""
+    """Heartbeats for one generation from a thread; notes when it must restart.
 
-    def __init__(self, client: ElasticClient, interval: timedelta) -> None:
+    Each beat carries the node's workers' progress (``progress``). Between two held
+    beats a second thread reads it every :data:`_PROGRESS_POLL_S`, and beats at once when
+    a worker has gone past its bound (the job's hang limit while it trains, which each
+    reply carries, or ``phase_limit``): the coordinator judges the hang then, not at the
+    next beat, an interval later. A restart that names this node's ranks hung calls
+    ``on_hung`` before the agent hears of the end, so their stacks are taken and they are
+    stopped before torchrun stops the others.
+    """
+
+    def __init__(
+        self,
+        client: ElasticClient,
+        interval: timedelta,
+        progress: Callable[[], list[RankProgress]] | None = None,
+        spec: JobSpec | None = None,
+        on_hung: Callable[[int, Sequence[int]], None] | None = None,
+    ) -> None:
         self._client = client
         self._interval = interval.total_seconds()
+        self._progress = progress
+        self._spec = spec
+        self._on_hung = on_hung
         self._stop = threading.Event()
         self.ended: str | None = None
         self.left = False
+        #: The job's hang limit as the last reply said (None: not known yet).
+        self.limit: float | None = None
+        self._nudged: set[tuple[int, int]] = set()
+        self._misread = False  # a progress read failed (logged once)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="rallypoint-beats", daemon=True)
         self._thread.start()
+        if progress is not None and spec is not None:
+            threading.Thread(target=self._watch, name="rallypoint-progress", daemon=True).start()
+
+    def _said(self) -> list[RankProgress] | None:
+        if self._progress is None:
+            return None
+        try:
+            return self._progress()
+        except OSError as exc:  # a folder gone under a stopping agent: no progress
+            log.debug("progress not read: %s", exc)
+            return None
+        except Exception:  # a bug here must not cost the node its beats
+            # A beat without progress is one the coordinator takes as ever; a beats thread
+            # that died of a bad figure (a negative starved time did) got the node
+            # declared dead 3 s later while its workers trained on.
+            if not self._misread:
+                self._misread = True
+                log.warning("progress not read; beats go on without it", exc_info=True)
+            return None
 
     def _run(self) -> None:
         pause = 0.0
@@ -208,7 +312,9 @@ class _Beats:
             started = time.monotonic()
             try:
                 # A watch: held an interval, or answered the moment the generation ends.
-                reply = self._client.heartbeat(wait=timedelta(seconds=self._interval))
+                reply = self._client.heartbeat(
+                    wait=timedelta(seconds=self._interval), progress=self._said()
+                )
             except (StaleGeneration, UnknownNode) as exc:
                 self.ended = str(exc)
                 return
@@ -218,16 +324,57 @@ class _Beats:
                 log.warning("heartbeat failed, retrying: %s", exc)
                 pause = self._interval
                 continue
-            if reply.action == "restart":
-                if _left_job(self._client):
-                    # A worker here left the job (a preemption): the agent must not
-                    # restart it, and waits at the exit barrier for nobody.
-                    self.left = True
-                    self.ended = f"node {self._client.node_id} left the job"
-                else:
-                    self.ended = reply.reason or f"generation {reply.generation} followed"
+            if self._heard(reply):
                 return
             pause = max(0.0, self._interval - (time.monotonic() - started))
+
+    def _heard(self, reply: HeartbeatReply) -> bool:
+        """Takes a reply in; whether the generation ended."""
+        if reply.hang_limit is not None:
+            self.limit = reply.hang_limit
+        if reply.action != "restart":
+            return False
+        with self._lock:
+            if self.ended is not None:
+                return True
+            if reply.hung and self._on_hung is not None:
+                assignment = self._client.assignment
+                if assignment is not None:
+                    self._on_hung(assignment.generation, reply.hung)
+            if _left_job(self._client):
+                # A worker here left the job (a preemption): the agent must not
+                # restart it, and waits at the exit barrier for nobody.
+                self.left = True
+                self.ended = f"node {self._client.node_id} left the job"
+            else:
+                self.ended = reply.reason or f"generation {reply.generation} followed"
+        return True
+
+    def _watch(self) -> None:
+        """Beats at once when a worker passes its bound (see the class docstring)."""
+        assert self._spec is not None
+        spec = self._spec
+        if spec.hang_limit is not None and spec.hang_limit.total_seconds() == 0:
+            return  # hangs are not judged: nothing to hurry
+        phase_limit = spec.phase_limit.total_seconds()
+        while not self._stop.wait(_PROGRESS_POLL_S) and self.ended is None:
+            said = self._said() or []
+            over = [
+                p
+                for p in said
+                if p.idle > (self.limit if p.phase == "train" and self.limit else phase_limit)
+                and (p.rank, p.step) not in self._nudged
+            ]
+            if not over:
+                continue
+            self._nudged.update((p.rank, p.step) for p in over)
+            try:
+                reply = self._client.heartbeat(progress=said)
+            except RallypointError as exc:
+                log.debug("progress beat failed: %s", exc)
+                continue
+            if self._heard(reply):
+                return
 
     def stop(self) -> None:
         # Not joined: the thread may be inside a held heartbeat for up to an interval,
@@ -276,6 +423,11 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._closed = False
         self._left = False
         self._board = Board(Path(tempfile.mkdtemp(prefix="rallypoint-regroup-")))
+        # Where this node's workers keep their progress records (trainer.health).
+        self._progress = self._board.folder / "progress"
+        self._progress.mkdir()
+        #: Each worker's run delay since its last progress (what its beats call starved).
+        self._starvation = Starvation()
         self._store: CoordinatorStore | None = None
         #: The world size of the generation torchrun last rendezvoused in.
         self._agent_world = 0
@@ -291,6 +443,9 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._hot_round: int | None = None
         #: Its workers exited before it went in: it goes in cold (next_rendezvous).
         self._hot_abandoned = False
+        #: A worker of it hung and was stopped: the node joins again hot.
+        self._rejoin_hot = False
+        self._gate = os.environ.get(START_GATE_ENV) or None
         #: Generations this agent's workers went into in place, and the times its
         #: workers were restarted after regrouping in place had begun (a worker failed).
         self.regroups = 0
@@ -391,9 +546,13 @@ class RallypointRendezvousHandler(RendezvousHandler):
                 f"node {self.settings.node_id} left job {self.settings.job_id}"
             )
         hot = self.settings.hot_join or (self.settings.hot_standby and self.settings.spec.standbys)
+        # A node whose worker hung comes back in as a newcomer, hot: the others train
+        # meanwhile (the coordinator does not wait for it), and the generation ends for it
+        # only once its new workers are ready.
+        again, self._rejoin_hot = self._rejoin_hot, False
         if cold is not None:
             assignment = cold
-        elif hot and self._assignment is None:
+        elif hot and (self._assignment is None or (again and self.settings.hot_join)):
             parked = self._park_hot()
             if isinstance(parked, RendezvousInfo):
                 return parked
@@ -403,7 +562,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
         self._assignment = assignment
         self._said_ended = False
         self._export(assignment)
-        self._beats = _Beats(self._client, self.settings.heartbeat_interval)
+        self._beats = self._beats_for()
         log.info(
             "rallypoint: generation %d, node rank %d of %d, checkpoint %s",
             assignment.generation,
@@ -422,6 +581,67 @@ class RallypointRendezvousHandler(RendezvousHandler):
             RendezvousStoreInfo(assignment.master_addr, assignment.master_port),
         )
 
+    def _beats_for(self) -> _Beats:
+        """Heartbeats for the generation just joined, with its workers' progress."""
+        return _Beats(
+            self._client,
+            self.settings.heartbeat_interval,
+            progress=self._node_progress,
+            spec=self.settings.spec,
+            on_hung=self._stop_hung,
+        )
+
+    def _node_progress(self) -> list[RankProgress]:
+        """The progress of this node's workers in its generation (what beats carry)."""
+        assignment = self._assignment
+        if assignment is None:
+            return []
+        return read_node(self._progress, assignment.generation, starvation=self._starvation)
+
+    def _stop_hung(self, generation: int, ranks: Sequence[int]) -> None:
+        """Takes the stacks of this node's workers of ``ranks``, which the coordinator
+        found hung in ``generation``, then stops them (SIGKILL: a stuck process may not
+        take SIGTERM), and sends the stacks to the coordinator. Stopping them releases
+        their peers from the collectives they wait in with them at once (their
+        connections close), rather than at the group's timeout."""
+        for record in records(self._progress).values():
+            if record.rank not in ranks or record.generation != generation:
+                continue
+            if not alive(record.pid):
+                continue
+            taken = take_stacks(record.pid, self._progress)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.pid, signal.SIGKILL)
+            self._rejoin_hot = True
+            log.warning(
+                "rallypoint: rank %d (pid %d) hung in generation %d; stopped with SIGKILL. "
+                "Its stacks (%s):\n%s",
+                record.rank,
+                record.pid,
+                generation,
+                taken.tool or taken.error,
+                taken.text or f"none: {taken.error}",
+            )
+            report = StacksReport(
+                rank=record.rank,
+                pid=record.pid,
+                stacks=None if taken.text is None else taken.text[:MAX_STACKS_BYTES],
+                error=None if taken.error is None else taken.error[:1000],
+                taken_by=None if taken.tool is None else taken.tool[:100],
+            )
+            threading.Thread(
+                target=self._send_stacks,
+                args=(generation, report),
+                name="rallypoint-stacks",
+                daemon=True,
+            ).start()
+
+    def _send_stacks(self, generation: int, report: StacksReport) -> None:
+        try:
+            self._client.report_stacks(generation, report)
+        except RallypointError as exc:
+            log.warning("rallypoint: could not send rank %d's stacks: %s", report.rank, exc)
+
     def _park_hot(self) -> RendezvousInfo | Assignment:
         """A hot join's or hot standby's first rendezvous: joins from a thread, and if
         the node parks (and :meth:`_starts_parked`), hands torchrun a one-node world to
@@ -429,6 +649,9 @@ class RallypointRendezvousHandler(RendezvousHandler):
         the node parks for (``STANDBY_ROUND_ENV``); the thread goes on waiting too, and
         posts the node's assignment when the node is promoted (:meth:`_promoted`). A node
         that does not park, or parks as a cold standby, gets its assignment."""
+        with self._hot:  # a node that parks again (its worker hung) starts afresh
+            self._hot_result, self._hot_started, self._hot_abandoned = None, False, False
+        self._client.parked_round = None
         joining = threading.Thread(target=self._join_hot, name="rallypoint-standby", daemon=True)
         joining.start()
         while joining.is_alive() and self._client.parked_round is None:
@@ -559,7 +782,18 @@ class RallypointRendezvousHandler(RendezvousHandler):
         finally:
             self._joining = False
 
+    def _await_gate(self) -> None:
+        """Waits at the tests' start gate (:data:`START_GATE_ENV`), once."""
+        gate, self._gate = self._gate, None
+        if gate is None:
+            return
+        Path(f"{gate}.{self.settings.node_id}").touch()
+        deadline = time.monotonic() + _GATE_LIMIT_S
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     def _await_assignment(self) -> Assignment:
+        self._await_gate()
         spec = self.settings.spec
         deadline = time.monotonic() + spec.join_timeout.total_seconds()
         while True:
@@ -621,6 +855,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
             values[CREDENTIAL_ENV] = self._client.credential
         values[MEMORY_ENV] = OFF if self._memory is None else str(self._memory.root)
         values[REGROUP_ENV] = str(self._board.folder)
+        values[PROGRESS_ENV] = str(self._progress)
         os.environ.update(values)
         # Warm workers fork from a server started before this generation: they read
         # the variables from this file rather than from an environment that is stale.
@@ -775,7 +1010,7 @@ class RallypointRendezvousHandler(RendezvousHandler):
             # so their wait returns at once). The generation's number alone would let
             # join() return it and leave them with the placeholders.
             self._export(None, parked, self._ready_folder(parked))
-        self._beats = _Beats(self._client, self.settings.heartbeat_interval)
+        self._beats = self._beats_for()
         if self._store is not None:
             # torchrun's exit barrier runs in the store it was handed, and counts the
             # agents of the generation it knows.

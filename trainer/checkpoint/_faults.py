@@ -6,7 +6,9 @@ that point of that step's save, it writes the file (JSON: the point, step, rank,
 its pid) and halts: it sleeps until killed (at most :data:`HALT_LIMIT`, then exits). The
 test then SIGKILLs the node it wants dead, which is the state of the job at that point,
 byte for byte. A point fires once per file: a restarted process that reaches it again
-goes on.
+goes on. With ``RALLYPOINT_TEST_HALT_SECONDS`` it goes on by itself after that many
+seconds: a save that takes that long at that point (the hang detector must not take it
+for a hang).
 
 The points, in the order a save passes them (docs/ARCHITECTURE.md, "Fault points"):
 
@@ -31,12 +33,14 @@ import os
 import time
 from functools import cache
 
-__all__ = ["HALT_ENV", "HALT_FILE_ENV", "HALT_LIMIT", "POINTS", "reached"]
+__all__ = ["HALT_ENV", "HALT_FILE_ENV", "HALT_LIMIT", "HALT_SECONDS_ENV", "POINTS", "reached"]
 
 #: ``POINT:STEP:RANK``: where to halt.
 HALT_ENV = "RALLYPOINT_TEST_HALT"
 #: The file the halting process writes before it halts.
 HALT_FILE_ENV = "RALLYPOINT_TEST_HALT_FILE"
+#: Seconds after which a halted process goes on (unset: it waits to be killed).
+HALT_SECONDS_ENV = "RALLYPOINT_TEST_HALT_SECONDS"
 #: Seconds a halted process waits to be killed before it exits by itself.
 HALT_LIMIT = 600.0
 POINTS = ("staged", "memory", "indexed", "peer", "uploaded", "reported", "committed", "returned")
@@ -67,6 +71,10 @@ def reached(point: str, step: int, rank: int) -> None:
                 json.dumps({"point": point, "step": step, "rank": rank, "node": node, "pid": pid})
             )
     except FileExistsError:
+        return
+    seconds = os.environ.get(HALT_SECONDS_ENV)
+    if seconds:
+        time.sleep(float(seconds))
         return
     end = time.monotonic() + HALT_LIMIT
     while time.monotonic() < end:

@@ -47,6 +47,7 @@ from rallypoint.closing import Closing
 
 from .._bytes import tensor_bytes
 from .._regroup import Generation, generations
+from .._worlds import report_world_sizes
 from ..agent import generation_end, install_excepthook
 from ..errors import (
     CheckpointCorrupt,
@@ -54,7 +55,9 @@ from ..errors import (
     RegroupError,
     StateNotReplicated,
     TransferError,
+    WorldSizeError,
 )
+from ..health import report_steps
 from ..memory import NodeMemory
 from ._dcp import (
     METADATA,
@@ -253,6 +256,11 @@ class CheckpointManager(Closing):
         self._stepped: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         for owner in fence:
             self._watch(owner)
+        #: This process's progress, which its node's heartbeats carry (every optimizer's
+        #: steps, its saves and loads as phases of their own).
+        self.progress = report_steps(client)
+        if self.progress.generation != self.generation:
+            self.progress.follow(self.generation)
 
     @property
     def rank(self) -> int:
@@ -316,6 +324,19 @@ class CheckpointManager(Closing):
                 not initialized.
             Anything the save raised, if ``blocking``.
         """
+        with self.progress.phase("save"):
+            return self._save(state, step, rank_state, metadata, metrics, blocking, persist)
+
+    def _save(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        rank_state: Any,
+        metadata: dict[str, Any] | None,
+        metrics: Mapping[str, float] | None,
+        blocking: bool,
+        persist: bool,
+    ) -> SaveHandle | None:
         rank, world = self.rank, self.world_size
         self._fence()  # the previous copy's buffers or file: it must be done
         busy = self._inflight is not None and not self._inflight.done()
@@ -396,7 +417,8 @@ class CheckpointManager(Closing):
             return flag
         self._save_group(world)
         votes = torch.tensor([int(flag)])
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._control)
+        with self.progress.waiting():  # for its peers: if one hangs, it is not this one
+            dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=self._control)
         return bool(votes.item())
 
     def _persist(
@@ -525,6 +547,7 @@ class CheckpointManager(Closing):
         :class:`~rallypoint.trainer.Follower`)."""
         self.assignment = assignment
         self.generation = assignment.generation
+        self.progress.follow(assignment.generation)
 
     def leave_generation(self, timeout: float) -> None:
         """Settles the saves of a generation that ended, before its groups go: the copy
@@ -557,7 +580,10 @@ class CheckpointManager(Closing):
         Raises:
             What the save raised.
         """
-        return None if self._inflight is None else self._inflight.result()
+        if self._inflight is None:
+            return None
+        with self.progress.phase("save"):
+            return self._inflight.result()
 
     def _settle(self) -> None:
         with contextlib.suppress(Exception):  # logged by _persist; the next save goes on
@@ -590,8 +616,11 @@ class CheckpointManager(Closing):
         """
         pointer = self.assignment.checkpoint
         if pointer is None:
+            self.progress.resume_at(0)
             return None
-        return self.load(pointer.version, state, every_rank=every_rank)
+        restored = self.load(pointer.version, state, every_rank=every_rank)
+        self.progress.resume_at(restored.step)
+        return restored
 
     @contextlib.contextmanager
     def resuming(self, state: dict[str, Any] | None = None) -> Iterator[Restored | None]:
@@ -627,16 +656,35 @@ class CheckpointManager(Closing):
         generation was named (:meth:`report_load_failure`), then raises it on: wrap a
         framework's own load of it in this (the integrations do). A version no copy of
         can be read (``CheckpointCorrupt``, reported by :meth:`load` as unreadable) and
-        storage errors (``TransferError``) are not reported."""
+        storage errors (``TransferError``) are not reported. A world that cannot split
+        the job's global batch (``WorldSizeError``, from the batch planning the
+        integrations do in here) is reported as the sizes the job takes
+        (:meth:`report_world_sizes`), with or without a version."""
         pointer = self.assignment.checkpoint
         try:
             yield
         except (CheckpointCorrupt, TransferError):
             raise  # the version's copies (reported by load) or storage: not the loader
+        except WorldSizeError as exc:
+            self.report_world_sizes(exc)  # not the version's fault: the world's
+            raise
         except Exception as exc:
             if pointer is not None:
                 self.report_load_failure(pointer.version, exc)
             raise
+
+    def report_world_sizes(self, error: WorldSizeError) -> list[int] | None:
+        """Tells the coordinator that this generation's world cannot train the job
+        (``error``, from :func:`~rallypoint.trainer.plan_batch`) and which sizes can: the
+        generation ends, and the coordinator seals only those sizes from then on. A
+        hand-written loop calls this where it catches the error (or plans inside
+        :meth:`loading`). Never raises (see :func:`~rallypoint.trainer.
+        report_world_sizes`).
+
+        Returns:
+            The world sizes, in nodes, the job takes now (None: not reported).
+        """
+        return report_world_sizes(error, self.client, rank=self.rank, generation=self.generation)
 
     def report_load_failure(self, version: int, error: BaseException | str) -> None:
         """Tells the coordinator that this rank could not load ``version``, the one its
@@ -687,7 +735,8 @@ class CheckpointManager(Closing):
         if not isinstance(version, int):
             version = self.client.checkpoint(version).version
         try:
-            return self._load(version, state, every_rank)
+            with self.progress.phase("load"):
+                return self._load(version, state, every_rank)
         except CheckpointCorrupt as exc:
             log.error("checkpoint v%d cannot be loaded: %s", version, exc)
             try:
@@ -797,14 +846,15 @@ class CheckpointManager(Closing):
     # --- lifecycle ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Waits for the save in flight, stops the background thread and frees the
-        staging buffers."""
+        """Waits for the save in flight, stops the background thread, frees the staging
+        buffers and stops reporting this process's progress."""
         self._settle()
         self._executor.shutdown(wait=True)
         self._staging.close()
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        self.progress.close()  # done training: a slow exit is not a hang
 
 
 @contextlib.contextmanager

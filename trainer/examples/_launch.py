@@ -41,6 +41,11 @@ def arguments(description: str) -> argparse.ArgumentParser:
         "step): a test paces a run while it acts on it, then lets it finish sooner",
     )
     parser.add_argument("--events", help="append JSON lines of what happened to this file")
+    parser.add_argument(
+        "--hang-file",
+        help="once this file holds this process's pid, its main thread sleeps for good at "
+        "its next step while its other threads run (a Python-level hang, for tests)",
+    )
     return parser
 
 
@@ -68,10 +73,17 @@ def start_process_group() -> torch.device:
 
 def pause(args: argparse.Namespace) -> None:
     """Waits the extra time of a step: ``--step-time``, or the number in
-    ``--step-time-file`` once that file exists (read at every step)."""
+    ``--step-time-file`` once that file exists (read at every step). Hangs for good once
+    ``--hang-file`` names this process."""
     seconds = args.step_time
     if args.step_time_file:
         with contextlib.suppress(OSError, ValueError):
             seconds = float(Path(args.step_time_file).read_text())
     if seconds > 0:
         time.sleep(seconds)
+    hang = getattr(args, "hang_file", None)
+    if hang:
+        with contextlib.suppress(OSError, ValueError):
+            if int(Path(hang).read_text()) == os.getpid():
+                while True:  # the main thread only: the process's other threads run on
+                    time.sleep(3600)

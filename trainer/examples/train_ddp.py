@@ -62,6 +62,7 @@ from rallypoint.trainer import (
     Generation,
     PreemptionWatcher,
     Restored,
+    phase,
     plan_batch,
 )
 from rallypoint.trainer.examples._events import Event, events, process_started, resources
@@ -138,6 +139,21 @@ def main() -> None:
         "--in-place",
         action="store_true",
         help="keep this process across membership changes (regroup in place)",
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="steps between evaluations (0: none)"
+    )
+    parser.add_argument(
+        "--eval-seconds",
+        type=float,
+        default=1.0,
+        help="how long each evaluation runs forward passes over the data (every rank)",
+    )
+    parser.add_argument(
+        "--first-step-extra",
+        type=float,
+        default=0.0,
+        help="extra seconds in each process's first step, as a first step that compiles",
     )
     args = parser.parse_args()
     if args.in_place:
@@ -252,6 +268,7 @@ class Loop:
         self.args, self.optimizer, self.checkpoints = args, optimizer, checkpoints
         self.dataset, self.device = dataset, device
         self.step = 0
+        self.stepped = False  # this process trained a step (its first is its compile's)
         self.saved = -1
         self.loss = torch.tensor(float("nan"))
 
@@ -259,8 +276,8 @@ class Loop:
         """Takes a generation's DDP model, rank and world size: the per-rank batch, the
         sampler and the loader follow from them."""
         self.ddp, self.model, self.rank, self.event = ddp, ddp.module, rank, event
-        # A world that cannot split the global batch is reported as a failed load: after
-        # two such generations the job waits for another size instead of restarting.
+        # A world that cannot split the global batch is reported with the sizes that can
+        # (WorldSizeError, in loading()): the coordinator seals only those from then on.
         with self.checkpoints.loading():
             self.plan = batch_plan(self.args, rank, world)
         self.sampler = ElasticSampler(
@@ -302,8 +319,13 @@ class Loop:
         for batches in optimizer_steps(self.loader, self.sampler, self.plan, whole=whole):
             if self.step >= args.steps:
                 break
+            if not self.stepped and args.first_step_extra:
+                time.sleep(args.first_step_extra)  # as a compile would, before its step
             self.loss = train_step(self.ddp, self.optimizer, self.sampler, batches, self.device)
+            self.stepped = True
             pause(args)
+            if args.eval_every and self.step % args.eval_every == 0:
+                self.evaluate()
             if args.log_items:
                 self.event(
                     "items",
@@ -337,6 +359,21 @@ class Loop:
             self.step += 1
         if args.save_last and self.saved != self.step - 1:  # the loop ran to --steps
             self.save(self.step - 1, now=True)
+
+    def evaluate(self) -> None:
+        """Forward passes over the data for ``--eval-seconds``, on every rank, marked as
+        an evaluation: its time counts against the job's ``phase_limit``, not its hang
+        limit."""
+        started = time.monotonic()
+        with phase("eval"), torch.no_grad():
+            batches = 0
+            while time.monotonic() - started < self.args.eval_seconds:
+                for x, _, _ in self.loader:
+                    self.model(x.to(self.device))
+                    batches += 1
+                    if time.monotonic() - started >= self.args.eval_seconds:
+                        break
+        self.event("evaluated", step=self.step, batches=batches)
 
     def save(self, step: int, *, now: bool = False) -> None:
         """Saves the state after ``step`` asynchronously, or ``now``: to storage whatever

@@ -14,7 +14,13 @@ tests count from it which samples of each epoch were trained, and how often.
 
 The loader is a plain ``DataLoader(..., shuffle=True)``: the strategy replaces its
 sampler with an ``ElasticSampler`` and keeps the global batch (``--batch-size`` x
-``--accumulate`` x the first generation's ranks) at every world size.
+``--accumulate`` x the first generation's ranks) at every world size. ``--own-sampler``
+writes the loader as the docs had users write it before the strategy kept the data
+position: an ``ElasticSampler`` of the script's own (``use_distributed_sampler=False``),
+its state saved in ``on_save_checkpoint``, loaded in ``on_load_checkpoint`` and advanced
+after each optimizer step; the strategy takes it over. ``--validate-first`` runs
+``validate()`` on a few batches before ``fit()``, as a script that checks its model
+first does: that builds the process group too.
 """
 
 from __future__ import annotations
@@ -31,9 +37,9 @@ import xxhash
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
-from rallypoint.trainer import SavePolicy
+from rallypoint.trainer import ElasticSampler, SavePolicy
 from rallypoint.trainer.examples._events import events
 from rallypoint.trainer.examples._launch import add_image_size, arguments, pause
 from rallypoint.trainer.examples.train_ddp import SmallCNN, synthetic_cifar
@@ -63,7 +69,10 @@ class Classifier(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.shard:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if isinstance(self.model, FSDPModule):
+                return  # sharded already: validate() ran before fit()
 
             assert self.device_mesh is not None  # set by ModelParallelStrategy
             mesh = self.device_mesh["data_parallel"]
@@ -78,6 +87,12 @@ class Classifier(L.LightningModule):
         x, y, _ = batch
         loss: torch.Tensor = nn.functional.cross_entropy(self.model(x), y)
         return loss
+
+    def validation_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], index: int
+    ) -> None:
+        x, y, _ = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.model(x), y), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.Adam(self.model.parameters(), lr=self.lr)
@@ -231,6 +246,35 @@ class Events(L.Callback):
             self.event("emergency", step=trainer.global_step - 1, version=preemption.emergency)
 
 
+class OwnSampler(L.Callback):
+    """A script's own data position, kept by hand: its :class:`ElasticSampler` saved with
+    every checkpoint, loaded back, and advanced past every optimizer step's batches."""
+
+    def __init__(self, sampler: ElasticSampler) -> None:
+        self.sampler = sampler
+
+    def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.sampler.set_epoch(trainer.current_epoch)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, i: int
+    ) -> None:
+        accumulation = trainer.accumulate_grad_batches
+        if (i + 1) % accumulation == 0:
+            self.sampler.advance(accumulation)
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint["sampler"] = self.sampler.state_dict()
+
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if "sampler" in checkpoint:
+            self.sampler.load_state_dict(checkpoint["sampler"])
+
+
 def main() -> None:
     parser = arguments(__doc__.split("\n")[0])
     add_image_size(parser)
@@ -250,6 +294,16 @@ def main() -> None:
     parser.add_argument("--num-workers", type=int, default=0, help="the DataLoader's")
     parser.add_argument(
         "--no-elastic-data", action="store_true", help="keep Lightning's DistributedSampler"
+    )
+    parser.add_argument(
+        "--validate-first",
+        action="store_true",
+        help="validate() on a few batches before fit(): it builds the process group",
+    )
+    parser.add_argument(
+        "--own-sampler",
+        action="store_true",
+        help="an ElasticSampler of the script's own, saved and loaded in its hooks",
     )
     parser.add_argument(
         "--keep-per-device-batch",
@@ -272,6 +326,19 @@ def main() -> None:
             policy=policy, elastic_data=elastic, keep_global_batch=keep
         )
     events = Events(args.events, args.digests, args, args.log_samples)
+    images, labels = synthetic_cifar(args.samples, 0, args.image_size)
+    dataset = Indexed(images, labels)
+    own: list[L.Callback] = []
+    sampler: ElasticSampler | None = None
+    if args.own_sampler:
+        sampler = ElasticSampler(
+            dataset,
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            batch_size=args.batch_size,
+            seed=5,
+        )
+        own.append(OwnSampler(sampler))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -279,8 +346,10 @@ def main() -> None:
         max_steps=args.steps,
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
+        use_distributed_sampler=sampler is None,
         callbacks=[
             events,
+            *own,
             ModelCheckpoint(
                 dirpath=args.checkpoint_dir,
                 every_n_train_steps=args.checkpoint_every,
@@ -292,15 +361,18 @@ def main() -> None:
         enable_model_summary=False,
         logger=False,
     )
-    images, labels = synthetic_cifar(args.samples, 0, args.image_size)
     loader = DataLoader(
-        Indexed(images, labels),
+        dataset,
         batch_size=args.batch_size,
-        shuffle=True,
+        shuffle=sampler is None,
+        sampler=sampler,
         num_workers=args.num_workers,
         persistent_workers=args.num_workers > 0,  # not a process start every epoch
     )
     module = Classifier(args.lr, args.strategy == "model-parallel", args.schedule, args.image_size)
+    if args.validate_first:
+        few = Subset(dataset, range(4 * args.batch_size))
+        trainer.validate(module, DataLoader(few, batch_size=args.batch_size), verbose=False)
     trainer.fit(module, loader, ckpt_path=args.ckpt_path)
     events.event("finished", step=trainer.global_step, loss=events.loss, digest=events.final)
 

@@ -238,6 +238,27 @@ def test_filters_compare_by_type(table: Table) -> None:
     assert rows(Cond("beat", "eq", "40")) == ["d"]
 
 
+def test_a_query_reads_the_properties_it_selects_and_its_conditions(table: Table) -> None:
+    progress = "x" * 5000  # what a beat row carries beside its stamp
+    table.batch(
+        [
+            BatchOp("insert", Entity("p", "a", {"kind": "beat", "at": 1.5, "progress": progress})),
+            BatchOp("insert", Entity("p", "b", {"kind": "beat", "at": 2.5})),
+            BatchOp("insert", Entity("p", "c", {"kind": "node", "at": 3.5, "progress": "y"})),
+        ]
+    )
+    read = list(table.query("p", [Cond("kind", "eq", "beat")], select=["at", "dropped"]))
+    assert [(e.row_key, e.data) for e in read] == [
+        ("a", {"kind": "beat", "at": 1.5}),
+        ("b", {"kind": "beat", "at": 2.5}),
+    ]
+    assert all(e.etag for e in read)
+    (whole,) = table.query("p", [Cond("at", "lt", 2.0)])
+    assert whole.data["progress"] == progress  # without select: every property
+    with pytest.raises(InvalidName):
+        table.query_page("p", select=["x y"])
+
+
 def test_unicode_keys_round_trip(table: Table) -> None:
     table.insert(Entity("jöb-権", "nœud ✓", {"v": 1}))
     assert table.get("jöb-権", "nœud ✓").data == {"v": 1}

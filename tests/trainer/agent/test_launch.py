@@ -185,6 +185,12 @@ BAD = [
     ({"RALLYPOINT_MAX_RESTARTS": "-1"}, "RALLYPOINT_MAX_RESTARTS is '-1'; it takes a whole"),
     ({"RALLYPOINT_RDZV_CONF": "join_timeout=1m"}, "RALLYPOINT_RDZV_CONF is 'join_timeout=1m'"),
     ({"PET_RDZV_CONF": "last_call"}, "PET_RDZV_CONF is 'last_call'; it takes KEY=VALUE"),
+    (
+        {"RALLYPOINT_RDZV_CONF": "world_sizes=2,4"},
+        "RALLYPOINT_RDZV_CONF is 'world_sizes=2,4'; it takes KEY=VALUE pairs",
+    ),
+    ({"RALLYPOINT_RDZV_CONF": "world_sizes=4/2"}, "RALLYPOINT_RDZV_CONF is 'world_sizes=4/2'"),
+    ({"RALLYPOINT_RDZV_CONF": "world_sizes=0/2"}, "RALLYPOINT_RDZV_CONF is 'world_sizes=0/2'"),
     ({"PET_MASTER_PORT": "http"}, "PET_MASTER_PORT is 'http'; it takes a port number"),
     (
         {"RALLYPOINT_WARM_MODULES": "lightning pytorch"},
@@ -213,7 +219,7 @@ def test_good_values_pass_and_an_empty_rallypoint_variable_is_unset() -> None:
         "PET_MAX_RESTARTS": "3",
         "PET_NODE_RANK": "1",
         "PET_MASTER_PORT": "29500",
-        "RALLYPOINT_RDZV_CONF": "last_call=1, join_timeout=60,token=t=x",
+        "RALLYPOINT_RDZV_CONF": "last_call=1, join_timeout=60,token=t=x,world_sizes=2/4/8",
         "RALLYPOINT_WARM_MODULES": "lightning.pytorch, transformers",
     }
     assert flags(torchrun_argv(["train.py"], env))["nnodes"] == "1:4"

@@ -1,6 +1,7 @@
 """Quiet survivors, as rules: when a worker's error is its generation's end (one line,
 said by the agent) and when it is an error that keeps its traceback. No process, no
-clock: the board is a real folder, time is a counter."""
+clock: the board is a real folder, time is a counter. The one error told to the
+coordinator (an uncaught ``WorldSizeError``) goes to one in this process."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from rallypoint.client import GENERATION_ENV
+from rallypoint.client import CREDENTIAL_ENV, GENERATION_ENV, JOB_ENV, NODE_ENV, URL_ENV
+from rallypoint.trainer import WorldSizeError, plan_batch
 from rallypoint.trainer.agent import QUIET_ENV, REGROUP_ENV, Board, Posted, generation_end
-from rallypoint.trainer.agent._quiet import ended, waits_for_board
+from rallypoint.trainer.agent._quiet import ended, report_uncaught, waits_for_board
+
+from ..._support import clients, join_all, spec
+from ...conftest import Start
 
 
 class Ticks:
@@ -110,3 +115,39 @@ def test_the_wait_is_a_setting(board: Board, monkeypatch: pytest.MonkeyPatch) ->
     ticks = Ticks()
     assert generation_end(RuntimeError("reset"), clock=ticks, sleep=ticks.sleep) is None
     assert ticks.now == pytest.approx(0.5, abs=0.05)
+
+
+def test_an_uncaught_world_size_error_is_reported_for_the_node(
+    start: Start, board: Board, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker under the agent that never caught its ``WorldSizeError`` (a hand-written
+    loop): its excepthook reports the sizes that can, once, for its node and generation
+    (from the agent's environment); other errors, or a worker outside the agent, report
+    nothing."""
+    url = start().url
+    nodes = clients(url, ["a", "b", "c"], job="quiet")
+    join_all(nodes, spec(3, 3))
+    c = nodes[2]
+    assert c.assignment is not None and c.credential is not None
+    for name, value in {
+        URL_ENV: url,
+        JOB_ENV: "quiet",
+        NODE_ENV: "c",
+        GENERATION_ENV: str(c.assignment.generation),
+        CREDENTIAL_ENV: c.credential,
+        "RANK": "5",
+        "LOCAL_WORLD_SIZE": "2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(WorldSizeError) as caught:
+        plan_batch(16, 6, micro_batch=8)  # 3 nodes of 2: 2, 4, 8 or 16 ranks can
+    report_uncaught(RuntimeError("not this one"))
+    monkeypatch.delenv(REGROUP_ENV)
+    report_uncaught(caught.value)  # outside the agent: nothing
+    assert not caught.value.reported and c.membership().status == "sealed"
+    monkeypatch.setenv(REGROUP_ENV, str(board.folder))
+    report_uncaught(caught.value)
+    info = c.membership()
+    assert caught.value.reported and info.status == "open" and info.world_sizes == []
+    assert info.history[-1].ended_reason is not None
+    assert info.history[-1].ended_reason.startswith("rank 5 cannot train a world of 3 nodes")

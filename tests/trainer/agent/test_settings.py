@@ -37,3 +37,15 @@ def test_hot_join_is_the_nodes_own_setting(value: object, hot: bool) -> None:
 def test_a_hot_join_that_is_not_a_number_is_refused() -> None:
     with pytest.raises(ValueError, match="hot_join"):
         settings(hot_join="yes")
+
+
+def test_world_sizes_are_node_counts_separated_by_slashes() -> None:
+    """torch splits ``--rdzv-conf`` on commas, so the list takes ``/``."""
+    assert settings().spec.world_sizes is None  # any from MIN to MAX
+    assert settings(world_sizes="2/4").spec.world_sizes == (2, 4)
+    with pytest.raises(ValueError, match="node counts separated by '/'"):
+        settings(world_sizes="2;4")
+    with pytest.raises(ValueError, match="ascending, each once"):
+        settings(world_sizes="4/2")
+    with pytest.raises(ValueError, match="from min_nodes 1 to max_nodes 4"):
+        settings(world_sizes="2/8")

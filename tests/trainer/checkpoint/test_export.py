@@ -169,8 +169,7 @@ def test_an_fsdp2_job_of_two_nodes_of_two_processes_exports_whole(
         url, "fsdp2", tmp_path, nnodes="2:2", nproc=2, script=[str(script), str(full_file)]
     )
     try:
-        for node in ("a", "b"):
-            cluster.add(node)
+        cluster.start("a", "b")
         codes = cluster.wait(timeout=200)
     finally:
         cluster.stop()

@@ -40,8 +40,7 @@ def test_fsdp2_resumes_resharded_after_a_node_is_killed(
     )
     cluster.events_file = events
     try:
-        cluster.add("a")
-        cluster.add("b")
+        cluster.start("a", "b")
         cluster.wait_for(
             lambda e: e["event"] == "step" and e["step"] >= 12 and e["world_size"] == 4
         )

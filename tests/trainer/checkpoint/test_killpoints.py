@@ -68,9 +68,7 @@ def test_a_node_killed_at_any_point_of_a_save_costs_one_generation(
     cluster.events_file = events
     env = {HALT_ENV: f"{point}:{HALT_STEP}:{trigger}", HALT_FILE_ENV: str(halt)}
     try:
-        cluster.add("a", nproc=2, env=env)
-        cluster.add("b", env=env)
-        cluster.add("c", env=env)
+        cluster.start(("a", {"nproc": 2}), "b", "c", env=env)
         halted = wait_for_file(halt, cluster)
         members = status(coordinator, job)["members"]
         assert len(members) == 3, members  # 4 processes: the halt named rank 3 of 4

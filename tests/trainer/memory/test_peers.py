@@ -87,8 +87,7 @@ def run_and_kill(
     cluster.events_file = out
     names = [f"n{i}" for i in range(nodes)]
     try:
-        for name in names:
-            cluster.add(name)
+        cluster.start(*names)
         cluster.wait_for(lambda e: e["event"] == "saved" and e["world"] == nodes, timeout=150)
         members = status(coordinator, job)["members"]
         ranks = {m["node_id"]: m["rank"] for m in members}
