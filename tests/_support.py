@@ -325,8 +325,10 @@ def joins_hot(
     world: int,
     final_step: int,
     env: dict[str, str] | None = None,
+    saved: bool = False,
 ) -> list[Event]:
-    """Nodes a and b train; once they have, c joins under ``rallypoint run``'s defaults
+    """Nodes a and b train; once they have (and, with ``saved``, once they have committed
+    a version, for a test of what c restores), c joins under ``rallypoint run``'s defaults
     (it parks, and its workers start in the placeholder world), and the job runs to its
     end. Checks that c went in hot, its workers waiting in a join before their process
     group: its agent logged no cold fallback (a worker that exited while the node
@@ -336,6 +338,8 @@ def joins_hot(
     try:
         cluster.start("a", "b", env=env or {})
         cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] < world, timeout=150)
+        if saved:
+            saved_since(coordinator, cluster.job, 0)
         joiner = cluster.add("c", env=env)
         cluster.wait_for(lambda e: e["event"] == "step" and e["world_size"] == world, timeout=150)
         codes = cluster.wait(timeout=150)
