@@ -325,11 +325,15 @@ class Beats:
         samples: (seconds since the first beat, latency beyond the hold) per beat.
         loadgen_cpu: This process's CPU seconds over the beats.
         restarts: Replies that said ``restart``.
+        sent: Bytes the nodes sent over the beats, HTTP heads included.
+        received: Bytes they received.
     """
 
     samples: list[tuple[float, float]] = field(default_factory=list)
     loadgen_cpu: float = 0.0
     restarts: int = 0
+    sent: int = 0
+    received: int = 0
 
 
 class Loadgen:
@@ -469,8 +473,12 @@ class Loadgen:
                 await asyncio.sleep(max(0.0, at - now))
 
         cpu = time.process_time()
+        sent = sum(node.conn.sent for node in self.nodes)
+        received = sum(node.conn.received for node in self.nodes)
         await asyncio.gather(*(one(i, node) for i, node in enumerate(self.nodes)))
         beats.loadgen_cpu = time.process_time() - cpu
+        beats.sent = sum(node.conn.sent for node in self.nodes) - sent
+        beats.received = sum(node.conn.received for node in self.nodes) - received
         return beats
 
     async def beat_raw(self, nodes: int, beats: int) -> float:

@@ -53,10 +53,13 @@ Overhead:
   off, alternating rounds of ``--loop-steps`` steps; steps/s and the cost per step (goal:
   <= 1% of steps/s). Also on the smallest such loop (one layer), where a step is
   shortest and the cost shows most.
-- ``beats``: ``--beat-nodes`` members (the load generator, bench/_loadgen.py) beat at
-  1 Hz on ``--beat-storage``, each beat carrying 8 ranks' progress (an agent of 8
-  workers) or none, alternating runs of ``--beat-seconds``; the coordinator's CPU per
-  beat and the latency, and their ratios (goal: within 1.1x of without).
+- ``beats``: ``--beat-nodes`` members (a list: each size in turn; the load generator,
+  bench/_loadgen.py) beat at 1 Hz on ``--beat-storage``, each beat carrying 8 ranks'
+  progress (an agent of 8 workers) or none, alternating runs of ``--beat-seconds``; the
+  coordinator's share of a core, its CPU per beat, the latency, the bytes on the wire
+  per beat each way and the load generator's own share of a core (a run where it nears
+  100% measures the load generator), and the ratios with and without progress (goal:
+  within 1.1x).
 
 ``--smoke`` runs a hang in place and under the anchor (gloo timeout 5 s, not required to
 recover) on two nodes, a straggler's throttling under ``report`` for a few seconds (not
@@ -67,7 +70,7 @@ Usage::
     python bench/hangs.py [--only hangs|stragglers|loop|beats] [--repeat 3]
         [--setup rallypoint|in-place|torchrun|c10d] [--kind sigstop|asleep]
         [--policy report|replace|drop] [--anchor-timeout 60] [--limit 60]
-        [--beat-nodes 1024] [--beat-seconds 20] [--beat-storage azurite|local]
+        [--beat-nodes 1024,10000] [--beat-seconds 20] [--beat-storage azurite|local]
     python bench/hangs.py --smoke
 """
 
@@ -667,6 +670,9 @@ def beats_overhead(
                                 "cpu_us": cpu / max(1, len(beats.samples)) * 1e6,
                                 "p50": q[49] * 1e3,
                                 "p99": q[98] * 1e3,
+                                "up": beats.sent / max(1, len(beats.samples)),
+                                "down": beats.received / max(1, len(beats.samples)),
+                                "loadgen": beats.loadgen_cpu / wall,
                             }
                         )
             gen.close()
@@ -794,6 +800,7 @@ def print_beats(rows: list[dict[str, Any]], n: int, storage: str) -> None:
     print(f"\n## Heartbeats: {n} members at 1 Hz, {storage}, with 8 ranks' progress or none")
     print(
         f"{'':34} {'beats':>7} {'coord % core':>12} {'CPU us/beat':>11} {'p50 ms':>7} {'p99 ms':>7}"
+        f" {'B/beat up':>9} {'down':>5} {'loadgen % core':>14}"
     )
     for hold in sorted({r["hold"] for r in rows}, reverse=True):
         what = f"held {hold:g} s" if hold else "not held"
@@ -803,7 +810,8 @@ def print_beats(rows: list[dict[str, Any]], n: int, storage: str) -> None:
             for r in mine:
                 print(
                     f"{label:34} {r['beats']:7} {r['core'] * 100:12.0f} {r['cpu_us']:11.0f} "
-                    f"{r['p50']:7.1f} {r['p99']:7.1f}"
+                    f"{r['p50']:7.1f} {r['p99']:7.1f} {r['up']:9.0f} {r['down']:5.0f} "
+                    f"{r['loadgen'] * 100:14.0f}"
                     + (f"  ({r['restarts']} restarts)" if r["restarts"] else "")
                 )
         ratios = []
@@ -860,7 +868,7 @@ SMOKE = {
     "anchor_cap": 1.0,
     "loop_mib": 1,
     "loop_steps": 5,
-    "beat_nodes": 8,
+    "beat_nodes": "8",
     "beat_seconds": 1.0,
     "beat_rounds": 1,
     "beat_holds": "1",
@@ -890,7 +898,7 @@ def main() -> int:
     )
     parser.add_argument("--loop-mib", type=int, default=96, help="the loop's state (as documented)")
     parser.add_argument("--loop-steps", type=int, default=150, help="timed steps on, and off")
-    parser.add_argument("--beat-nodes", type=int, default=1024)
+    parser.add_argument("--beat-nodes", default="1024", help="members, e.g. 1024,10000")
     parser.add_argument("--beat-seconds", type=float, default=20)
     parser.add_argument("--beat-rounds", type=int, default=2, help="runs of each, alternating")
     parser.add_argument("--beat-holds", default="1,0")
@@ -977,18 +985,19 @@ def main() -> int:
 
     if args.only in (None, "beats"):
         holds = [float(h) for h in args.beat_holds.split(",")]
-        with azurite() if args.beat_storage == "azurite" else contextlib.nullcontext("") as conn:
-            rows = beats_overhead(
-                args.beat_nodes,
-                args.beat_seconds,
-                args.beat_rounds,
-                holds,
-                args.beat_storage,
-                conn,
-                args.profile,
-            )
-        print_beats(rows, args.beat_nodes, args.beat_storage)
-        failed |= any(r["restarts"] for r in rows)
+        for n in (int(n) for n in str(args.beat_nodes).split(",")):
+            with azurite() if args.beat_storage == "azurite" else contextlib.nullcontext("") as c:
+                rows = beats_overhead(
+                    n,
+                    args.beat_seconds,
+                    args.beat_rounds,
+                    holds,
+                    args.beat_storage,
+                    c,
+                    args.profile,
+                )
+            print_beats(rows, n, args.beat_storage)
+            failed |= any(r["restarts"] for r in rows)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
     return 1 if failed else 0
 
