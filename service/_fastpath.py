@@ -1,21 +1,23 @@
-"""Heartbeats answered before routing.
+"""Heartbeats, joins and waits answered before routing.
 
 A thousand members beating once a second each is the coordinator's heaviest load, and
-FastAPI's routing and dependency solving cost more than the beat itself (two thirds of
-the process's CPU in a profile at 1,024 beats/s). This middleware answers a well-formed,
-authorized heartbeat with the route's own parts: its path pattern (the route's
-``matches``), its auth (:func:`~.deps.authorize`), its body
-(:func:`~.routers.jobs.answer_heartbeat`) and its error replies
+ten thousand nodes joining in one round its longest burst. FastAPI's routing and
+dependency solving cost more than the beat itself (two thirds of the process's CPU in a
+profile at 1,024 beats/s), and a third of a 10,000-node round's. This middleware
+answers a well-formed, authorized heartbeat, join or wait with the route's own parts:
+its path pattern (the route's ``matches``), its auth (:func:`~.deps.authorize`), its
+body (:func:`~.routers.jobs.answer_heartbeat`, :func:`~.routers.jobs.answer_join`,
+:func:`~.routers.jobs.answer_wait`) and its error replies
 (:func:`~._http.service_error_response`).
 Anything else (bad ids or JSON, no token, chunked bodies) goes to the application
-unchanged, so errors keep their usual codes and bodies; ``tests/service/test_fastpath.py`` sends
-the same beats with and without it and gets the same answers.
+unchanged, so errors keep their usual codes and bodies; ``tests/service/test_fastpath.py``
+sends the same requests with and without it and gets the same answers.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from pydantic import ConfigDict, ValidationError, create_model
 from starlette.datastructures import Headers
@@ -27,18 +29,26 @@ from rallypoint.client.models import (
     CREDENTIAL_HEADER,
     HeartbeatReply,
     HeartbeatRequest,
+    JoinReply,
+    JoinRequest,
     RankProgress,
+    WaitRequest,
     check_id,
 )
 
 from ._http import service_error_response
 from .deps import MAX_CREDENTIAL, authorize
 from .errors import RallypointServiceError
-from .routers.jobs import answer_heartbeat, heartbeat, router
+from .routers.jobs import answer_heartbeat, answer_join, answer_wait, heartbeat, join, router, wait
 
 __all__ = ["HeartbeatFastPath"]
 
-_ROUTE = next(r for r in router.routes if getattr(r, "endpoint", None) is heartbeat)
+
+def _route(endpoint: object) -> Any:
+    return next(r for r in router.routes if getattr(r, "endpoint", None) is endpoint)
+
+
+_ROUTE, _JOIN, _WAIT = _route(heartbeat), _route(join), _route(wait)
 # The beat as taken here: HeartbeatRequest's fields, strict, which pydantic's core checks
 # without the model's own check of JSON kinds (that one builds a Python dict first: more
 # than the parse itself at a thousand beats a second). What strict refuses and the model
@@ -70,15 +80,10 @@ class HeartbeatFastPath:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        matched = (
-            _ROUTE.matches(scope)
-            if scope["type"] == "http" and scope["method"] == "POST"
-            else (Match.NONE, {})
-        )
-        full = matched[0] == Match.FULL
-        headers = Headers(scope=scope) if full else Headers()
+        route, params = _matched(scope)
+        headers = Headers(scope=scope) if route is not None else Headers()
         if (
-            not full
+            route is None
             or "content-length" not in headers  # BodyLimit checked the length
             or not headers.get("content-type", "").startswith("application/json")
         ):
@@ -96,34 +101,86 @@ class HeartbeatFastPath:
             if not message.get("more_body"):
                 break
         try:
-            params = matched[1]["path_params"]
-            job_id, node_id = check_id(params["job_id"]), check_id(params["node_id"])
+            job_id = check_id(params["job_id"])
+            node_id = check_id(params["node_id"]) if "node_id" in params else ""
             await authorize(state.tokens, headers, "POST", scope["path"], job_id)
-            beat = cast(_Fields, _Beat.model_validate_json(body))
             credential = headers.get(CREDENTIAL_HEADER)
-            if not credential or len(credential) > MAX_CREDENTIAL:
-                raise ValueError("no credential, or too long")
+            if route is _JOIN:
+                asked: Any = JoinRequest.model_validate_json(body)
+            else:
+                # The route's Credential: a wait's and a beat's own requests are refused
+                # there with its words, not here.
+                if not credential or len(credential) > MAX_CREDENTIAL or not credential.isascii():
+                    raise ValueError("no credential, too long, or not ASCII")
+                asked = (
+                    WaitRequest.model_validate_json(body)
+                    if route is _WAIT
+                    else _Beat.model_validate_json(body)
+                )
         except (ValueError, ValidationError, RallypointServiceError):  # the route says why
             await self.app(scope, _replaying(messages, receive), send)
             return
 
-        scope["route"] = _ROUTE  # the metrics' label, as routing would set it
+        scope["route"] = route  # the metrics' label, as routing would set it
         response: Response
         try:
-            reply = await answer_heartbeat(
-                job_id,
-                node_id,
-                beat.generation,
-                beat.wait,
-                credential,
-                state,
-                receive,
-                beat.progress,
-            )
-            response = Response(_body(reply), media_type="application/json")
+            if route is _ROUTE:
+                beat = cast(_Fields, asked)
+                reply = await answer_heartbeat(
+                    job_id,
+                    node_id,
+                    beat.generation,
+                    beat.wait,
+                    credential,
+                    state,
+                    receive,
+                    beat.progress,
+                )
+                response = Response(_body(reply), media_type="application/json")
+            else:
+                status = Response()  # takes a waiting reply's 202, as the route's own
+                if route is _JOIN:
+                    answer = await answer_join(
+                        job_id, asked, state.rdzv, state.driver, receive, status
+                    )
+                else:
+                    assert credential is not None
+                    answer = await answer_wait(
+                        job_id,
+                        node_id,
+                        asked,
+                        credential,
+                        state.rdzv,
+                        state.driver,
+                        receive,
+                        status,
+                    )
+                response = (
+                    answer if isinstance(answer, Response) else _joined(answer, status.status_code)
+                )
         except RallypointServiceError as exc:
             response = service_error_response("POST", scope["path"], exc)
         await response(scope, receive, send)
+
+
+def _matched(scope: Scope) -> tuple[Any, dict[str, Any]]:
+    """The fast path's route a request is for, and its path parameters; (None, {}) for
+    any other."""
+    if scope["type"] != "http" or scope["method"] != "POST":
+        return None, {}
+    path: str = scope["path"]
+    # Each pattern is tried only on the paths it may match (a cheap test of the end).
+    for route, end in ((_ROUTE, "/heartbeat"), (_JOIN, "/join"), (_WAIT, "/wait")):
+        if path.endswith(end):
+            match, child = route.matches(scope)
+            if match == Match.FULL:
+                return route, child["path_params"]
+    return None, {}
+
+
+def _joined(reply: JoinReply, status: int) -> Response:
+    """A JoinReply as the route sends it (FastAPI dumps a response model to JSON)."""
+    return Response(reply.model_dump_json(), status_code=status, media_type="application/json")
 
 
 def _replaying(messages: list[Message], receive: Receive) -> Receive:

@@ -74,7 +74,16 @@ from ..errors import (
 )
 from ..storage import within
 
-__all__ = ["answer_heartbeat", "heartbeat", "read_timeline", "router"]
+__all__ = [
+    "answer_heartbeat",
+    "answer_join",
+    "answer_wait",
+    "heartbeat",
+    "join",
+    "read_timeline",
+    "router",
+    "wait",
+]
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Auth])
 
@@ -174,6 +183,35 @@ async def join(
 
     The reply carries the registration's ``credential``: the node's later requests
     (heartbeat, wait, leave, store, checkpoints) must send it.
+
+    (Well-formed, authorized joins are answered by :class:`HeartbeatFastPath` before
+    routing; this route answers the rest, with the same :func:`answer_join`.)
+    """
+    return await answer_join(job_id, body, rdzv, driver, request.receive, response)
+
+
+async def answer_join(
+    job_id: str,
+    body: JoinRequest,
+    rdzv: Rendezvous,
+    driver: Driver,
+    receive: Receive,
+    response: Response,
+) -> JoinReply | Response:
+    """A join of a valid id and body, for the route and the fast path alike.
+
+    Args:
+        rdzv, driver: The app's (its state's ``rdzv`` and ``driver``).
+        receive: The request's ASGI ``receive``, its body already read: its next
+            message is the caller hanging up, which ends a held join.
+        response: Takes the status of a reply still waiting (202).
+
+    Returns:
+        A sealed round's reply, made (its members' JSON is prebuilt), or a JoinReply to
+        serialize.
+
+    Raises:
+        RallypointServiceError: As the route's (see :func:`_awaits_seal`).
     """
     try:
         # The driver's snapshot (at most a pass old) spares each of a thousand joins a
@@ -198,7 +236,7 @@ async def join(
         )
     )
     driver.poke(job_id)
-    return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response, node.parked)
+    return await _await_seal(job_id, node, body.wait, rdzv, driver, receive, response, node.parked)
 
 
 @_awaits_seal("/{job_id}/nodes/{node_id}/wait", "poll again", UnknownNode)
@@ -216,13 +254,37 @@ async def wait(
 
     With ``ready``, a node parked by a hot join says its workers wait to train: the
     running generation ends for it first (its members regroup with the node at once).
+
+    (Well-formed, authorized waits are answered by :class:`HeartbeatFastPath` before
+    routing; this route answers the rest, with the same :func:`answer_wait`.)
+    """
+    return await answer_wait(
+        job_id, node_id, body, credential, rdzv, driver, request.receive, response
+    )
+
+
+async def answer_wait(
+    job_id: str,
+    node_id: str,
+    body: WaitRequest,
+    credential: str,
+    rdzv: Rendezvous,
+    driver: Driver,
+    receive: Receive,
+    response: Response,
+) -> JoinReply | Response:
+    """A wait of valid ids, body and credential's form, for the route and the fast path
+    alike (arguments and results as :func:`answer_join`'s).
+
+    Raises:
+        RallypointServiceError: As the route's (see :func:`_awaits_seal`).
     """
     node = await anyio.to_thread.run_sync(rdzv.node, job_id, node_id)
     credentials.check(node.cred, credential, node_id)
     if body.ready and await anyio.to_thread.run_sync(rdzv.ready, job_id, node_id, body.round):
         driver.poke(job_id)
     node = replace(node, round=body.round, credential=None)
-    return await _await_seal(job_id, node, body.wait, rdzv, driver, request, response)
+    return await _await_seal(job_id, node, body.wait, rdzv, driver, receive, response)
 
 
 def _sealed_reply(job_id: str, node: Node, sealed: Generation) -> Response:
@@ -241,7 +303,7 @@ async def _await_seal(
     wait: float,
     rdzv: RdzvDep,
     driver: DriverDep,
-    request: Request,
+    receive: Receive,
     response: Response,
     parked: bool = False,
 ) -> JoinReply | Response:
@@ -253,7 +315,7 @@ async def _await_seal(
     # The held join is the node's watch until its first held heartbeat: a cut one (its
     # process died while it waited) keeps it out of the round, as a cut heartbeat ends
     # a generation, rather than sealing a dead node and finding it at the timeout.
-    gone = hang_up(request.receive)
+    gone = hang_up(receive)
     try:
         with driver.waiting(job_id, node_id):
             reply = await _wait_for_seal(

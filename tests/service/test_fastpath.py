@@ -110,3 +110,112 @@ def test_a_restart_says_why_and_a_continue_is_the_bytes_it_always_was(
             "action": "restart",
             "reason": "node b joined",
         }, reply
+
+
+def answers(
+    clients: tuple[TestClient, ...], url: str, headers: dict[str, str], body: Any
+) -> list[Any]:
+    kwargs: dict[str, Any] = (
+        {"content": body, "headers": {**headers, "Content-Type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body, "headers": headers}
+    )
+    return [client.post(url, **kwargs) for client in clients]
+
+
+def same(what: str, replies: list[Any]) -> None:
+    first, second = replies
+    assert first.status_code == second.status_code, (what, first.text, second.text)
+    assert first.content == second.content, what
+    for header in ("content-type", "www-authenticate", "retry-after"):
+        assert first.headers.get(header) == second.headers.get(header), what
+
+
+def test_the_fast_path_answers_every_join_and_wait_as_the_route_does(
+    replicas: tuple[TestClient, TestClient],
+) -> None:
+    """Joins and waits, well-formed and malformed, to both replicas in turn: the second
+    of each pair is the same join retried (the same ``join_id``), which storage answers
+    as the first, so the replies must be the same bytes. (The round needs 4 nodes: it
+    seals only once the last part asks it to.)"""
+    fast, route = replicas
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    spec = JobSpec(min_nodes=4, max_nodes=4, last_call=timedelta(0)).model_dump(mode="json")
+    reader = fast.post(
+        "/v1/tokens", json={"job_id": "job", "role": "reader"}, headers=admin
+    ).json()["token"]
+    other = fast.post(
+        "/v1/tokens", json={"job_id": "other", "role": "trainer"}, headers=admin
+    ).json()["token"]
+
+    def node(name: str, **extra: Any) -> dict[str, Any]:
+        return {
+            "node_id": name,
+            "addr": "h",
+            "port": 1,
+            "spec": spec,
+            "join_id": name,
+            "wait": 0,
+            **extra,
+        }
+
+    path = "/v1/jobs/job/join"
+    joins: list[tuple[str, str, dict[str, str], Any]] = [
+        ("a new job's first join, waiting", path, admin, node("a")),
+        ("the second", path, admin, node("b")),
+        ("another spec", path, admin, {**node("c"), "spec": {**spec, "min_nodes": 2}}),
+        (
+            "an unknown job without a spec",
+            "/v1/jobs/nojob/join",
+            admin,
+            {**node("a"), "spec": None},
+        ),
+        ("a string port", path, admin, node("c", port="1")),
+        ("a float port", path, admin, node("c", port=1.0)),  # an integral one is an int
+        ("an unknown field", path, admin, node("c", x=1)),
+        ("a bad node id", path, admin, node("a b")),
+        ("a wait too long", path, admin, node("c", wait=61)),
+        ("a bad job id", "/v1/jobs/a%20b/join", admin, node("c")),
+        ("no token", path, {}, node("c")),
+        ("a wrong token", path, {"Authorization": "Bearer nope"}, node("c")),
+        ("a reader's token", path, {"Authorization": f"Bearer {reader}"}, node("c")),
+        ("another job's token", path, {"Authorization": f"Bearer {other}"}, node("c")),
+        ("not JSON", path, admin, b"{node_id"),
+        ("a JSON list", path, admin, [1]),
+    ]
+    credentials: dict[str, str] = {}
+    for what, url, headers, body in joins:
+        replies = answers((fast, route), url, headers, body)
+        same(what, replies)
+        if replies[0].status_code == 202:
+            credentials[body["node_id"]] = replies[0].json()["credential"]
+    assert sorted(credentials) == ["a", "b", "c"], credentials
+
+    member = {**admin, CREDENTIAL_HEADER: credentials["a"]}
+    wait = "/v1/jobs/job/nodes/a/wait"
+    waits: list[tuple[str, str, dict[str, str], Any]] = [
+        ("a node's wait, not sealed", wait, member, {"round": 1, "wait": 0}),
+        (
+            "another's credential",
+            wait,
+            {**admin, CREDENTIAL_HEADER: credentials["b"]},
+            {"round": 1},
+        ),
+        ("no credential", wait, admin, {"round": 1, "wait": 0}),
+        ("a long credential", wait, {**admin, CREDENTIAL_HEADER: "x" * 129}, {"round": 1}),
+        ("an unknown node", "/v1/jobs/job/nodes/zz/wait", member, {"round": 1, "wait": 0}),
+        ("round 0", wait, member, {"round": 0}),
+        ("a string round", wait, member, {"round": "1"}),
+        ("a reader's token", wait, {**member, "Authorization": f"Bearer {reader}"}, {"round": 1}),
+        ("not JSON", wait, member, b"{round"),
+    ]
+    for what, url, headers, body in waits:
+        same(what, answers((fast, route), url, headers, body))
+
+    # The fourth node seals the round: a's wait, through either replica, is the same
+    # sealed reply (its assignment and rank).
+    fourth = answers((fast,), path, admin, node("d"))[0]
+    assert fourth.status_code in (200, 202), fourth.text
+    sealed = answers((fast, route), wait, member, {"round": 1, "wait": 10})
+    assert sealed[0].json()["status"] == "sealed", sealed[0].text
+    same("a sealed round", sealed)

@@ -14,7 +14,7 @@ from rallypoint.service.errors import (
     Modified,
     NotFound,
 )
-from rallypoint.service.storage import BatchOp, Cond, Entity, Storage, Table
+from rallypoint.service.storage import BatchOp, Cond, Entity, Storage, Table, Value
 
 from ..._race import one_winner
 
@@ -257,6 +257,17 @@ def test_a_query_reads_the_properties_it_selects_and_its_conditions(table: Table
     assert whole.data["progress"] == progress  # without select: every property
     with pytest.raises(InvalidName):
         table.query_page("p", select=["x y"])
+
+
+def test_a_select_keeps_each_kind_of_value_and_may_name_none(table: Table) -> None:
+    data: dict[str, Value | None] = {"s": "x", "i": 7, "f": 0.5, "t": True, "b": b"\x00\xff"}
+    table.insert(Entity("p", "a", {**data, "other": "o"}))
+    (one,) = table.query("p", select=["s", "i", "f", "t", "b", "absent"])
+    assert one.data == data
+    (alone,) = table.query("p", select=["t"])
+    assert alone.data == {"t": True}
+    (keys,) = table.query("p", select=[])  # the keys alone: what counting rows needs
+    assert (keys.row_key, keys.data) == ("a", {})
 
 
 def test_unicode_keys_round_trip(table: Table) -> None:
