@@ -266,9 +266,9 @@ class LocalTable(Table):
         sql = f"SELECT rk, etag, {column} FROM entities WHERE tbl=? AND pk=?"
         # The select's paths first, as they come first in the statement; padded with a
         # name no property has (names are identifiers: no "-").
-        args: list[object] = (
-            [] if chosen is None else [*paths, '$."-"', '$."-"'][: max(2, len(paths))]
-        )
+        args: list[object] = []
+        if chosen is not None:
+            args += [*paths, '$."-"', '$."-"'][: max(2, len(paths))]
         args += [self.name, partition_key]
         if request.continuation is not None:
             sql += " AND rk > ?"
