@@ -54,8 +54,10 @@ Overhead:
   <= 1% of steps/s). Also on the smallest such loop (one layer), where a step is
   shortest and the cost shows most.
 - ``beats``: ``--beat-nodes`` members (a list: each size in turn; the load generator,
-  bench/_loadgen.py) beat at 1 Hz on ``--beat-storage``, each beat carrying 8 ranks'
-  progress (an agent of 8 workers) or none, alternating runs of ``--beat-seconds``; the
+  bench/_loadgen.py) beat every ``--beat-interval`` s (1; an agent's default is 2.5 s,
+  each beat held that long: ``--beat-holds 2.5``) on ``--beat-storage``, each beat
+  carrying 8 ranks' progress (an agent of 8 workers) or none, alternating runs of
+  ``--beat-seconds``; the
   coordinator's share of a core, its CPU per beat, the latency, the bytes on the wire
   per beat each way and the load generator's own share of a core (a run where it nears
   100% measures the load generator), and the ratios with and without progress (goal:
@@ -71,6 +73,7 @@ Usage::
         [--setup rallypoint|in-place|torchrun|c10d] [--kind sigstop|asleep]
         [--policy report|replace|drop] [--anchor-timeout 60] [--limit 60]
         [--beat-nodes 1024,10000] [--beat-seconds 20] [--beat-storage azurite|local]
+        [--beat-holds 1,0] [--beat-interval 1]
     python bench/hangs.py --smoke
 """
 
@@ -627,10 +630,12 @@ def beats_overhead(
     storage: str,
     conn: str,
     profile: bool = False,
+    interval: float = 1.0,
 ) -> list[dict[str, Any]]:
-    """``n`` loadgen members beat at 1 Hz, with 8 ranks' progress and without, in
-    alternating runs of ``seconds`` (``rounds`` of each per hold); with ``profile``, the
-    coordinator under py-spy in each run (as ``bench/rendezvous.py --profile``)."""
+    """``n`` loadgen members beat every ``interval`` s, with 8 ranks' progress and
+    without, in alternating runs of ``seconds`` (``rounds`` of each per hold); with
+    ``profile``, the coordinator under py-spy in each run (as ``bench/rendezvous.py
+    --profile``)."""
     import _loadgen
     from _loadgen import Loadgen
     from rendezvous import WARM_S, Profile, coordinator_for, cpu_seconds, running
@@ -652,7 +657,10 @@ def beats_overhead(
                         spy = Profile(pid, label, profile)
                         cpu0, wall0 = cpu_seconds(pid), time.monotonic()
                         beats = await gen.heartbeats(
-                            seconds, hold=timedelta(seconds=hold), progress=PROGRESS[:ranks]
+                            seconds,
+                            interval=timedelta(seconds=interval),
+                            hold=timedelta(seconds=hold),
+                            progress=PROGRESS[:ranks],
                         )
                         wall = time.monotonic() - wall0
                         cpu = cpu_seconds(pid) - cpu0
@@ -796,8 +804,11 @@ def print_loop(rows: list[dict[str, Any]], fixed_us: float) -> None:
     )
 
 
-def print_beats(rows: list[dict[str, Any]], n: int, storage: str) -> None:
-    print(f"\n## Heartbeats: {n} members at 1 Hz, {storage}, with 8 ranks' progress or none")
+def print_beats(rows: list[dict[str, Any]], n: int, storage: str, interval: float = 1.0) -> None:
+    print(
+        f"\n## Heartbeats: {n} members, one beat each every {interval:g} s, {storage}, with "
+        "8 ranks' progress or none"
+    )
     print(
         f"{'':34} {'beats':>7} {'coord % core':>12} {'CPU us/beat':>11} {'p50 ms':>7} {'p99 ms':>7}"
         f" {'B/beat up':>9} {'down':>5} {'loadgen % core':>14}"
@@ -872,6 +883,7 @@ SMOKE = {
     "beat_seconds": 1.0,
     "beat_rounds": 1,
     "beat_holds": "1",
+    "beat_interval": 1.0,
     "beat_storage": "local",
 }
 
@@ -902,6 +914,12 @@ def main() -> int:
     parser.add_argument("--beat-seconds", type=float, default=20)
     parser.add_argument("--beat-rounds", type=int, default=2, help="runs of each, alternating")
     parser.add_argument("--beat-holds", default="1,0")
+    parser.add_argument(
+        "--beat-interval",
+        type=float,
+        default=1.0,
+        help="s between a member's beats (an agent's: a quarter of heartbeat_timeout, 2.5)",
+    )
     parser.add_argument("--beat-storage", default="azurite", choices=["local", "azurite"])
     parser.add_argument(
         "--profile", action="store_true", help="beats: the coordinator under py-spy (build/)"
@@ -995,8 +1013,9 @@ def main() -> int:
                     args.beat_storage,
                     c,
                     args.profile,
+                    args.beat_interval,
                 )
-            print_beats(rows, n, args.beat_storage)
+            print_beats(rows, n, args.beat_storage, args.beat_interval)
             failed |= any(r["restarts"] for r in rows)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
     return 1 if failed else 0
