@@ -501,7 +501,19 @@ def hung_worker(
 ) -> tuple[int, int, str]:
     """Stops ``node``'s one worker (SIGSTOP: a process stuck in a kernel call or on a
     hung GPU looks so) and waits for the coordinator to end the running generation. The
-    generation, the worker's pid, and the reason the generation ended with."""
+    generation, the worker's pid, and the reason the generation ended with.
+
+    It stops the worker once the coordinator shows the job's hang limit: one learned
+    from the ranks' step intervals (8 of them, not across a save) or set. Before that
+    (``warming``) only ``phase_limit`` bounds a rank. A run that stopped b at step 10 of
+    an HF job saving every 4 steps met it: 7 intervals, so no limit.
+    """
+    status_until(
+        coordinator,
+        cluster.job,
+        lambda body: body["health"]["hang_limit"] is not None,
+        what="a hang limit for the job",
+    )
     generation = status(coordinator, cluster.job)["generation"]
     (pid,) = workers_of(cluster, node)
     os.kill(pid, signal.SIGSTOP)
