@@ -193,6 +193,9 @@ class Node:
     #: Whether the registration parks as a standby: only in what
     #: :meth:`Rendezvous.register` returns, never stored.
     parked: bool = field(default=False, compare=False, repr=False)
+    #: Whether :meth:`Rendezvous.register` wrote the registration with a first beat
+    #: (not a retry it found registered): only in what it returns, never stored.
+    beat: bool = field(default=False, compare=False, repr=False)
     #: A hot join (``JoinRequest.warm``): kept, so that a node that missed its round
     #: registers for the next as it joined (parked while its workers start).
     warm: bool = False

@@ -1019,7 +1019,7 @@ class Rendezvous:
             node = replace(node, etag=stored.etag if stored is not None else None)
             self._seen(job_id, node)
             # Registered beside a generation that runs: one it did not end, so it parks.
-            return replace(node, credential=credential, parked=job.status == "sealed")
+            return replace(node, credential=credential, parked=job.status == "sealed", beat=True)
 
     def ready(self, job_id: str, node_id: str, round: int) -> bool:
         """A node parked for ``round`` by a hot join says its workers wait to train:

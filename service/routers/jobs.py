@@ -317,7 +317,7 @@ async def _await_seal(
     # a generation, rather than sealing a dead node and finding it at the timeout.
     gone = hang_up(receive)
     try:
-        with driver.waiting(job_id, node_id):
+        with driver.waiting(job_id, node_id, beat=not node.beat):
             reply = await _wait_for_seal(
                 job_id, node, join_timeout, deadline, rdzv, driver, response, gone, parked
             )
