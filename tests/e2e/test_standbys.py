@@ -101,7 +101,14 @@ def test_a_standby_takes_a_killed_nodes_ranks_and_the_world_keeps_its_size(
         after = node_ranks(coordinator, "spare")
         # The standby has the victim's node rank, so its global ranks 2*2 and 2*2+1;
         # every other node kept its own.
-        assert after == {**{n: r for n, r in before.items() if n != victim}, "s": 2}
+        # A survivor missing here was not back by the seal: in one e2e run (1 of 8 runs of
+        # this test), c's agent had stopped its workers (SIGTERM) and not rejoined 4 s
+        # after the end, its last beat from before it, so the seal (heartbeat_timeout
+        # 3 s) left it out. The message says what the coordinator saw.
+        assert after == {**{n: r for n, r in before.items() if n != victim}, "s": 2}, (
+            after,
+            cluster.said(),
+        )
         assert status(coordinator, "spare")["world_size"] == 4
         # It held copies of the victim's files (and rank 0's, whose DCP metadata every
         # rank reads): its ranks restored from its own memory alone.
