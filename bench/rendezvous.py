@@ -10,7 +10,9 @@ on Azurite:
    one asyncio process, a keep-alive connection per node, the client's bytes on the
    wire) for ``--sizes``; a size in both is measured both ways. torch's dynamic
    rendezvous (N handlers on one TCPStore, as threads of a subprocess) for
-   ``--torch-sizes``.
+   ``--torch-sizes``. Each row ends with what held the round: the coordinator, the
+   nodes (the load generator) or Azurite, whichever used 80% of a core or more over
+   it, or none (the round waited).
 2. transports: the load generator's CPU per request on raw HTTP/1.1 streams and on
    httpx's AsyncClient, beside the coordinator's.
 3. heartbeats: N members beat once a second, each held for ``--beat-holds`` seconds
@@ -356,9 +358,26 @@ class Row:
             f"{self.n:>6} {self.storage:>8} {self.nodes_as:>13} {self.seconds:8.2f}"
             f" {self.coordinator_cpu:8.2f} {self.nodes_cpu:8.2f} {azurite}"
             f" {self.assignment_bytes:8.0f} {wire}"
-            + (f"  ({self.retries} answers of 429/5xx retried)" if self.retries else ""),
+            + (f"  ({self.retries} answers of 429/5xx retried)" if self.retries else "")
+            + f"  [{self.bound()}]",
             flush=True,
         )
+
+    def bound(self) -> str:
+        """What held the round: the process whose CPU seconds came near the round's (a
+        process's event loop is one core; storage works in threads beside it, so the
+        coordinator may pass 1.0), or neither (waits: storage, the loopback, timers)."""
+        if self.seconds <= 0:
+            return "-"
+        shares = {
+            "coordinator": self.coordinator_cpu / self.seconds,
+            "nodes": self.nodes_cpu / self.seconds,
+            "Azurite": (self.azurite_cpu or 0.0) / self.seconds,
+        }
+        busiest = max(shares, key=lambda k: shares[k])
+        if shares[busiest] >= 0.8:
+            return f"{busiest}-bound: {shares[busiest]:.0%} of a core"
+        return f"no process saturated (busiest: {busiest}, {shares[busiest]:.0%}): waits"
 
 
 ROW_HEAD = (
