@@ -106,6 +106,7 @@ __all__ = [
     "WaitingNode",
     "WorldSizeReport",
     "check_id",
+    "hang_reason",
     "rank_folder",
 ]
 
@@ -1069,6 +1070,16 @@ class JobStatus(JobSummary):
         return self.age is not None and self.age >= STALE_STATUS
 
 
+def hang_reason(rank: int, node_id: str, phase: str, step: int, idle: float, limit: float) -> str:
+    """How a generation that a hung rank ended reads (``rank 1 on node b hung: no
+    progress for 3.1 s in train at step 62 (limit 3.0 s)``): the coordinator records it,
+    and a :class:`HangReport` says it again."""
+    return (
+        f"rank {rank} on node {node_id} hung: no progress for "
+        f"{idle:.1f} s in {phase} at step {step} (limit {limit:.1f} s)"
+    )
+
+
 class HangReport(_Model):
     """A rank found hung: its generation ended for it. ``stacks`` are its process's
     threads' stacks as its agent took them before stopping it (None until it sent
@@ -1094,10 +1105,7 @@ class HangReport(_Model):
     def reason(self) -> str:
         """Why its generation ended, as the coordinator recorded it (``rank 1 on node b
         hung: no progress for 3.1 s in train at step 62 (limit 3.0 s)``)."""
-        return (
-            f"rank {self.rank} on node {self.node_id} hung: no progress for "
-            f"{self.idle:.1f} s in {self.phase} at step {self.step} (limit {self.limit:.1f} s)"
-        )
+        return hang_reason(self.rank, self.node_id, self.phase, self.step, self.idle, self.limit)
 
     def stacks_state(self) -> str:
         """What became of its stacks, in words: ``py-spy 0.4.1`` (the tool that took

@@ -54,6 +54,7 @@ from rallypoint.client.models import (
     Phase,
     RankProgress,
     Straggler,
+    hang_reason,
 )
 
 __all__ = [
@@ -134,10 +135,7 @@ class Hang:
     @property
     def reason(self) -> str:
         """How the generation's end reads (``rank 2 on node n3 hung: ...``)."""
-        return (
-            f"rank {self.rank} on node {self.node_id} hung: no progress for "
-            f"{self.idle:.1f} s in {self.phase} at step {self.step} (limit {self.limit:.1f} s)"
-        )
+        return hang_reason(self.rank, self.node_id, self.phase, self.step, self.idle, self.limit)
 
 
 def hang_limit(
