@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -518,6 +519,25 @@ def hung_worker(
     (pid,) = workers_of(cluster, node)
     os.kill(pid, signal.SIGSTOP)
     return generation, pid, ended(coordinator, cluster.job, generation, timeout)
+
+
+def b_hangs_and_is_named(
+    coordinator: Coordinator, cluster: Cluster, script: str, env: dict[str, str] | None = None
+) -> None:
+    """Nodes a, b and c train; once the world of 3 stepped 10 times, b's worker stops
+    (:func:`hung_worker`). The generation must end naming b's rank, its stacks be taken
+    from ``script``'s process, and the others train in a later generation: what a
+    framework's integration must give a hang with no code of the script's."""
+    try:
+        cluster.start("a", "b", "c", env=env or {})
+        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10 and e["world_size"] > 2)
+        generation, pid, reason = hung_worker(coordinator, cluster, "b")
+        assert re.match(HUNG_B, reason), reason
+        report = hang_report(coordinator, cluster.job, generation)
+        assert report["pid"] == pid and script in report["stacks"]
+        cluster.wait_for(lambda e: e["event"] == "step" and e["generation"] > generation)
+    finally:
+        cluster.stop()
 
 
 def hang_report(coordinator: Coordinator, job: str, generation: int) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import subprocess
 import sys
 from collections import Counter
@@ -35,11 +34,9 @@ from rallypoint.trainer.errors import WorldSizeError
 from rallypoint.trainer.lightning import RallypointDDPStrategy
 
 from .._support import (
-    HUNG_B,
+    b_hangs_and_is_named,
     committed,
     ends,
-    hang_report,
-    hung_worker,
     joins_hot,
     kept_and_rolled_back,
     run_to_the_end,
@@ -531,13 +528,4 @@ def test_a_hung_rank_of_a_lightning_job_is_named_and_the_others_train_on(
     """The strategy's CheckpointManager reports each rank's steps with no code of the
     script's: a rank that stops making progress is found, named, its stacks taken."""
     cluster = lightning_cluster(coordinator, "lhang", tmp_path, "ddp", "--steps", "400")
-    try:
-        cluster.start("a", "b", "c")
-        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10 and e["world_size"] > 2)
-        generation, pid, reason = hung_worker(coordinator, cluster, "b")
-        assert re.match(HUNG_B, reason), reason
-        report = hang_report(coordinator, cluster.job, generation)
-        assert report["pid"] == pid and "train_lightning.py" in report["stacks"]
-        cluster.wait_for(lambda e: e["event"] == "step" and e["generation"] > generation)
-    finally:
-        cluster.stop()
+    b_hangs_and_is_named(coordinator, cluster, "train_lightning.py")

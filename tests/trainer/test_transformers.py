@@ -18,7 +18,6 @@ batch sharding, and the batch plan.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from rallypoint.trainer import ElasticSampler, WorldSizeError
 from rallypoint.trainer._transformers import EpochSampler, horizon_steps, job_batch_plan
 
 from .._state_checks import STATE_CHECKS
-from .._support import HUNG_B, ends, hang_report, hung_worker, joins_hot, status, status_until
+from .._support import b_hangs_and_is_named, ends, joins_hot, status, status_until
 from .._versions import final_model, largest_relative_difference
 
 # --- no processes ---------------------------------------------------------------------------
@@ -844,13 +843,4 @@ def test_a_hung_rank_of_an_hf_trainer_job_is_named_and_the_others_train_on(
     cluster, _ = hf_cluster(
         coordinator, "hfhang", tmp_path, "2:3", "--steps", "400", "--step-time", "0.1"
     )
-    try:
-        cluster.start("a", "b", "c", env=ENV)
-        cluster.wait_for(lambda e: e["event"] == "step" and e["step"] >= 10 and e["world_size"] > 2)
-        generation, pid, reason = hung_worker(coordinator, cluster, "b")
-        assert re.match(HUNG_B, reason), reason
-        report = hang_report(coordinator, cluster.job, generation)
-        assert report["pid"] == pid and "hf_worker.py" in report["stacks"]
-        cluster.wait_for(lambda e: e["event"] == "step" and e["generation"] > generation)
-    finally:
-        cluster.stop()
+    b_hangs_and_is_named(coordinator, cluster, "hf_worker.py", env=ENV)
