@@ -48,7 +48,7 @@ def _route(endpoint: object) -> Any:
     return next(r for r in router.routes if getattr(r, "endpoint", None) is endpoint)
 
 
-_ROUTE, _JOIN, _WAIT = _route(heartbeat), _route(join), _route(wait)
+_BEAT, _JOIN, _WAIT = _route(heartbeat), _route(join), _route(wait)
 # The beat as taken here: HeartbeatRequest's fields, strict, which pydantic's core checks
 # without the model's own check of JSON kinds (that one builds a Python dict first: more
 # than the parse itself at a thousand beats a second). What strict refuses and the model
@@ -124,7 +124,7 @@ class HeartbeatFastPath:
         scope["route"] = route  # the metrics' label, as routing would set it
         response: Response
         try:
-            if route is _ROUTE:
+            if route is _BEAT:
                 beat = cast(_Fields, asked)
                 reply = await answer_heartbeat(
                     job_id,
@@ -170,7 +170,7 @@ def _matched(scope: Scope) -> tuple[Any, dict[str, Any]]:
         return None, {}
     path: str = scope["path"]
     # Each pattern is tried only on the paths it may match (a cheap test of the end).
-    for route, end in ((_ROUTE, "/heartbeat"), (_JOIN, "/join"), (_WAIT, "/wait")):
+    for route, end in ((_BEAT, "/heartbeat"), (_JOIN, "/join"), (_WAIT, "/wait")):
         if path.endswith(end):
             match, child = route.matches(scope)
             if match == Match.FULL:

@@ -51,11 +51,13 @@ def _encode(data: Mapping[str, Value | None]) -> str:
     )
 
 
+def _value(stored: object) -> Value | None:
+    """A property as :func:`_encode` stored it (bytes as ``{"$b": base64}``)."""
+    return base64.b64decode(stored["$b"]) if isinstance(stored, dict) else stored  # type: ignore[return-value]
+
+
 def _decode(text: str) -> dict[str, Value | None]:
-    return {
-        k: base64.b64decode(v["$b"]) if isinstance(v, dict) else v
-        for k, v in json.loads(text).items()
-    }
+    return {k: _value(v) for k, v in json.loads(text).items()}
 
 
 def _picked(names: tuple[str, ...], text: str) -> dict[str, Value | None]:
@@ -63,7 +65,7 @@ def _picked(names: tuple[str, ...], text: str) -> dict[str, Value | None]:
     a table stores no nulls)."""
     values = json.loads(text)
     return {
-        k: base64.b64decode(v["$b"]) if isinstance(v, dict) else v
+        k: _value(v)
         for k, v in zip(names, values, strict=False)  # padded: two values at least
         if v is not None
     }
