@@ -26,7 +26,9 @@ ETag compare-and-swap. What makes it ask:
   its round, already gathered, seals without a last call (:func:`seal_waits`);
 - a member that leaves because its workers finished ends its generation, and the
   standbys parked beside it are released (:func:`released`), not sealed alone;
-- a heartbeat: :func:`verdict` tells a member whether its generation still runs; a
+- a heartbeat: :func:`verdict` tells a member whether its generation still runs (one
+  told to restart still counts as alive while its agent stops its workers:
+  :func:`restarting`, so the next round waits for it as :func:`seal_waits` says); a
   member's held heartbeat cut (its process gone, or only its connection) counts after
   the reconnect window, or at once where another member's collective failed beside it
   (:func:`corroborated`); with such a report, a member that has not beaten again within
@@ -66,6 +68,7 @@ from .errors import JobFull, StaleGeneration
 
 __all__ = [
     "LOAD_FAILURES_BEFORE_BLOCK",
+    "RESTART_GRACE",
     "admitted",
     "alive",
     "blocked_reason",
@@ -86,6 +89,7 @@ __all__ = [
     "ranked",
     "ready_ends",
     "released",
+    "restarting",
     "seal_waits",
     "silent",
     "size_blocked",
@@ -533,6 +537,28 @@ def verdict(job: Job, node_id: str, generation: int | None) -> Literal["continue
     if generation < job.generation or job.status != "sealed":
         return "restart"
     return "continue"
+
+
+#: Seconds after its generation ended during which a member's beats still count, though
+#: each is told to restart: torch's agent stops its workers with SIGTERM and gives them
+#: 30 s before SIGKILL (``LocalElasticAgent._shutdown``), then joins again.
+RESTART_GRACE = 30.0
+
+
+def restarting(job: Job, generation: int | None, now: float) -> bool:
+    """Whether a heartbeat told to restart (:func:`verdict`) still keeps its node alive:
+    it is of the job's last generation, which ended at most :data:`RESTART_GRACE` ago,
+    and no round sealed since. Its agent is stopping its workers to join again, and the
+    round waits for it (:func:`seal_waits`) while it beats, where a node whose workers
+    took longer than the heartbeat timeout to stop was left out (its last beat from
+    before the end) and its join then ended the generation sealed without it. A node
+    that hangs while it stops is waited for :data:`RESTART_GRACE` at most."""
+    return (
+        generation is not None
+        and generation == job.generation
+        and job.status != "sealed"
+        and now - job.changed_at <= RESTART_GRACE
+    )
 
 
 def end_reason(job: Job, generation: int | None) -> str | None:

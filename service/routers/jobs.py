@@ -501,6 +501,10 @@ async def answer_heartbeat(
         driver.queue_beat(job_id, node_id, generation or 0, arrived, said)
         if progress and health.overdue(job.spec, progress, limit):
             driver.urgent(job_id)  # written and judged now, not at the next pass
+    elif seal.restarting(job, generation, arrived):
+        # A member stopping its workers to join again: alive, so the round waits for it.
+        assert generation is not None
+        driver.queue_beat(job_id, node_id, generation, arrived)
     if generation is not None and wait > 0 and action == "continue" and not driver.closing:
         # Held until the job changes, the caller hangs up, or the hold ends.
         deadline = time.monotonic() + wait

@@ -107,6 +107,43 @@ def test_a_silent_member_makes_the_others_restart(start: Start) -> None:
             assert a.rank == by_node[a.node_id], (by_node, a)
 
 
+def test_a_member_stopping_its_workers_is_waited_for_while_it_beats(start: Start) -> None:
+    """A member told to restart that beats on (its agent stopping its workers, which may
+    take longer than the heartbeat timeout) is alive: the round waits for it, rather than
+    sealing without it, only for its join to end that generation (_seal.restarting)."""
+    url = start().url
+    a, b, c = clients(url, ["a", "b", "c"])
+    first = join_all([a, b], spec(2, 3, last_call=0, timeout=1))
+    assert {x.world_size for x in first} == {2}
+    second: dict[str, Assignment] = {}
+
+    def join(node: ElasticClient) -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: second.__setitem__(
+                node.node_id, node.join("127.0.0.1", 30100, timeout=timedelta(seconds=20))
+            ),
+            daemon=True,
+        )
+        thread.start()
+        return thread
+
+    threads = [join(c)]  # ends generation 1
+    assert eventually_restart(a)
+    threads.append(join(a))
+    # b beats on, told to restart each time, for over twice its heartbeat timeout.
+    end = time.monotonic() + 2.5
+    while time.monotonic() < end:
+        assert b.heartbeat().action == "restart"
+        time.sleep(0.2)
+    assert second == {}, "the round sealed without b"  # a's and c's joins still wait
+    threads.append(join(b))
+    for thread in threads:
+        thread.join(30)
+    assert sorted(second) == ["a", "b", "c"]
+    check_one_generation(list(second.values()))
+    assert second["b"].generation == first[0].generation + 1
+
+
 def until_parked(member: ElasticClient, standby: ElasticClient, within: float = 10) -> None:
     """Waits until the job shows a standby and ``standby``'s own join has read that it
     parks (or ``within`` s pass: the caller asserts). The status shows it a moment before

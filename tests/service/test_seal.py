@@ -194,6 +194,17 @@ def test_a_heartbeat_is_told_whether_its_generation_runs() -> None:
         seal.verdict(job(2), "a", 3)
 
 
+def test_a_member_told_to_restart_stays_alive_while_its_agent_stops_its_workers() -> None:
+    # job(): changed (its generation ended, when open) at 100.
+    ended = job(2, "open")
+    assert seal.verdict(ended, "a", 2) == "restart"
+    assert seal.restarting(ended, 2, 100.0 + seal.RESTART_GRACE)
+    assert not seal.restarting(ended, 2, 100.0 + seal.RESTART_GRACE + 0.1)  # stuck stopping
+    assert not seal.restarting(ended, 1, 101.0)  # an older generation's member
+    assert not seal.restarting(ended, None, 101.0)  # a waiting node: its beat counts anyway
+    assert not seal.restarting(job(3), 2, 101.0)  # a round sealed since: it must join
+
+
 def test_a_restarted_member_is_told_why_its_own_generation_ended() -> None:
     ended = replace(job(3, "open"), last_end=(3, "node c dropped its heartbeat connection"))
     assert seal.end_reason(ended, 3) == "node c dropped its heartbeat connection"

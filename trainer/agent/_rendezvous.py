@@ -260,7 +260,8 @@ class _Beats:
     reply carries, or ``phase_limit``): the coordinator judges the hang then, not at the
     next beat, an interval later. A restart that names this node's ranks hung calls
     ``on_hung`` before the agent hears of the end, so their stacks are taken and they are
-    stopped before torchrun stops the others.
+    stopped before torchrun stops the others. After the end it beats on, unheld, until
+    :meth:`stop`: the node is alive while its workers stop, and the next round waits.
     """
 
     def __init__(
@@ -307,16 +308,30 @@ class _Beats:
             return None
 
     def _run(self) -> None:
+        assignment = self._client.assignment
+        generation = assignment.generation if assignment is not None else None
         pause = 0.0
         while not self._stop.wait(pause):
             started = time.monotonic()
+            ended = self.ended is not None
+            if ended:
+                # Beats on, unheld and without progress, until the agent joins again
+                # (stop): the coordinator counts them while the node's workers stop, so
+                # the next round waits for it (service/_seal.py, restarting). Silent, a
+                # node whose workers took over a heartbeat timeout to stop was left
+                # out, and its join then ended the generation sealed without it.
+                current = self._client.assignment
+                if current is None or current.generation != generation:
+                    return  # joined a generation since: that one's beats are its own
             try:
                 # A watch: held an interval, or answered the moment the generation ends.
                 reply = self._client.heartbeat(
-                    wait=timedelta(seconds=self._interval), progress=self._said()
+                    wait=timedelta(seconds=0 if ended else self._interval),
+                    progress=[] if ended else self._said(),
                 )
             except (StaleGeneration, UnknownNode) as exc:
-                self.ended = str(exc)
+                if self.ended is None:
+                    self.ended = str(exc)
                 return
             except RallypointError as exc:
                 # The coordinator may be restarting: keep trying. It gives members a
@@ -324,8 +339,8 @@ class _Beats:
                 log.warning("heartbeat failed, retrying: %s", exc)
                 pause = self._interval
                 continue
-            if self._heard(reply):
-                return
+            if not ended and self._heard(reply) and self.left:
+                return  # its workers left the job: the node does not come back
             pause = max(0.0, self._interval - (time.monotonic() - started))
 
     def _heard(self, reply: HeartbeatReply) -> bool:
