@@ -27,14 +27,14 @@ import logging
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio.to_thread
 from starlette.types import Receive
 
-from rallypoint.client.models import JobSpec
+from rallypoint.client.models import JobSpec, RankProgress
 
 from . import _seal as seal
 from ._rendezvous import Job, Rendezvous
@@ -46,6 +46,8 @@ __all__ = ["Driver", "hang_up", "until_changed"]
 log = logging.getLogger("rallypoint.driver")
 
 _T = TypeVar("_T")
+#: What a queued beat said of its node's processes, as its request parsed it.
+_Said = tuple[RankProgress, ...]
 
 
 async def until_changed(
@@ -155,7 +157,7 @@ class _JobState:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     # Each node's queued beat: its generation, when it arrived (see Driver.dropped) and
     # what it said of the node's processes (a beat row's progress, or None).
-    beats: dict[str, tuple[int, float, str | None]] = field(default_factory=dict)
+    beats: dict[str, tuple[int, float, _Said | None]] = field(default_factory=dict)
     dropped: dict[str, _Cut] = field(default_factory=dict)
     # Each generation's reports of failed collectives: member -> when (time.monotonic).
     faults: dict[int, dict[str, float]] = field(default_factory=dict)
@@ -374,11 +376,11 @@ class Driver:
         node_id: str,
         generation: int,
         arrived: float,
-        progress: str | None = None,
+        progress: Sequence[RankProgress] | None = None,
     ) -> None:
         """Queues a heartbeat that arrived at ``arrived`` (the rendezvous clock, taken as
         the request came in); it is written within one interval, stamped with that time,
-        with what it said of the node's processes (``progress``, a beat row's JSON).
+        with what it said of the node's processes (``progress``).
 
         A beat answered late (its request waited on storage) neither replaces a later
         one queued meanwhile nor counts as the return of a node whose watch was cut, or
@@ -387,7 +389,7 @@ class Driver:
         state = self._state(job_id)
         queued = state.beats.get(node_id)
         if queued is None or queued[1] < arrived:
-            state.beats[node_id] = (generation, arrived, progress)
+            state.beats[node_id] = (generation, arrived, tuple(progress) if progress else None)
         cut = state.dropped.get(node_id)
         if cut is not None and arrived > cut.since:
             del state.dropped[node_id]
@@ -656,7 +658,7 @@ class Driver:
     def _storage_pass(
         self,
         job_id: str,
-        beats: dict[str, tuple[int, float, str | None]],
+        beats: dict[str, tuple[int, float, _Said | None]],
         tick: bool,
         budget: float,
         urgent: bool = False,
@@ -677,13 +679,15 @@ class Driver:
         """
         with each_try_within(budget):
             by_generation: dict[int, dict[str, float]] = {}
-            said: dict[str, str] = {}
+            said: dict[str, _Said] = {}
             for node_id, (generation, arrived, progress) in beats.items():
                 by_generation.setdefault(generation, {})[node_id] = arrived
                 if progress is not None:
                     said[node_id] = progress
+            # Written here, in the pass's thread, not by the request on the event loop;
+            # and the parse goes with it, so this replica's ticks do not parse it again.
             for generation, nodes in by_generation.items():
-                self.rdzv.record_beats(job_id, nodes, generation, at=nodes, progress=said)
+                self.rdzv.record_beats(job_id, nodes, generation, at=nodes, said=said)
             wait: float | None = None
             if tick:
                 fresh, wait = self.rdzv.tick(job_id, urgent)

@@ -46,7 +46,7 @@ from .. import _timeline
 from .._checkpoints import Checkpoints
 from .._contract import errors
 from .._driver import Driver, hang_up, until_changed
-from .._rendezvous import Generation, Job, Node, Rendezvous, progress_json
+from .._rendezvous import Generation, Job, Node, Rendezvous
 from ..deps import (
     AdminOnly,
     Auth,
@@ -497,8 +497,7 @@ async def answer_heartbeat(
     state.metrics.heartbeats.labels(job_id).inc()  # a beat of the node itself
     limit = rdzv.hang_limit(job_id)
     if action == "continue":
-        said = progress_json(progress) if progress else None
-        driver.queue_beat(job_id, node_id, generation or 0, arrived, said)
+        driver.queue_beat(job_id, node_id, generation or 0, arrived, progress)
         if progress and health.overdue(job.spec, progress, limit):
             driver.urgent(job_id)  # written and judged now, not at the next pass
     elif seal.restarting(job, generation, arrived):

@@ -10,7 +10,8 @@ from collections import Counter
 
 import pytest
 
-from rallypoint.client.models import JobSpec
+from rallypoint.client.models import JobSpec, RankProgress
+from rallypoint.service._health import Heard
 from rallypoint.service._rendezvous import (
     Job,
     Node,
@@ -634,3 +635,20 @@ def test_a_generation_too_big_for_one_row_seals_across_part_rows(
     ended = Rendezvous(storage.table("jobs"), clock).generation("job", 1)
     assert ended.members == members and ended.ended_reason is not None
     assert rdzv.status("job").history[0].world_size == n
+
+
+def test_a_beat_written_from_its_parse_is_read_back_without_parsing_it_again(
+    rdzv: Rendezvous,
+) -> None:
+    join_all(rdzv, ["a", "b"], spec(2, 2))
+    rdzv.tick("job")
+    said = (RankProgress(rank=0, step=7, idle=0.25, interval=0.1, own=0.08),)
+    rdzv.record_beats("job", ["a", "b"], 1, said={"a": said})
+    # A replica that did not write it (a fresh Rendezvous on the same table) parses it.
+    other: dict[str, Heard] = {}
+    Rendezvous(rdzv.table, rdzv.clock)._beats("job", heard=other)
+    assert other["a"].progress == said and other["b"].progress == ()
+    # The one that wrote it takes its own parse, not a second one of the same text.
+    heard: dict[str, Heard] = {}
+    rdzv._beats("job", heard=heard)
+    assert heard["a"].progress is said and heard["b"].progress == ()
