@@ -960,7 +960,11 @@ class RallypointRendezvousHandler(RendezvousHandler):
         beats = self._beats
         if beats is None or beats.ended is None or beats.left:
             return 0
-        if not self._board.workers_in_place():
+        # A worker here was stopped for a hang (set before ``ended``): the node restarts
+        # its workers and comes back hot. torchrun may ask before it reaps the stopped
+        # worker; regrouped in place, the node joined cold, sat the round out, and its
+        # agent then waited on that join for good (a bench run under load, 2026-12-02).
+        if self._rejoin_hot or not self._board.workers_in_place():
             if self._assignment is not None and not self._said_ended:
                 # The one line a node says when its generation ends. The workers'
                 # collectives may have failed already: the board tells them so, and
