@@ -25,7 +25,7 @@ from torch import nn
 
 from bench._joined import joined
 from bench._smoke import parse
-from rallypoint.client import CheckpointInfo, CheckpointPointer, ElasticClient
+from rallypoint.client import CheckpointInfo, CheckpointPointer, ElasticClient, Heartbeats
 from rallypoint.trainer import CheckpointManager
 from tests._coordinator import Coordinator
 
@@ -244,16 +244,16 @@ def coordinator(*jobs: str) -> Iterator[tuple[Path, dict[str, ElasticClient]]]:
         memory = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="rallypoint-bench-"))
         os.environ["RALLYPOINT_MEMORY_DIR"] = str(memory)
         running = Coordinator(["--storage", f"local:{work / 'storage'}"], {}).start()
+        nodes: dict[str, tuple[ElasticClient, Heartbeats]] = {}
         try:
-            yield work, {job: _joined(running.url, job) for job in jobs}
+            for job in jobs:
+                nodes[job] = joined(running.url, job)
+            yield work, {job: client for job, (client, _) in nodes.items()}
         finally:
+            for _, beats in nodes.values():
+                beats.stop()  # before the coordinator: else they retry for minutes, loudly
             running.stop()
             shutil.rmtree(memory, ignore_errors=True)
-
-
-def _joined(url: str, job: str) -> ElasticClient:
-    client, _ = joined(url, job)
-    return client
 
 
 def name_the_last_version(manager: CheckpointManager) -> CheckpointInfo:

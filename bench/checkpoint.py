@@ -118,13 +118,15 @@ def paired(
 
 
 def joined_manager(url: str) -> CheckpointManager:
-    client, _ = joined(url, "bench")
-    return CheckpointManager(client, progress=False)
+    """The manager of a joined node whose heartbeats run for the rest of the process (the
+    bench's child processes); :class:`Rallypoint` keeps and stops its own."""
+    return CheckpointManager(joined(url, "bench")[0], progress=False)
 
 
 class Rallypoint:
     def __init__(self, url: str, state: dict[str, torch.Tensor]) -> None:
-        self.manager = joined_manager(url)
+        client, self.beats = joined(url, "bench")
+        self.manager = CheckpointManager(client, progress=False)
         self.state = state
         self.step = 0
         self.blocked: list[float] = []
@@ -356,6 +358,8 @@ def bench(
             print(f"peak memory {peak:.2f}x the state in host RSS (pinned staging + the rest)")
     else:
         print(f"blocked     {blocked:8.3f} s")
+    # Before the coordinator stops: beats that outlive it retry for minutes and say so.
+    rp.beats.stop()
 
 
 SHARDED_WORLD = 4  # processes of the sharded run (--world)
