@@ -687,7 +687,7 @@ class Driver:
             # Written here, in the pass's thread, not by the request on the event loop;
             # and the parse goes with it, so this replica's ticks do not parse it again.
             for generation, nodes in by_generation.items():
-                self.rdzv.record_beats(job_id, nodes, generation, at=nodes, said=said)
+                self.rdzv.record_beats(job_id, nodes, generation, at=nodes, progress=said)
             wait: float | None = None
             if tick:
                 fresh, wait = self.rdzv.tick(job_id, urgent)

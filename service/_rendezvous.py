@@ -1104,8 +1104,7 @@ class Rendezvous:
         generation: int = 0,
         *,
         at: Mapping[str, float] | None = None,
-        progress: Mapping[str, str] | None = None,
-        said: Mapping[str, tuple[RankProgress, ...]] | None = None,
+        progress: Mapping[str, Sequence[RankProgress]] | None = None,
     ) -> None:
         """Records that nodes are alive (in batches of 100 of one partition).
 
@@ -1113,21 +1112,21 @@ class Rendezvous:
             at: When each node's beat arrived; a node it does not name: now. (A beat is
                 written up to a pass after it arrived: stamped with its write, it could
                 hide the cut of the held heartbeat it came with, see :meth:`expire`.)
-            progress: What each node's beat said of its processes (:func:`progress_json`);
-                a node it does not name reported none.
-            said: The same as parsed (``progress`` is then written from it): this
-                replica's next tick takes it as it reads the rows back, instead of
-                parsing each again (as much CPU as the request's own parse).
+            progress: What each node's beat said of its processes, as its request parsed
+                it (written as :func:`progress_json`); a node it does not name reported
+                none. This replica's next tick takes the parse as it reads the rows
+                back, instead of parsing each again (as much CPU as the request's own).
         """
         now = self.clock()
         by_partition: dict[str, list[BatchOp]] = {}
-        known = self._said.setdefault(job_id, {}) if said else {}
+        known = self._said.setdefault(job_id, {}) if progress else {}
         for n in dict.fromkeys(node_ids):
             partition = self._partition(job_id, n)
             when = now if at is None else at.get(n, now)
-            parsed = None if said is None else said.get(n)
-            text = None if progress is None else progress.get(n)
-            if parsed is not None:
+            said = None if progress is None else progress.get(n)
+            text = None
+            if said is not None:
+                parsed = tuple(said)
                 known[n] = (text := progress_json(parsed), parsed)
             by_partition.setdefault(partition, []).append(
                 _beat_op(partition, n, when, generation, text)

@@ -29,7 +29,7 @@ from rallypoint.client import (
 )
 from rallypoint.client.models import MAX_STACKS_BYTES
 from rallypoint.service import _metrics
-from rallypoint.service._rendezvous import HANGS_KEPT, Rendezvous, progress_json
+from rallypoint.service._rendezvous import HANGS_KEPT, Rendezvous
 
 from .._rules import seal
 from .._support import TOKEN, Stepping, cli, join_all
@@ -119,7 +119,7 @@ def test_every_hang_is_counted_though_the_reports_keep_the_last_20(
         gen, _ = seal(rdzv, [peer, stuck])
         stopped = [RankProgress(rank=1, step=100 * i, idle=5, interval=0.1)]
         waits = [RankProgress(rank=0, step=100 * i, idle=5, interval=0.1, waiting=True)]
-        said = {peer: progress_json(waits), stuck: progress_json(stopped)}
+        said = {peer: waits, stuck: stopped}
         rdzv.record_beats("job", [peer, stuck], gen, progress=said)
         job, _ = rdzv.tick("job")
         assert job.status == "open", f"generation {gen} did not end for the hang"
@@ -139,7 +139,7 @@ def test_the_longest_stacks_a_report_may_carry_are_kept_whole(rdzv: Rendezvous) 
     gen, _ = seal(rdzv, ["p", "h"])
     stopped = [RankProgress(rank=1, step=100, idle=5, interval=0.1)]
     waits = [RankProgress(rank=0, step=100, idle=5, interval=0.1, waiting=True)]
-    said = {"p": progress_json(waits), "h": progress_json(stopped)}
+    said = {"p": waits, "h": stopped}
     rdzv.record_beats("job", ["p", "h"], gen, progress=said)
     rdzv.tick("job")
     stacks = "\U0001f9ca" * MAX_STACKS_BYTES

@@ -643,7 +643,7 @@ def test_a_beat_written_from_its_parse_is_read_back_without_parsing_it_again(
     join_all(rdzv, ["a", "b"], spec(2, 2))
     rdzv.tick("job")
     said = (RankProgress(rank=0, step=7, idle=0.25, interval=0.1, own=0.08),)
-    rdzv.record_beats("job", ["a", "b"], 1, said={"a": said})
+    rdzv.record_beats("job", ["a", "b"], 1, progress={"a": said})
     # A replica that did not write it (a fresh Rendezvous on the same table) parses it.
     other: dict[str, Heard] = {}
     Rendezvous(rdzv.table, rdzv.clock)._beats("job", heard=other)
